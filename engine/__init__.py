@@ -1,0 +1,1 @@
+"""ExpertStream engine: run mlx-lm Mixture-of-Experts models with experts streamed from disk."""

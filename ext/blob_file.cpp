@@ -1,0 +1,151 @@
+#include "blob_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "errors.h"
+
+namespace es {
+
+namespace {
+constexpr size_t kAlign = 4096;
+
+std::string errno_text(int err) { return std::string(std::strerror(err)); }
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(size_t bytes) : size_(bytes) {
+  size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (rounded == 0) rounded = kAlign;
+  void* p = nullptr;
+  if (posix_memalign(&p, kAlign, rounded) != 0) throw std::bad_alloc();
+  data_ = static_cast<uint8_t*>(p);
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+
+BlobFile::BlobFile(std::string path, int layer, int64_t num_records, int64_t stride,
+                   int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached)
+    : path_(std::move(path)),
+      layer_(layer),
+      num_records_(num_records),
+      stride_(stride),
+      record_bytes_(record_bytes),
+      checksums_(std::move(checksums)) {
+  if (stride_ <= 0 || stride_ % static_cast<int64_t>(kAlign) != 0 || record_bytes_ > stride_)
+    throw ReadError(path_ + ": stride " + std::to_string(stride_) +
+                    " must be a positive multiple of 4096 and >= record_bytes " +
+                    std::to_string(record_bytes_));
+  if (static_cast<int64_t>(checksums_.size()) != num_records_)
+    throw ReadError(path_ + ": " + std::to_string(checksums_.size()) + " checksums for " +
+                    std::to_string(num_records_) + " experts");
+#if defined(__linux__)
+  if (uncached) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    direct_ = fd_ >= 0;
+  }
+#endif
+  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw ReadError(path_ + ": cannot open: " + errno_text(errno));
+#if defined(__APPLE__)
+  if (uncached) ::fcntl(fd_, F_NOCACHE, 1);
+#elif defined(__linux__)
+  fadvise_ = uncached && !direct_;
+#endif
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    int err = errno;
+    ::close(fd_);
+    throw ReadError(path_ + ": cannot stat: " + errno_text(err));
+  }
+  const int64_t want = num_records_ * stride_;
+  if (st.st_size != want) {
+    ::close(fd_);
+    throw ReadError(path_ + (st.st_size < want ? ": truncated: " : ": wrong size: ") +
+                    std::to_string(st.st_size) + " bytes, the manifest says " +
+                    std::to_string(num_records_) + " experts x stride " +
+                    std::to_string(stride_) + " = " + std::to_string(want));
+  }
+}
+
+BlobFile::~BlobFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string BlobFile::where(int expert) const {
+  return path_ + " (layer " + std::to_string(layer_) + ", expert " + std::to_string(expert) + ")";
+}
+
+void BlobFile::inject_fault(Fault fault, int expert, int count, int delay_ms) {
+  std::lock_guard<std::mutex> lk(fault_mu_);
+  armed_ = Armed{fault, expert, count, delay_ms};
+  armed_any_.store(fault != Fault::kNone && count > 0);
+}
+
+void BlobFile::read_once(int expert, uint8_t* dst) const {
+  Fault fault = Fault::kNone;
+  int delay_ms = 0;
+  if (armed_any_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lk(fault_mu_);
+    if (armed_.count > 0 && (armed_.expert < 0 || armed_.expert == expert)) {
+      fault = armed_.fault;
+      delay_ms = armed_.delay_ms;
+      if (--armed_.count == 0) armed_any_.store(false);
+    }
+  }
+  if (fault == Fault::kEIO) throw ReadError(where(expert) + ": read failed: " + errno_text(EIO));
+  if (fault == Fault::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+
+  const off_t base = static_cast<off_t>(expert) * static_cast<off_t>(stride_);
+  size_t want = static_cast<size_t>(stride_);
+  if (fault == Fault::kShortRead) want /= 2;
+  size_t got = 0;
+  while (got < want) {
+    ssize_t n = ::pread(fd_, dst + got, want - got, base + static_cast<off_t>(got));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw ReadError(where(expert) + ": read failed: " + errno_text(errno));
+    }
+    if (n == 0) break;  // end of file: never read zeros past it
+    got += static_cast<size_t>(n);
+    // O_DIRECT continues only at aligned offsets; a misaligned short read is an error.
+    if (direct_ && got % kAlign != 0 && got < want) break;
+  }
+  if (got < static_cast<size_t>(stride_))
+    throw ReadError(where(expert) + ": short read: " + std::to_string(got) + " of " +
+                    std::to_string(stride_) + " bytes");
+#if defined(__linux__)
+  if (fadvise_) ::posix_fadvise(fd_, base, static_cast<off_t>(stride_), POSIX_FADV_DONTNEED);
+#endif
+  if (fault == Fault::kCorrupt) dst[0] ^= 0xFF;
+}
+
+void BlobFile::read_record(int expert, uint8_t* dst, bool verify) const {
+  if (expert < 0 || expert >= num_records_)
+    throw ReadError(where(expert) + ": expert id out of range [0, " +
+                    std::to_string(num_records_) + ")");
+  for (int attempt = 0;; ++attempt) {
+    try {
+      read_once(expert, dst);
+    } catch (const ReadError&) {
+      if (attempt == 0) continue;  // transient errors get one retry
+      throw;
+    }
+    if (!verify) return;
+    uint32_t crc = static_cast<uint32_t>(
+        ::crc32(0L, dst, static_cast<uInt>(record_bytes_)));
+    if (crc == checksums_[expert]) return;
+    if (attempt > 0)
+      throw ChecksumError(where(expert) + ": checksum mismatch: crc32 " + std::to_string(crc) +
+                          ", the manifest says " + std::to_string(checksums_[expert]));
+  }
+}
+
+}  // namespace es

@@ -1,0 +1,86 @@
+// One layerNN.blob opened for positional, uncached record reads.
+//
+// Record e lives at byte offset e * stride and holds record_bytes meaningful bytes
+// (docs/store-format.md). Reads bypass the page cache where the OS allows it: O_DIRECT
+// on Linux (aligned buffer, whole-stride reads), falling back to posix_fadvise
+// DONTNEED where O_DIRECT is refused (tmpfs); F_NOCACHE on macOS.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace es {
+
+// A test-only fault to inject into reads (issue 6). kNone costs one branch.
+enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kCorrupt = 3, kDelay = 4 };
+
+class BlobFile {
+ public:
+  // Opens `path` and checks that it holds exactly num_records * stride bytes.
+  // Throws ReadError naming the file when it cannot be opened or its size differs
+  // ("truncated" when shorter).
+  BlobFile(std::string path, int layer, int64_t num_records, int64_t stride,
+           int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached);
+  ~BlobFile();
+  BlobFile(const BlobFile&) = delete;
+  BlobFile& operator=(const BlobFile&) = delete;
+
+  // Reads record `expert` (stride bytes) into `dst`, which must be 4096-aligned and
+  // hold stride bytes. Retries EINTR and short reads; verifies the crc32 of the first
+  // record_bytes bytes when `verify`, re-reading once on a mismatch. Throws ReadError
+  // (or ChecksumError) naming the file, layer and expert.
+  void read_record(int expert, uint8_t* dst, bool verify) const;
+
+  const std::string& path() const { return path_; }
+  int64_t stride() const { return stride_; }
+  int64_t record_bytes() const { return record_bytes_; }
+  bool direct() const { return direct_; }
+
+  // Arms a fault for the next `count` reads of `expert` (-1: any expert). Test hook.
+  void inject_fault(Fault fault, int expert, int count, int delay_ms);
+
+ private:
+  void read_once(int expert, uint8_t* dst) const;
+  std::string where(int expert) const;
+
+  std::string path_;
+  int layer_;
+  int64_t num_records_;
+  int64_t stride_;
+  int64_t record_bytes_;
+  std::vector<uint32_t> checksums_;
+  int fd_ = -1;
+  bool direct_ = false;
+  bool fadvise_ = false;
+
+  struct Armed {
+    Fault fault = Fault::kNone;
+    int expert = -1;
+    int count = 0;
+    int delay_ms = 0;
+  };
+  mutable std::mutex fault_mu_;
+  mutable Armed armed_;
+  mutable std::atomic<bool> armed_any_{false};
+};
+
+// Aligned scratch buffer for O_DIRECT reads.
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t bytes);
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace es

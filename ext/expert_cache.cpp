@@ -1,0 +1,452 @@
+#include "expert_cache.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "errors.h"
+#include "mlx/allocator.h"
+
+namespace es {
+
+namespace {
+
+// One reusable O_DIRECT bounce buffer per thread.
+uint8_t* bounce_buffer(size_t bytes) {
+  thread_local std::unique_ptr<AlignedBuffer> buf;
+  if (!buf || buf->size() < bytes) buf = std::make_unique<AlignedBuffer>(bytes);
+  return buf->data();
+}
+
+void check_layer(int li, int n) {
+  if (li < 0 || li >= n)
+    throw std::out_of_range("MoE layer index " + std::to_string(li) + " out of range [0, " +
+                            std::to_string(n) + ")");
+}
+
+}  // namespace
+
+ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config)
+    : layers_(std::move(layers)),
+      num_experts_(num_experts),
+      config_(config),
+      pending_lfu_(config.side_lfu),
+      side_lfu_(config.side_lfu),
+      sync_(config.sync) {
+  if (num_experts_ < 1) throw std::invalid_argument("num_experts must be >= 1");
+  if (config_.cap < 1 || config_.cap > num_experts_)
+    throw std::invalid_argument("expert slots (cap) must be in [1, " +
+                                std::to_string(num_experts_) + "], got " +
+                                std::to_string(config_.cap));
+  if (config_.spec < 0) throw std::invalid_argument("side rows (spec) must be >= 0");
+  if (config_.scratch < 1) throw std::invalid_argument("scratch rows must be >= 1");
+  const int rows = this->rows();
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const auto& L = layers_[li];
+    files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
+                                                L.record_bytes, L.checksums, config_.uncached));
+    std::vector<mx::array> arrays;
+    std::vector<uint8_t*> ptrs;
+    int64_t end = 0;
+    for (const auto& seg : L.segments) {
+      if (seg.offset != end || seg.nbytes <= 0)
+        throw std::invalid_argument(L.path + ": segment " + seg.key + " offset/size mismatch");
+      end += seg.nbytes;
+      mx::Shape shape{rows};
+      shape.insert(shape.end(), seg.shape.begin(), seg.shape.end());
+      size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(seg.nbytes);
+      mx::array a(mx::allocator::malloc(bytes), shape, seg.dtype);
+      if (a.nbytes() != bytes)
+        throw std::invalid_argument(L.path + ": segment " + seg.key +
+                                    " shape and dtype disagree with nbytes");
+      std::memset(a.data<uint8_t>(), 0, bytes);
+      ptrs.push_back(a.data<uint8_t>());
+      arrays.push_back(std::move(a));
+    }
+    if (end != L.record_bytes)
+      throw std::invalid_argument(L.path + ": segments sum to " + std::to_string(end) +
+                                  " bytes, record_bytes is " + std::to_string(L.record_bytes));
+    pools_.push_back(std::move(arrays));
+    pool_ptrs_.push_back(std::move(ptrs));
+    real_.emplace_back(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    side_.push_back({SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)});
+    loading_.emplace_back(config_.cap, 0);
+  }
+  stats_.resize(layers_.size());
+  readers_ = std::make_unique<ReaderPool>(config_.threads);
+}
+
+ExpertCache::~ExpertCache() {
+  drain();
+  readers_.reset();
+}
+
+int ExpertCache::read_gen() const { return side_lfu_ ? 0 : static_cast<int>((forward_ + 1) % 2); }
+int ExpertCache::fill_gen() const { return side_lfu_ ? 0 : static_cast<int>(forward_ % 2); }
+
+void ExpertCache::read_into_rows(int li, int expert, const std::vector<int>& rows) {
+  const auto& L = layers_[li];
+  uint8_t* buf = bounce_buffer(static_cast<size_t>(L.stride));
+  files_[li]->read_record(expert, buf, config_.verify);
+  for (size_t s = 0; s < L.segments.size(); ++s) {
+    const auto& seg = L.segments[s];
+    for (int row : rows)
+      std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, buf + seg.offset,
+                  static_cast<size_t>(seg.nbytes));
+  }
+}
+
+void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
+  drain_locked(lk);
+  ++forward_;
+  if (pending_lfu_ != side_lfu_) {
+    side_lfu_ = pending_lfu_;
+    for (size_t li = 0; li < side_.size(); ++li)
+      for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
+  }
+}
+
+void ExpertCache::drain_locked(std::unique_lock<std::mutex>& lk) {
+  lk.unlock();
+  readers_->cancel_prefetches();  // runs the cancelled tasks, which take mu_
+  lk.lock();
+  drained_cv_.wait(lk, [this] { return inflight_ == 0; });
+}
+
+void ExpertCache::drain() {
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
+}
+
+std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
+  check_layer(li, num_layers());
+  std::unique_lock<std::mutex> lk(mu_);
+  if (li <= last_li_) begin_forward_locked(lk);
+  last_li_ = li;
+  auto& R = real_[li];
+  auto& S = side_[li][read_gen()];
+  auto& st = stats_[li];
+  const int side_base = config_.cap + read_gen() * config_.spec;
+  ++tick_;
+
+  // Distinct experts of this call, in first-seen order, with their row (-1: miss).
+  std::unordered_map<int, int> row_of;
+  std::vector<int> order;
+  std::vector<uint8_t> busy(config_.cap, 0);
+  for (size_t i = 0; i < n; ++i) {
+    int e = ids[i];
+    if (e < 0 || e >= num_experts_)
+      throw std::out_of_range("expert id " + std::to_string(e) + " out of range [0, " +
+                              std::to_string(num_experts_) + ") in MoE layer " +
+                              std::to_string(li));
+    if (row_of.count(e)) continue;
+    order.push_back(e);
+    int slot = R.slot_of(e);
+    if (slot >= 0) {
+      row_of[e] = slot;
+      busy[slot] = 1;
+      ++st.hits;
+    } else if (int r = S.lookup(e); r >= 0) {
+      row_of[e] = side_base + r;
+      if (S.mark_read(r, forward_)) ++st.prefetch_used;
+      ++st.side_hits;
+      ++st.hits;
+    } else {
+      row_of[e] = -1;
+    }
+    R.touch(e, tick_);
+  }
+  std::vector<int> missing;
+  for (int e : order)
+    if (row_of[e] < 0) missing.push_back(e);
+
+  int evictable = 0;
+  for (int s = 0; s < config_.cap; ++s) {
+    int e = R.expert_at(s);
+    evictable += !busy[s] && (e < 0 || !R.pinned(e));
+  }
+  if (static_cast<int>(missing.size()) > evictable) {
+    ++st.overcap_calls;
+    R.end_call();
+    for (size_t i = 0; i < n; ++i) local[i] = row_of[ids[i]];
+    std::sort(missing.begin(), missing.end());
+    return missing;
+  }
+
+  // Demand loads: choose victims now, read without the lock, publish after the bytes land.
+  std::vector<std::pair<int, int>> loads;  // (expert, slot)
+  for (int e : missing) {
+    int slot = R.choose_victim(busy);
+    busy[slot] = 1;
+    if (R.expert_at(slot) >= 0) {
+      ++st.evictions;
+      R.clear(slot);
+    }
+    loading_[li][slot] = 1;
+    loads.emplace_back(e, slot);
+  }
+  st.misses += loads.size();
+  R.end_call();
+  if (!loads.empty()) {
+    lk.unlock();
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::function<void()>> tasks;
+    for (auto [e, slot] : loads)
+      tasks.push_back([this, li, e = e, slot = slot] { read_into_rows(li, e, {slot}); });
+    std::exception_ptr err;
+    try {
+      readers_->run_demand(std::move(tasks));
+    } catch (...) {
+      err = std::current_exception();
+    }
+    auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                  std::chrono::steady_clock::now() - t0).count();
+    lk.lock();
+    for (auto [e, slot] : loads) loading_[li][slot] = 0;
+    st.read_seconds_us += static_cast<uint64_t>(us);
+    if (err) std::rethrow_exception(err);  // slots stay empty: no wrong bytes mapped
+    for (auto [e, slot] : loads) {
+      R.assign(slot, e, tick_);
+      row_of[e] = slot;
+      ++st.loads;
+      st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) local[i] = row_of[ids[i]];
+  return {};
+}
+
+std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts) {
+  check_layer(li, num_layers());
+  if (static_cast<int>(experts.size()) > config_.scratch)
+    throw std::invalid_argument("load_scratch: " + std::to_string(experts.size()) +
+                                " experts for " + std::to_string(config_.scratch) +
+                                " scratch rows");
+  const int base = config_.cap + 2 * config_.spec;
+  std::vector<std::function<void()>> tasks;
+  std::vector<int> rows;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    int e = experts[i];
+    if (e < 0 || e >= num_experts_)
+      throw std::out_of_range("expert id " + std::to_string(e) + " out of range");
+    int row = base + static_cast<int>(i);
+    rows.push_back(row);
+    tasks.push_back([this, li, e, row] { read_into_rows(li, e, {row}); });
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  readers_->run_demand(std::move(tasks));
+  auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard<std::mutex> lk(mu_);
+  auto& st = stats_[li];
+  st.misses += experts.size();
+  st.loads += experts.size();
+  st.bytes_read += experts.size() * static_cast<uint64_t>(layers_[li].stride);
+  st.read_seconds_us += static_cast<uint64_t>(us);
+  return rows;
+}
+
+void ExpertCache::fill_task(int li, int gen, int expert, int row, bool cancelled) {
+  bool ok = false;
+  if (!cancelled) {
+    try {
+      read_into_rows(li, expert, {config_.cap + gen * config_.spec + row});
+      ok = true;
+    } catch (const std::exception&) {
+      ok = false;  // a failed prefetch only costs a later demand read
+    }
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  auto& S = side_[li][gen];
+  auto& st = stats_[li];
+  if (ok) {
+    S.publish(expert, row);
+    ++st.loads;
+    st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+  } else {
+    S.abandon(expert, row);
+    ++(cancelled ? st.prefetch_cancelled : st.prefetch_wasted);
+  }
+  if (--inflight_ == 0) drained_cv_.notify_all();
+}
+
+void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
+  check_layer(li, num_layers());
+  if (config_.spec == 0) return;
+  std::vector<std::pair<int, int>> todo;
+  int gen;
+  bool sync;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    gen = fill_gen();
+    sync = sync_;
+    const auto& R = real_[li];
+    std::vector<int> predicted;
+    std::vector<uint8_t> seen(num_experts_, 0);
+    for (size_t i = 0; i < n; ++i) {
+      int e = ids[i];
+      if (e < 0 || e >= num_experts_ || seen[e] || R.slot_of(e) >= 0) continue;
+      seen[e] = 1;
+      predicted.push_back(e);
+    }
+    int dropped = 0;
+    todo = side_[li][gen].reserve(predicted, side_lfu_, forward_, &dropped);
+    stats_[li].prefetch_wasted += dropped;
+    stats_[li].prefetch_issued += todo.size();
+    inflight_ += static_cast<int>(todo.size());
+  }
+  for (auto [e, row] : todo) {
+    if (sync) {
+      fill_task(li, gen, e, row, false);
+    } else {
+      readers_->submit_prefetch(
+          [this, li, gen, e = e, row = row](bool cancelled) { fill_task(li, gen, e, row, cancelled); });
+    }
+  }
+}
+
+void ExpertCache::pin(int li, int expert) {
+  check_layer(li, num_layers());
+  if (expert < 0 || expert >= num_experts_)
+    throw std::out_of_range("expert id " + std::to_string(expert) + " out of range");
+  std::unique_lock<std::mutex> lk(mu_);
+  auto& R = real_[li];
+  if (R.slot_of(expert) < 0) {
+    if (R.pinned_count() + 1 >= config_.cap)
+      throw std::invalid_argument("pinning expert " + std::to_string(expert) + " of MoE layer " +
+                                  std::to_string(li) + " would leave no evictable slot (cap " +
+                                  std::to_string(config_.cap) + ")");
+    std::vector<uint8_t> busy(config_.cap, 0);
+    int slot = R.choose_victim(busy);
+    if (R.expert_at(slot) >= 0) {
+      ++stats_[li].evictions;
+      R.clear(slot);
+    }
+    loading_[li][slot] = 1;
+    lk.unlock();
+    std::exception_ptr err;
+    try {
+      read_into_rows(li, expert, {slot});
+    } catch (...) {
+      err = std::current_exception();
+    }
+    lk.lock();
+    loading_[li][slot] = 0;
+    if (err) std::rethrow_exception(err);
+    R.assign(slot, expert, ++tick_);
+    ++stats_[li].loads;
+    stats_[li].bytes_read += static_cast<uint64_t>(layers_[li].stride);
+  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= config_.cap) {
+    throw std::invalid_argument("pinning expert " + std::to_string(expert) +
+                                " would leave no evictable slot (cap " +
+                                std::to_string(config_.cap) + ")");
+  }
+  R.set_pinned(expert, true);
+}
+
+void ExpertCache::unpin(int li, int expert) {
+  check_layer(li, num_layers());
+  std::lock_guard<std::mutex> lk(mu_);
+  real_[li].set_pinned(expert, false);
+}
+
+void ExpertCache::set_policy(Policy p) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& R : real_) R.set_policy(p);
+  config_.policy = p;
+}
+
+void ExpertCache::set_side_lfu(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  pending_lfu_ = on;
+}
+
+void ExpertCache::set_sync(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  sync_ = on;
+}
+
+bool ExpertCache::side_lfu() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pending_lfu_;
+}
+
+bool ExpertCache::sync() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return sync_;
+}
+
+void ExpertCache::reset() {
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
+  for (size_t li = 0; li < real_.size(); ++li) {
+    real_[li] = RealRegion(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
+  }
+  last_li_ = -1;
+}
+
+LayerSnapshot ExpertCache::snapshot(int li) const {
+  check_layer(li, num_layers());
+  std::lock_guard<std::mutex> lk(mu_);
+  const auto& R = real_[li];
+  LayerSnapshot s;
+  s.slot_expert.resize(config_.cap);
+  s.slot_state.resize(config_.cap);
+  for (int k = 0; k < config_.cap; ++k) {
+    int e = R.expert_at(k);
+    s.slot_expert[k] = e;
+    uint8_t state = e < 0 ? 0 : (R.pinned(e) ? 2 : 1);
+    if (loading_[li][k]) state = 3;
+    else if (state == 1 && R.loaded_at(k) == tick_) state = 4;
+    s.slot_state[k] = state;
+  }
+  for (int g = 0; g < 2; ++g) {
+    const auto& S = side_[li][g];
+    for (int r = 0; r < config_.spec; ++r) {
+      s.side_expert.push_back(S.expert_at(r));
+      s.side_state.push_back(static_cast<uint8_t>(S.state(r)));
+    }
+  }
+  s.freq.resize(num_experts_);
+  for (int e = 0; e < num_experts_; ++e) s.freq[e] = R.freq(e);
+  s.stats = stats_[li];
+  return s;
+}
+
+uint64_t ExpertCache::forward() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return forward_;
+}
+
+int ExpertCache::inflight() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return inflight_;
+}
+
+std::string ExpertCache::check() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  int inflight = 0;
+  for (size_t li = 0; li < real_.size(); ++li) {
+    if (auto msg = real_[li].check(); !msg.empty())
+      return "MoE layer " + std::to_string(li) + " real region: " + msg;
+    for (int g = 0; g < 2; ++g) {
+      if (auto msg = side_[li][g].check(); !msg.empty())
+        return "MoE layer " + std::to_string(li) + " side gen " + std::to_string(g) + ": " + msg;
+      inflight += side_[li][g].count(RowState::kInFlight);
+    }
+  }
+  if (inflight != inflight_)
+    return "in-flight rows " + std::to_string(inflight) + " != in-flight counter " +
+           std::to_string(inflight_);
+  return {};
+}
+
+void ExpertCache::inject_fault(int li, Fault fault, int expert, int count, int delay_ms) {
+  check_layer(li, num_layers());
+  files_[li]->inject_fault(fault, expert, count, delay_ms);
+}
+
+}  // namespace es

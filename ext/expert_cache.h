@@ -1,0 +1,159 @@
+// ExpertCache: all expert-streaming state of one loaded store (no globals).
+//
+// Per MoE layer it owns the pool: one MLX array per segment key, shaped
+// (rows, *segment_shape) with rows = cap + 2 * spec + scratch:
+//   [0, cap)                      real region (demand-loaded, LFU/LRU, pinning)
+//   [cap + g*spec, cap+(g+1)*spec) side region of generation g (prefetch); persistent LFU
+//                                  mode uses generation 0, legacy double buffer both, so the
+//                                  mode can switch at a forward boundary without a rebuild
+//   [cap + 2*spec, rows)          scratch rows that stream an over-capacity call's
+//                                  misses chunk by chunk, leaving the real region intact
+// Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
+// run on the reader pool or inline (SYNC); snapshots may be taken from any thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "blob_file.h"
+#include "mlx/array.h"
+#include "reader_pool.h"
+#include "real_region.h"
+#include "side_region.h"
+
+namespace es {
+
+namespace mx = mlx::core;
+
+struct Segment {
+  std::string key;
+  mx::Dtype dtype = mx::uint8;
+  mx::Shape shape;  // per expert
+  int64_t offset;   // in the record, bytes
+  int64_t nbytes;
+};
+
+struct LayerSpec {
+  int layer;  // decoder layer index, for messages
+  std::string path;
+  int64_t stride;
+  int64_t record_bytes;
+  std::vector<Segment> segments;
+  std::vector<uint32_t> checksums;
+};
+
+struct CacheConfig {
+  int cap = 1;           // real-region slots per layer
+  int spec = 0;          // side-region rows per generation
+  int scratch = 1;       // over-capacity chunk rows
+  Policy policy = Policy::kLFU;
+  int decay_every = 256;  // acquire calls per layer between LFU halvings (0: never)
+  bool side_lfu = true;
+  bool sync = false;
+  bool verify = true;     // crc32 every record read
+  bool uncached = true;   // O_DIRECT / F_NOCACHE
+  int threads = 2;        // reader pool
+};
+
+// Counters of one layer. Lookups count distinct experts per acquire call.
+struct LayerStats {
+  uint64_t hits = 0, misses = 0, loads = 0, bytes_read = 0, side_hits = 0;
+  uint64_t prefetch_issued = 0, prefetch_used = 0, prefetch_wasted = 0, prefetch_cancelled = 0;
+  uint64_t evictions = 0, overcap_calls = 0, read_seconds_us = 0;
+};
+
+struct LayerSnapshot {
+  std::vector<int32_t> slot_expert;   // cap (-1 empty)
+  std::vector<uint8_t> slot_state;    // cap: 0 empty, 1 resident, 2 pinned, 3 loading, 4 just loaded
+  std::vector<int32_t> side_expert;   // 2*spec (-1 free)
+  std::vector<uint8_t> side_state;    // 2*spec: 0 free, 1 in flight, 2 published
+  std::vector<float> freq;            // num_experts: real-region LFU frequency
+  LayerStats stats;
+};
+
+class ExpertCache {
+ public:
+  ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config);
+  ~ExpertCache();
+
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  int num_experts() const { return num_experts_; }
+  const CacheConfig& config() const { return config_; }
+  int rows() const { return config_.cap + 2 * config_.spec + config_.scratch; }
+  std::vector<mx::array> pool(int li) const { return pools_.at(li); }
+
+  // Maps ids[i] (expert ids of MoE layer li) to pool rows in local[i]: real hit, side hit
+  // (read generation), or a demand load into the real region. A call whose misses exceed
+  // the evictable slots loads nothing: those entries get -1 and the distinct missing
+  // experts are returned, to be streamed through load_scratch(). The caller must have
+  // evaluated every earlier use of this layer's pool (it synchronised on ids), which is
+  // also how a new forward is detected (li not above the previous call's).
+  std::vector<int> acquire(int li, const int32_t* ids, int32_t* local, size_t n);
+
+  // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.
+  std::vector<int> load_scratch(int li, const std::vector<int>& experts);
+
+  // Reserves side rows for the predicted experts of layer li and fills them (background,
+  // or inline in SYNC mode). Called by the prefetch primitive.
+  void prefetch(int li, const int32_t* ids, size_t n);
+
+  // Cancels queued fills and waits for started ones.
+  void drain();
+
+  void pin(int li, int expert);
+  void unpin(int li, int expert);
+  void set_policy(Policy p);
+  // Applied at the next forward boundary (after a drain).
+  void set_side_lfu(bool on);
+  void set_sync(bool on);
+  bool side_lfu() const;
+  bool sync() const;
+
+  // Empties the real regions (pins and frequencies too) and side ledgers, after a drain.
+  void reset();
+
+  LayerSnapshot snapshot(int li) const;
+  uint64_t forward() const;
+  int inflight() const;
+  // Empty string when every real region and side ledger is consistent.
+  std::string check() const;
+
+  void inject_fault(int li, Fault fault, int expert, int count, int delay_ms);
+
+ private:
+  void begin_forward_locked(std::unique_lock<std::mutex>& lk);
+  void drain_locked(std::unique_lock<std::mutex>& lk);
+  int read_gen() const;
+  int fill_gen() const;
+  void read_into_rows(int li, int expert, const std::vector<int>& rows);
+  void fill_task(int li, int gen, int expert, int row, bool cancelled);
+
+  std::vector<LayerSpec> layers_;
+  int num_experts_;
+  CacheConfig config_;
+  std::vector<std::vector<mx::array>> pools_;
+  std::vector<std::vector<uint8_t*>> pool_ptrs_;
+  std::vector<std::unique_ptr<BlobFile>> files_;
+
+  mutable std::mutex mu_;
+  std::condition_variable drained_cv_;
+  std::vector<RealRegion> real_;
+  std::vector<std::vector<SideLedger>> side_;  // [li][gen]
+  std::vector<std::vector<uint8_t>> loading_;  // [li][slot]
+  std::vector<LayerStats> stats_;
+  uint64_t forward_ = 0;
+  uint64_t tick_ = 0;
+  int last_li_ = -1;
+  int inflight_ = 0;
+  bool pending_lfu_;
+  bool side_lfu_;
+  bool sync_;
+
+  std::unique_ptr<ReaderPool> readers_;
+};
+
+}  // namespace es
