@@ -160,10 +160,13 @@ NB_MODULE(_ext, m) {
           "layer"_a, "ids"_a)
       .def(
           "prefetch_op",
-          [](Cache& c, int li, const mx::array& ids) {
-            return es::prefetch_op(c.impl, li, ids, mx::Device(mx::Device::cpu));
+          [](Cache& c, int li, const mx::array& ids, bool cpu_stream) {
+            if (cpu_stream) return es::prefetch_op(c.impl, li, ids, mx::Device(mx::Device::cpu));
+            return es::prefetch_op(c.impl, li, ids);
           },
-          "layer"_a, "ids"_a)
+          "layer"_a, "ids"_a, "cpu_stream"_a = false,
+          "Lazy uint8 scalar that starts the prefetch of `ids` for MoE layer `layer` when "
+          "evaluated; on the default stream, or the CPU stream if `cpu_stream`.")
       .def(
           "drain",
           [](Cache& c) {

@@ -27,9 +27,10 @@ void RealRegion::end_call() {
 int RealRegion::choose_victim(const std::vector<uint8_t>& busy) const {
   int best = -1;
   for (int s = 0; s < cap(); ++s) {
+    if (busy[s]) continue;
     int e = slot_expert_[s];
     if (e < 0) return s;
-    if (busy[s] || pinned_[e]) continue;
+    if (pinned_[e]) continue;
     if (best < 0) {
       best = s;
       continue;

@@ -1,0 +1,130 @@
+"""Opening the native expert cache of a store, and reading its state as plain data.
+
+`open_cache` turns an `ExpertStore` and a `StreamConfig` into an `engine._ext.ExpertCache`
+(the pools, real regions, side ledgers and reader pool of DESIGN.md). `CacheSnapshot`
+is what the app polls: numpy arrays copied under the cache's lock, safe to read on any
+thread.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the extension)
+import numpy as np
+
+from engine import _ext
+from engine.config import StreamConfig
+from engine.store import ExpertStore
+
+ExpertReadError = _ext.ExpertReadError
+ChecksumError = _ext.ChecksumError
+
+# slot_state / side_state codes of a snapshot.
+SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED = range(5)
+ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED = range(3)
+
+STAT_KEYS = (
+    "hits", "misses", "loads", "bytes_read", "side_hits", "prefetch_issued",
+    "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "evictions",
+    "overcap_calls", "read_seconds",
+)
+
+
+def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
+    """Allocates the pools of every MoE layer of `store` and opens its blob files.
+
+    Pool rows per layer: cap + 2 * spec_slots + prefill_chunk, each one record
+    (`stride` bytes at most) spread over the segment arrays.
+
+    Raises:
+        engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
+        ValueError: expert_slots exceeds the store's expert count.
+    """
+    m = store.manifest
+    cap = m.num_experts if config.expert_slots is None else config.expert_slots
+    if cap > m.num_experts:
+        raise ValueError(
+            f"expert_slots = {cap} exceeds the {m.num_experts} experts per layer of {store.path}"
+        )
+    layers = [
+        {
+            "layer": spec.layer,
+            "path": str(store.blob_path(spec)),
+            "stride": spec.stride,
+            "record_bytes": spec.record_bytes,
+            "checksums": list(spec.checksums),
+            "segments": [
+                {"key": s.key, "dtype": s.dtype, "shape": list(s.shape),
+                 "offset": s.offset, "nbytes": s.nbytes}
+                for s in spec.segments
+            ],
+        }
+        for spec in m.layers
+    ]
+    return _ext.ExpertCache(
+        layers,
+        m.num_experts,
+        cap=cap,
+        spec=config.spec_slots,
+        scratch=config.prefill_chunk or m.top_k,
+        policy=config.policy,
+        decay_every=config.decay_every,
+        side_lfu=config.side_lfu,
+        sync=config.sync,
+        verify=config.verify_checksums,
+        uncached=config.uncached_io,
+        threads=config.reader_threads,
+    )
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The cache's state at one instant, stacked over MoE layers (n = MoE layers).
+
+    Attributes:
+        slot_expert: (n, cap) int32, expert in each real-region slot, -1 when empty.
+        slot_state: (n, cap) uint8, SLOT_* codes.
+        side_expert: (n, 2 * spec) int32, expert of each side row (generation 0 then 1).
+        side_state: (n, 2 * spec) uint8, ROW_* codes.
+        freq: (n, num_experts) float32, LFU frequency per expert.
+        stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds in
+            seconds, bytes_read in bytes, the rest counts).
+        inflight: side-region fills in flight, all layers.
+        forward: forward passes begun so far.
+    """
+
+    slot_expert: np.ndarray
+    slot_state: np.ndarray
+    side_expert: np.ndarray
+    side_state: np.ndarray
+    freq: np.ndarray
+    stats: dict
+    inflight: int
+    forward: int
+
+    def totals(self) -> dict:
+        """Counters summed over layers, plus `hit_rate` (hits / lookups) and
+        `prefetch_accuracy` (used / issued), 0 when undefined."""
+        t = {k: float(v.sum()) if k == "read_seconds" else int(v.sum())
+             for k, v in self.stats.items()}
+        lookups = t["hits"] + t["misses"]
+        t["hit_rate"] = t["hits"] / lookups if lookups else 0.0
+        issued = t["prefetch_issued"]
+        t["prefetch_accuracy"] = t["prefetch_used"] / issued if issued else 0.0
+        t["inflight"] = self.inflight
+        return t
+
+
+def snapshot(cache: "_ext.ExpertCache") -> CacheSnapshot:
+    """Copies the state of every layer of `cache` (thread-safe; each layer is copied
+    under the cache's lock, so layers may differ by one call in a live run)."""
+    per = [cache.snapshot(li) for li in range(cache.num_layers)]
+    return CacheSnapshot(
+        slot_expert=np.stack([p["slot_expert"] for p in per]),
+        slot_state=np.stack([p["slot_state"] for p in per]),
+        side_expert=np.stack([p["side_expert"] for p in per]),
+        side_state=np.stack([p["side_state"] for p in per]),
+        freq=np.stack([p["freq"] for p in per]),
+        stats={k: np.array([p["stats"][k] for p in per]) for k in STAT_KEYS},
+        inflight=cache.inflight,
+        forward=cache.forward,
+    )

@@ -1,0 +1,66 @@
+"""Ahead scheduling and prediction for the side region (the seed's VirtualPool).
+
+While MoE layer L runs, the router of target layer T = target_for(L) is applied to L's
+hidden state and its top experts are handed to the cache's prefetch primitive, so their
+records are read in the background while layers L..T-1 compute. Layer indices here are
+MoE indices (position among MoE layers), never decoder indices.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.config import StreamConfig
+
+
+class Coordinator:
+    """Decides which layer each MoE layer prefetches for, and submits the prediction.
+
+    Args:
+        cache: the store's `engine._ext.ExpertCache`.
+        routers: the router (`gate`, a Linear or QuantizedLinear: hidden -> num_experts
+            logits) of each MoE layer, in MoE order.
+        config: prefetch settings (prefetch, spec_slots, ahead_lo, ahead_hi, cutoff).
+    """
+
+    def __init__(self, cache, routers: list[nn.Module], config: StreamConfig):
+        self.cache = cache
+        self.routers = routers
+        self.num_layers = len(routers)
+        self.enabled = config.prefetch and config.spec_slots > 0
+        self.budget = min(config.spec_slots, cache.num_experts)
+        self.ahead_lo = config.ahead_lo
+        self.ahead_hi = config.ahead_hi
+        self.cutoff = self.num_layers // 2 if config.cutoff is None else config.cutoff
+        # Predictions run on the CPU stream where there is no GPU kernel for them.
+        self._cpu_stream = mx.default_device() != mx.cpu
+
+    def target_for(self, layer: int) -> int | None:
+        """MoE layer whose experts `layer` prefetches: layer + ahead_lo before `cutoff`,
+        layer + ahead_hi from it; None past the last layer (never clamped, so each target
+        gets at most one submission per forward)."""
+        target = layer + (self.ahead_lo if layer < self.cutoff else self.ahead_hi)
+        return target if target < self.num_layers else None
+
+    def predict(self, target: int, x: mx.array) -> mx.array:
+        """Top-`budget` experts of `target`'s router for the last token of `x`.
+
+        Args:
+            x: (..., hidden) hidden state entering the current MoE layer.
+
+        Returns:
+            (budget,) uint32 expert ids, best first is not guaranteed (argpartition).
+        """
+        logits = self.routers[target](x.reshape(-1, x.shape[-1])[-1:])
+        k = self.budget
+        return mx.argpartition(-logits, kth=k - 1, axis=-1)[0, :k]
+
+    def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
+        """A lazy uint8 scalar that, when evaluated, reserves and starts the fills
+        predicted from `x` at MoE layer `layer`; None when nothing is prefetched
+        (disabled, prefill of more than one token, or no target layer)."""
+        if not self.enabled or x.size // x.shape[-1] != 1:
+            return None
+        target = self.target_for(layer)
+        if target is None:
+            return None
+        return self.cache.prefetch_op(target, self.predict(target, x), self._cpu_stream)

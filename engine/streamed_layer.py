@@ -1,0 +1,121 @@
+"""`StreamedSwitchGLU`: mlx-lm's `SwitchGLU` computed on pool rows instead of all experts.
+
+Patched into each MoE block in place of `switch_mlp`, it keeps mlx-lm's router, top-k and
+score mixing untouched. Per call it synchronises once on the router's expert ids, maps
+them to pool rows with the cache's `acquire` (real hit, side hit or demand load), and runs
+the same `gather_qmm` / `gather_mm` calls as `SwitchGLU` with those rows as
+`rhs_indices`, so every (token, expert) product is the one the resident model computes.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
+
+from engine.coordinator import Coordinator
+from engine.store import LayerSpec
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class StreamedSwitchGLU(nn.Module):
+    """One MoE layer's experts, streamed.
+
+    Args:
+        coordinator: the model's `Coordinator` (owns the cache).
+        moe_index: this layer's position among MoE layers.
+        spec: the store's `LayerSpec` of this layer (segments, quantization).
+        activation: the replaced `SwitchGLU.activation` (SwiGLU for every supported layout).
+    """
+
+    def __init__(self, coordinator: Coordinator, moe_index: int, spec: LayerSpec, activation):
+        super().__init__()
+        self.activation = activation
+        self._coordinator = coordinator
+        self._cache = coordinator.cache
+        self._index = moe_index
+        self._quant = spec.quantization
+        keys = [s.key for s in spec.segments]
+        self._pool = dict(zip(keys, self._cache.pool(moe_index), strict=True))
+
+    def _project(self, name: str, x: mx.array, rows: mx.array, sorted_rows: bool) -> mx.array:
+        pool = self._pool
+        q = self._quant.get(name)
+        if q is not None:
+            y = mx.gather_qmm(
+                x,
+                pool[f"{name}.weight"],
+                pool[f"{name}.scales"],
+                pool.get(f"{name}.biases"),
+                rhs_indices=rows,
+                transpose=True,
+                group_size=q["group_size"],
+                bits=q["bits"],
+                mode=q.get("mode", "affine"),
+                sorted_indices=sorted_rows,
+            )
+        else:
+            y = mx.gather_mm(
+                x, pool[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=rows,
+                sorted_indices=sorted_rows,
+            )
+        if f"{name}.bias" in pool:
+            y = y + mx.expand_dims(pool[f"{name}.bias"][rows], -2)
+        return y
+
+    def _glu(self, x: mx.array, rows: mx.array) -> mx.array:
+        """SwitchGLU.__call__ on pool rows. x: (..., 1, 1, D) after expand_dims;
+        rows: int32 pool rows, shape (..., k). Returns (..., k, D)."""
+        do_sort = rows.size >= 64
+        idx, inv_order = rows, None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, rows)
+        x_up = self._project("up_proj", x, idx, do_sort)
+        x_gate = self._project("gate_proj", x, idx, do_sort)
+        x = self._project("down_proj", self.activation(x_up, x_gate), idx, do_sort)
+        if do_sort:
+            x = _scatter_unsort(x, inv_order, rows.shape)
+        return x.squeeze(-2)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x: (..., D) hidden states; indices: (..., k) routed expert ids.
+        Returns (..., k, D) expert outputs, like `SwitchGLU`."""
+        token = self._coordinator.prefetch_token(self._index, x)
+        ids = np.asarray(indices.astype(mx.int32))  # the one host sync of this layer
+        rows, missing = self._cache.acquire(self._index, ids)
+        if missing:
+            y = self._over_capacity(x, ids, rows, missing)
+        else:
+            y = self._glu(mx.expand_dims(x, (-2, -3)), mx.array(rows))
+        return y if token is None else mx.depends(y, token)
+
+    def _over_capacity(self, x, ids, rows, missing):
+        """More distinct misses than evictable slots: resident pairs run on their rows,
+        misses stream through the scratch rows `scratch` experts at a time, each read
+        once, each chunk evaluated before the next overwrites the scratch rows."""
+        k = ids.shape[-1]
+        tokens = x.reshape(-1, 1, 1, x.shape[-1])
+        flat_ids, flat_rows = ids.reshape(-1), rows.reshape(-1)
+        groups = [np.flatnonzero(flat_rows >= 0)]
+        outputs = []
+        if groups[0].size:
+            outputs.append(self._pairs(tokens, groups[0], flat_rows, k))
+        chunk = self._cache.scratch
+        for start in range(0, len(missing), chunk):
+            experts = missing[start : start + chunk]
+            scratch_rows = self._cache.load_scratch(self._index, experts)
+            for e, r in zip(experts, scratch_rows, strict=True):
+                flat_rows[flat_ids == e] = r
+            pairs = np.flatnonzero(np.isin(flat_ids, experts))
+            y = self._pairs(tokens, pairs, flat_rows, k)
+            mx.eval(y)
+            groups.append(pairs)
+            outputs.append(y)
+        order = np.concatenate([g for g in groups if g.size])
+        y = mx.concatenate(outputs, axis=0)[mx.array(np.argsort(order))]
+        return y.reshape(*ids.shape, y.shape[-1])
+
+    def _pairs(self, tokens, pairs, flat_rows, k):
+        """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs`."""
+        x = tokens[mx.array(pairs // k)]
+        return self._glu(x, mx.array(flat_rows[pairs].reshape(-1, 1)))[:, 0]
