@@ -1,0 +1,129 @@
+"""`expertstream` command line: parses flags and calls the engine, nothing more."""
+
+import argparse
+import json
+import sys
+
+from engine.config import StreamConfig, config_from_env
+
+
+def _add_stream_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert cache (flags win over EXPERT_SLOTS, SIDEREGION_LFU, "
+                             "SIDEREGION_SYNC, AUTOPIN_BUDGET_FRAC, PREFILL_CHUNK)")
+    g.add_argument("--expert-slots", type=int, help="real-region slots per MoE layer "
+                   "(default: all experts)")
+    g.add_argument("--spec-slots", type=int, help="side-region rows per generation")
+    g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="speculative prefetch into the side region")
+    g.add_argument("--ahead-lo", type=int, help="prefetch distance before --cutoff")
+    g.add_argument("--ahead-hi", type=int, help="prefetch distance from --cutoff on")
+    g.add_argument("--cutoff", type=int, help="first MoE layer that uses --ahead-hi")
+    g.add_argument("--lfu", dest="side_lfu", action=argparse.BooleanOptionalAction,
+                   default=None, help="persistent LFU side region (--no-lfu: legacy "
+                   "double buffer)")
+    g.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
+                   help="fill the side region synchronously (diagnostic)")
+    g.add_argument("--policy", choices=["lfu", "lru"], help="real-region eviction")
+    g.add_argument("--autopin-frac", type=float, help="fraction of the slots autopin may pin")
+    g.add_argument("--prefill-chunk", type=int, help="scratch rows for over-capacity calls")
+    g.add_argument("--reader-threads", type=int, help="background reader threads")
+
+
+def stream_config(args: argparse.Namespace, environ=None) -> StreamConfig:
+    """StreamConfig from the environment (read once, here) overridden by flags."""
+    values = config_from_env(environ)
+    for field in ("expert_slots", "spec_slots", "prefetch", "ahead_lo", "ahead_hi", "cutoff",
+                  "side_lfu", "sync", "policy", "autopin_frac", "prefill_chunk",
+                  "reader_threads"):
+        if getattr(args, field, None) is not None:
+            values[field] = getattr(args, field)
+    if values.get("spec_slots") and "prefetch" not in values:
+        values["prefetch"] = True
+    return StreamConfig(**values)
+
+
+def _convert(args) -> int:
+    from tqdm import tqdm
+
+    from engine.convert import convert
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
+
+    def progress(done, total):
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
+    bar.close()
+    print(f"wrote {path}")
+    return 0
+
+
+def _generate(args) -> int:
+    from engine.generate import generate, prompt_tokens
+    from engine.model import load
+
+    sm = load(args.model, stream_config(args))
+    prompt = prompt_tokens(sm, args.prompt, args.chat)
+    if args.json:
+        result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p)
+        print(json.dumps({"text": result.text, "tokens": result.tokens,
+                          "stats": result.stats()}))
+        return 0
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p,
+                      on_text=lambda s: print(s, end="", flush=True))
+    s = result.stats()
+    print(
+        f"\n--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
+        f"read {s['bytes_read'] / 1e6:.1f} MB  side hits {s['side_hits']}  "
+        f"prefetch used/issued {s['prefetch_used']}/{s['prefetch_issued']}\n"
+        f"prefill {s['prefill_tps']:.1f} tok/s ({s['prompt_tokens']} tokens)  "
+        f"decode {s['decode_tps']:.1f} tok/s ({s['generated_tokens']} tokens)  "
+        f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="expertstream",
+        description="Run Mixture-of-Experts models with experts streamed from disk.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="write the expert store of an mlx-lm MoE model")
+    p.add_argument("model_dir")
+    p.add_argument("store_dir")
+    p.add_argument("--force", action="store_true", help="replace an existing store")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("generate", help="generate text with streamed experts")
+    p.add_argument("--model", help="expert store or mlx-lm MoE model directory "
+                   "(default: the embedded model)")
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_stream_flags(p)
+    p.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `expertstream` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"expertstream: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

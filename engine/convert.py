@@ -1,0 +1,484 @@
+"""Convert an mlx-lm MoE model directory into an expert store.
+
+The store format is specified in `docs/store-format.md`. Conversion reads the
+checkpoint lazily and writes one MoE layer at a time, so memory stays bounded by
+the dense weights plus one layer's experts. It is atomic: everything goes into a
+temporary sibling directory that is renamed into place only when complete.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.utils import _get_classes, infer_quant_config
+
+from .layouts import Layout, layout_for
+from .store import (
+    CONFIG_FILE,
+    DENSE_FILE,
+    MANIFEST_FILE,
+    PROJECTIONS,
+    SEGMENT_KEYS,
+    LayerSpec,
+    Manifest,
+    Segment,
+    blob_name,
+    dtype_name,
+    is_store,
+    stride_for,
+)
+
+_SWITCH_KEY = re.compile(r"model\.layers\.(\d+)\.([^.]+)\.switch_mlp\.(.+)")
+
+
+@dataclass
+class _LayerPlan:
+    """What will be written for one MoE layer (arrays still lazy)."""
+
+    layer: int
+    moe_index: int
+    module: str
+    arrays: dict[str, mx.array]
+    segments: tuple[Segment, ...]
+    record_bytes: int
+    quantization: dict
+
+
+def convert(
+    model_dir: str | Path,
+    store_dir: str | Path,
+    *,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write the expert store of an mlx-lm MoE model directory.
+
+    Expert weights (`model.layers.N.<block>.switch_mlp.*`) go to one
+    `layerNN.blob` per MoE layer, every other weight to `dense.safetensors`;
+    `config.json` and the tokenizer/auxiliary files are copied (no `*.py`).
+
+    Args:
+        model_dir: an mlx-lm model directory (`config.json`,
+            `model*.safetensors`), quantized or not.
+        store_dir: the store to create.
+        force: replace an existing store at `store_dir` (only once the new one
+            is complete). A directory that is neither an expert store nor empty
+            is never replaced.
+        progress: called as `progress(done_bytes, total_bytes)` over expert
+            bytes: once with `done_bytes == 0`, then after each layer.
+
+    Returns:
+        `store_dir` as a `Path`.
+
+    Raises:
+        FileNotFoundError: `model_dir`, its `config.json` or its weights are
+            missing.
+        ValueError: invalid `config.json`, a config with `model_file` (custom
+            model code is never run), or weights that do not match the model.
+        UnsupportedModelError, NotMoEError: from `layout_for`.
+        FileExistsError: `store_dir` exists and `force` is False, or it is not a
+            store.
+        OSError: writing failed (e.g. ENOSPC); the message names `store_dir`.
+            Nothing is left behind: neither `store_dir` nor the temporary
+            directory.
+    """
+    model_dir = Path(model_dir)
+    store_dir = Path(store_dir)
+    config = _read_config(model_dir)
+    layout = layout_for(config)
+    _check_destination(model_dir, store_dir, force)
+
+    model = _instantiate(config, layout, model_dir)
+    weights = _load_weights(model_dir, model)
+    plans = _plan_layers(layout, config, model, weights)
+    if "lm_head" not in model:
+        for key in [k for k in weights if k.startswith("lm_head.")]:
+            del weights[key]
+
+    tmp = store_dir.parent / f".{store_dir.name}.tmp-{os.getpid()}"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        _write_store(tmp, model_dir, config, layout, plans, weights, progress)
+        _install(tmp, store_dir, force)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        renamed = _naming_store(e, model_dir, store_dir)
+        if renamed is e:
+            raise
+        raise renamed from e
+    return store_dir
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / CONFIG_FILE
+    if not model_dir.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "model directory does not exist", str(model_dir))
+    try:
+        with open(path, "rb") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, "missing; not an mlx-lm model directory", str(path)
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: top level is not a JSON object")
+    if "model_file" in config:
+        raise ValueError(
+            f"{path}: 'model_file' ({config['model_file']!r}) asks to run custom "
+            "model code; converting such models is not supported"
+        )
+    return config
+
+
+def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
+    if store_dir.resolve() == model_dir.resolve():
+        raise ValueError(f"the store {store_dir} cannot be the model directory")
+    if not (store_dir.exists() or store_dir.is_symlink()):
+        return
+    if not force:
+        raise FileExistsError(
+            errno.EEXIST, "already exists (use force to replace it)", str(store_dir)
+        )
+    replaceable = store_dir.is_dir() and not store_dir.is_symlink()
+    if not (replaceable and (is_store(store_dir) or not any(store_dir.iterdir()))):
+        raise FileExistsError(
+            errno.EEXIST,
+            "exists and is not an expert store; refusing to replace it",
+            str(store_dir),
+        )
+
+
+def _instantiate(config: dict, layout: Layout, model_dir: Path) -> nn.Module:
+    """The mlx-lm `Model` of `config`, used only for `sanitize` and shapes:
+    its own (random, lazy) parameters are never evaluated."""
+    model_class, args_class = _get_classes(config)
+    module = f"mlx_lm.models.{layout.model_type}"
+    if model_class.__module__ != module:
+        raise ValueError(
+            f"{model_dir / CONFIG_FILE}: mlx-lm maps this config to "
+            f"{model_class.__module__}, expected {module}"
+        )
+    try:
+        return model_class(args_class.from_dict(config))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"{model_dir / CONFIG_FILE}: not a valid {layout.model_type} config ({e})"
+        ) from e
+
+
+def _load_weights(model_dir: Path, model: nn.Module) -> dict[str, mx.array]:
+    """Lazily loaded, sanitized weights (per-expert checkpoints are stacked)."""
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(errno.ENOENT, "no model*.safetensors weights", str(model_dir))
+    weights = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    weights = model.sanitize(weights)
+    for key in weights:
+        if ".experts." in key:
+            raise ValueError(
+                f"{model_dir}: per-expert weight {key!r} is not stacked by "
+                f"mlx-lm's sanitize; this checkpoint layout is not supported"
+            )
+    return weights
+
+
+def _plan_layers(
+    layout: Layout, config: dict, model: nn.Module, weights: dict[str, mx.array]
+) -> list[_LayerPlan]:
+    """Take each MoE layer's expert arrays out of `weights` and lay out its
+    records; what remains in `weights` is dense."""
+    num_experts = layout.num_experts(config)
+    blocks = layout.moe_blocks(model)
+    moe_layers = {i for i, _ in blocks}
+    by_layer: dict[int, dict[str, str]] = {}
+    for key in weights:
+        m = _SWITCH_KEY.fullmatch(key)
+        if m is None:
+            continue
+        i, attr, rest = int(m[1]), m[2], m[3]
+        if attr != layout.moe_attr or i not in moe_layers:
+            raise ValueError(
+                f"expert weight {key!r} does not belong to an MoE layer of this "
+                f"{layout.model_type} model (MoE layers: {sorted(moe_layers)})"
+            )
+        if rest not in SEGMENT_KEYS:
+            raise ValueError(
+                f"expert weight {key!r}: parameter {rest!r} is not supported "
+                f"(supported: {', '.join(SEGMENT_KEYS)})"
+            )
+        by_layer.setdefault(i, {})[rest] = key
+
+    plans = []
+    for moe_index, (i, block) in enumerate(blocks):
+        module = layout.module_path(i)
+        keys = by_layer.get(i, {})
+        for proj in PROJECTIONS:
+            linear = block.switch_mlp[proj]
+            if f"{proj}.weight" not in keys:
+                raise ValueError(f"missing expert weight {module}.{proj}.weight")
+            if ("bias" in linear) != (f"{proj}.bias" in keys):
+                raise ValueError(
+                    f"{module}.{proj}: the config "
+                    f"{'expects' if 'bias' in linear else 'has no'} expert bias "
+                    "but the checkpoint does not match"
+                )
+        arrays = {}
+        segments = []
+        offset = 0
+        for seg_key in SEGMENT_KEYS:
+            if seg_key not in keys:
+                continue
+            a = weights.pop(keys[seg_key])
+            if a.ndim < 1 or a.shape[0] != num_experts:
+                raise ValueError(
+                    f"{module}.{seg_key} has shape {tuple(a.shape)}, expected "
+                    f"{num_experts} experts on axis 0"
+                )
+            shape = tuple(a.shape[1:])
+            nbytes = int(np.prod(shape, dtype=np.int64)) * a.dtype.size
+            segments.append(Segment(seg_key, dtype_name(a.dtype), shape, nbytes, offset))
+            arrays[seg_key] = a
+            offset += nbytes
+        quantization = {
+            proj: _quantization(config, module, proj, block.switch_mlp[proj], keys, arrays)
+            for proj in PROJECTIONS
+        }
+        plans.append(
+            _LayerPlan(i, moe_index, module, arrays, tuple(segments), offset, quantization)
+        )
+    return plans
+
+
+def _quantization(
+    config: dict,
+    module: str,
+    proj: str,
+    linear: nn.Module,
+    keys: dict[str, str],
+    arrays: dict[str, mx.array],
+) -> dict | None:
+    """How projection `proj` is quantized, decided as mlx-lm's loader does:
+    the config's per-module override `<module>.<proj>` first, else inferred
+    from the packed shapes (`mlx_lm.utils.infer_quant_config`)."""
+    if f"{proj}.scales" not in keys:
+        return None
+    path = f"{module}.{proj}"
+    quantization = config.get("quantization")
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{path} is quantized but config.json has no 'quantization' section")
+    params = quantization.get(path)
+    if params is None:
+        weights = {
+            f"{path}.weight": arrays[f"{proj}.weight"],
+            f"{path}.scales": arrays[f"{proj}.scales"],
+        }
+        params = infer_quant_config(path, linear, weights)
+    elif not isinstance(params, dict):
+        raise ValueError(f"config quantization[{path!r}] is {params!r} but {path}.scales exists")
+    return {
+        "group_size": int(params["group_size"]),
+        "bits": int(params["bits"]),
+        "mode": params.get("mode", "affine"),
+    }
+
+
+def _write_store(
+    tmp: Path,
+    model_dir: Path,
+    config: dict,
+    layout: Layout,
+    plans: list[_LayerPlan],
+    dense: dict[str, mx.array],
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    num_experts = layout.num_experts(config)
+    mx.save_safetensors(str(tmp / DENSE_FILE), dense, metadata={"format": "mlx"})
+    dense.clear()
+    _fsync(tmp / DENSE_FILE)
+
+    total = sum(p.record_bytes for p in plans) * num_experts
+    done = 0
+    if progress is not None:
+        progress(done, total)
+    specs = []
+    for plan in plans:
+        parts = _record_parts(plan.arrays, num_experts)
+        plan.arrays.clear()
+        file = blob_name(plan.layer)
+        checksums = _write_blob(tmp / file, parts, stride_for(plan.record_bytes))
+        del parts
+        specs.append(
+            LayerSpec(
+                layer=plan.layer,
+                moe_index=plan.moe_index,
+                module=plan.module,
+                file=file,
+                record_bytes=plan.record_bytes,
+                stride=stride_for(plan.record_bytes),
+                segments=plan.segments,
+                quantization=plan.quantization,
+                checksums=tuple(checksums),
+            )
+        )
+        done += plan.record_bytes * num_experts
+        if progress is not None:
+            progress(done, total)
+
+    _copy_aux_files(model_dir, tmp)
+    manifest = Manifest(
+        model_type=layout.model_type,
+        num_experts=num_experts,
+        top_k=layout.top_k(config),
+        num_hidden_layers=int(config["num_hidden_layers"]),
+        layers=tuple(specs),
+    )
+    with open(tmp / MANIFEST_FILE, "w") as f:
+        f.write(_json_text(manifest.to_json()) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
+def _json_text(obj, depth: int = 0) -> str:
+    """JSON with one line per small object or list of scalars (one line per
+    segment, checksums on one line), indented otherwise."""
+    compact = json.dumps(obj)
+    if not isinstance(obj, (dict, list)) or len(compact) <= 100:
+        return compact
+    if isinstance(obj, list) and not any(isinstance(x, (dict, list)) for x in obj):
+        return compact
+    pad = "  " * (depth + 1)
+    if isinstance(obj, dict):
+        items = [f"{pad}{json.dumps(k)}: {_json_text(v, depth + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+    items = [pad + _json_text(v, depth + 1) for v in obj]
+    return "[\n" + ",\n".join(items) + "\n" + "  " * depth + "]"
+
+
+def _record_parts(arrays: dict[str, mx.array], num_experts: int) -> list[np.ndarray]:
+    """Evaluate one layer's stacked expert arrays (in segment order) as bytes.
+
+    Returns:
+        One uint8 array per segment, shaped `(num_experts, nbytes)`: row `e` is
+        the C-contiguous bytes of `arrays[key][e]` (any dtype, bfloat16
+        included, is reinterpreted, never converted).
+    """
+    views = [mx.contiguous(a).view(mx.uint8).reshape(num_experts, -1) for a in arrays.values()]
+    mx.eval(views)
+    return [np.asarray(v) for v in views]
+
+
+def _write_blob(path: Path, parts: list[np.ndarray], stride: int) -> list[int]:
+    """Write `num_experts` records of `stride` bytes to a new file and fsync it.
+
+    Args:
+        path: blob file to create.
+        parts: per segment, uint8 `(num_experts, nbytes)` (see `_record_parts`).
+        stride: record size with zero padding, >= the sum of segment sizes.
+
+    Returns:
+        crc32 of each record's unpadded bytes.
+
+    Raises:
+        OSError: on any write failure (e.g. ENOSPC).
+    """
+    num_experts = parts[0].shape[0]
+    record_bytes = sum(p.shape[1] for p in parts)
+    padding = bytes(stride - record_bytes)
+    checksums = []
+    with open(path, "wb") as f:
+        for e in range(num_experts):
+            crc = 0
+            for p in parts:
+                row = p[e].data
+                crc = zlib.crc32(row, crc)
+                f.write(row)
+            f.write(padding)
+            checksums.append(crc)
+        f.flush()
+        os.fsync(f.fileno())
+    return checksums
+
+
+def _copy_aux_files(model_dir: Path, dest: Path) -> None:
+    """Copy config, tokenizer and other plain files; never weights or code."""
+    for entry in sorted(model_dir.iterdir()):
+        name = entry.name
+        skip = (
+            not entry.is_file()
+            or name.endswith((".safetensors", ".safetensors.index.json", ".py"))
+            or name == MANIFEST_FILE
+            or re.fullmatch(r"layer\d+\.blob", name) is not None
+        )
+        if skip:
+            continue
+        shutil.copyfile(entry, dest / name)
+        _fsync(dest / name)
+
+
+def _install(tmp: Path, store_dir: Path, force: bool) -> None:
+    """Rename the complete `tmp` to `store_dir`, replacing an old store only
+    when `force` (the old one is moved aside first and restored on failure)."""
+    if not (store_dir.exists() or store_dir.is_symlink()):
+        os.rename(tmp, store_dir)
+    elif not force:
+        raise FileExistsError(errno.EEXIST, "appeared during conversion", str(store_dir))
+    else:
+        old = store_dir.parent / f".{store_dir.name}.old-{os.getpid()}"
+        os.rename(store_dir, old)
+        try:
+            os.rename(tmp, store_dir)
+        except BaseException:
+            os.rename(old, store_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(store_dir.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable; a no-op where directories cannot be fsynced."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _naming_store(e: BaseException, model_dir: Path, store_dir: Path) -> BaseException:
+    """`e` with a message that names the store; nothing was written."""
+    what = f"converting {model_dir} into {store_dir} failed, nothing was written"
+    if isinstance(e, OSError):
+        if e.errno is None:
+            return OSError(f"{what}: {e}")
+        detail = e.strerror or str(e)
+        if e.filename is not None:
+            detail = f"{detail} ({e.filename})"
+        return OSError(e.errno, f"{what}: {detail}", str(store_dir))
+    if isinstance(e, Exception) and e.args and isinstance(e.args[0], str):
+        e.args = (f"{what}: {e.args[0]}", *e.args[1:])
+    return e

@@ -1,0 +1,612 @@
+"""The expert store on disk: manifest, validation and a reference reader.
+
+An expert store is a directory written by `engine.convert.convert`; its format
+is specified in `docs/store-format.md`. This module mirrors the manifest in
+frozen dataclasses (`Segment`, `LayerSpec`, `Manifest`), validates a store
+completely before anything reads it, and offers `ExpertStore`, whose
+`read_record` is the plain-Python reference reader that tests and `verify`
+use. Only JSON and safetensors are ever read from a store.
+"""
+
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+FORMAT = "expertstream-store"
+VERSION = 1
+CHECKSUM = "crc32"
+ALIGNMENT = 4096
+MANIFEST_FILE = "manifest.json"
+DENSE_FILE = "dense.safetensors"
+CONFIG_FILE = "config.json"
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PARAMS = ("weight", "scales", "biases", "bias")
+SEGMENT_KEYS = tuple(f"{proj}.{param}" for proj in PROJECTIONS for param in PARAMS)
+
+DTYPES = {
+    "bool": mx.bool_,
+    "uint8": mx.uint8,
+    "uint16": mx.uint16,
+    "uint32": mx.uint32,
+    "uint64": mx.uint64,
+    "int8": mx.int8,
+    "int16": mx.int16,
+    "int32": mx.int32,
+    "int64": mx.int64,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "float64": mx.float64,
+    "complex64": mx.complex64,
+}
+
+
+class StoreError(ValueError):
+    """An expert store is missing, incomplete, inconsistent or corrupt.
+
+    The message names the offending file and the field or value.
+    """
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """The manifest name of an MLX dtype, e.g. `mx.bfloat16` -> "bfloat16".
+
+    Raises:
+        StoreError: the dtype has no manifest name.
+    """
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise StoreError(f"dtype {dtype} cannot be stored")
+
+
+def blob_name(layer: int) -> str:
+    """File name of the blob of decoder layer `layer`, e.g. "layer03.blob"."""
+    return f"layer{layer:02d}.blob"
+
+
+def stride_for(record_bytes: int) -> int:
+    """`record_bytes` rounded up to a multiple of `ALIGNMENT` (4096) bytes."""
+    return -(-record_bytes // ALIGNMENT) * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter of an expert inside a record.
+
+    Attributes:
+        key: "<proj>.<param>", e.g. "gate_proj.scales" (one of `SEGMENT_KEYS`).
+        dtype: MLX dtype name (a key of `DTYPES`).
+        shape: per-expert shape; the pool array of this key is `(rows, *shape)`.
+        nbytes: `prod(shape) * itemsize`.
+        offset: byte offset inside the record.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "offset": self.offset,
+        }
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One MoE layer of the store: its blob file and record layout.
+
+    Attributes:
+        layer: decoder layer index (`model.layers.<layer>`).
+        moe_index: index among MoE layers only.
+        module: weight-key prefix of the stacked experts,
+            e.g. "model.layers.3.mlp.switch_mlp".
+        file: blob file name inside the store, e.g. "layer03.blob".
+        record_bytes: bytes of one expert's segments (padding excluded).
+        stride: bytes between records; a multiple of 4096, >= record_bytes.
+        segments: in record order (gate, up, down; weight, scales, biases, bias).
+        quantization: projection -> {"group_size", "bits", "mode"}, or None when
+            the projection is not quantized.
+        checksums: crc32 of each record's first `record_bytes` bytes.
+    """
+
+    layer: int
+    moe_index: int
+    module: str
+    file: str
+    record_bytes: int
+    stride: int
+    segments: tuple[Segment, ...]
+    quantization: dict
+    checksums: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "layer": self.layer,
+            "moe_index": self.moe_index,
+            "module": self.module,
+            "file": self.file,
+            "record_bytes": self.record_bytes,
+            "stride": self.stride,
+            "segments": [s.to_json() for s in self.segments],
+            "quantization": {
+                proj: None if q is None else dict(q) for proj, q in self.quantization.items()
+            },
+            "checksums": list(self.checksums),
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed, validated `manifest.json` of a store.
+
+    Attributes:
+        model_type: the model config's `model_type`.
+        num_experts: records per blob file.
+        top_k: experts per token.
+        num_hidden_layers: decoder layers of the model (MoE or not).
+        layers: MoE layers in decoder order.
+        checksum: checksum algorithm of `LayerSpec.checksums` ("crc32").
+    """
+
+    model_type: str
+    num_experts: int
+    top_k: int
+    num_hidden_layers: int
+    layers: tuple[LayerSpec, ...]
+    checksum: str = CHECKSUM
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model_type": self.model_type,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "num_hidden_layers": self.num_hidden_layers,
+            "checksum": self.checksum,
+            "layers": [spec.to_json() for spec in self.layers],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, store_dir: str | Path) -> "Manifest":
+        """Parse and validate a manifest against the store directory.
+
+        Checks the format and version, every field's type and range, segment
+        order, sizes and contiguity, strides, checksums count, quantization,
+        that each `file` is a plain name inside `store_dir`, that each blob's
+        size is exactly `num_experts * stride`, that `dense.safetensors` and
+        `config.json` exist, and that the config's `model_type` matches.
+
+        Args:
+            data: the decoded `manifest.json`.
+            store_dir: the store directory the manifest belongs to.
+
+        Raises:
+            StoreError: naming the file and the field or value at fault.
+        """
+        store_dir = Path(store_dir)
+        where = str(store_dir / MANIFEST_FILE)
+        _expect(isinstance(data, dict), where, "top level is not a JSON object")
+        fmt = data.get("format")
+        _expect(fmt == FORMAT, where, f"format is {fmt!r}, expected {FORMAT!r}")
+        version = _int(data, "version", where)
+        _expect(
+            version == VERSION,
+            where,
+            f"version {version} is not supported (this build reads {VERSION})",
+        )
+        model_type = _str(data, "model_type", where)
+        num_experts = _int(data, "num_experts", where, lo=1)
+        top_k = _int(data, "top_k", where, lo=1, hi=num_experts)
+        num_hidden_layers = _int(data, "num_hidden_layers", where, lo=1)
+        checksum = data.get("checksum")
+        _expect(
+            checksum == CHECKSUM,
+            where,
+            f"checksum is {checksum!r}, expected {CHECKSUM!r}",
+        )
+        raw_layers = _list(data, "layers", where)
+        _expect(len(raw_layers) > 0, where, "layers is empty")
+
+        layers = []
+        for i, raw in enumerate(raw_layers):
+            spec = _parse_layer(raw, i, num_experts, num_hidden_layers, where)
+            if layers:
+                _expect(
+                    spec.layer > layers[-1].layer,
+                    where,
+                    f"layers[{i}].layer {spec.layer} is not after {layers[-1].layer}",
+                )
+            layers.append(spec)
+
+        for spec in layers:
+            _check_blob(store_dir / spec.file, num_experts * spec.stride, spec)
+        _expect(
+            (store_dir / DENSE_FILE).is_file(),
+            str(store_dir / DENSE_FILE),
+            "missing",
+        )
+        config = read_config(store_dir)
+        config_type = config.get("model_type")
+        _expect(
+            config_type == model_type,
+            str(store_dir / CONFIG_FILE),
+            f"model_type {config_type!r} does not match the manifest's {model_type!r}",
+        )
+        return cls(
+            model_type=model_type,
+            num_experts=num_experts,
+            top_k=top_k,
+            num_hidden_layers=num_hidden_layers,
+            layers=tuple(layers),
+            checksum=checksum,
+        )
+
+
+def _expect(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise StoreError(f"{where}: {message}")
+
+
+def _int(obj: dict, key: str, where: str, lo: int | None = None, hi=None) -> int:
+    v = obj.get(key)
+    ok = isinstance(v, int) and not isinstance(v, bool)
+    _expect(ok, where, f"{key} is {v!r}, expected an integer")
+    _expect(lo is None or v >= lo, where, f"{key} is {v}, expected >= {lo}")
+    _expect(hi is None or v <= hi, where, f"{key} is {v}, expected <= {hi}")
+    return v
+
+
+def _str(obj: dict, key: str, where: str) -> str:
+    v = obj.get(key)
+    _expect(isinstance(v, str) and v != "", where, f"{key} is {v!r}, expected a string")
+    return v
+
+
+def _list(obj: dict, key: str, where: str) -> list:
+    v = obj.get(key)
+    _expect(isinstance(v, list), where, f"{key} is {v!r}, expected a list")
+    return v
+
+
+def _check_file_name(name: str, where: str) -> None:
+    """Refuse any `file` value that could name something outside the store."""
+    plain = (
+        name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and ".." not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+        and Path(name).name == name
+    )
+    _expect(plain, where, f"{name!r} is not a plain file name inside the store")
+
+
+def _parse_layer(
+    raw: dict, i: int, num_experts: int, num_hidden_layers: int, where: str
+) -> LayerSpec:
+    ctx = f"layers[{i}]"
+    _expect(isinstance(raw, dict), where, f"{ctx} is not a JSON object")
+    layer = _int(raw, "layer", f"{where}: {ctx}", lo=0, hi=num_hidden_layers - 1)
+    moe_index = _int(raw, "moe_index", f"{where}: {ctx}")
+    _expect(moe_index == i, where, f"{ctx}.moe_index is {moe_index}, expected {i}")
+    module = _str(raw, "module", f"{where}: {ctx}")
+    _expect(
+        module.startswith(f"model.layers.{layer}.") and module.endswith(".switch_mlp"),
+        where,
+        f"{ctx}.module {module!r} is not model.layers.{layer}.<block>.switch_mlp",
+    )
+    file = _str(raw, "file", f"{where}: {ctx}")
+    _check_file_name(file, f"{where}: {ctx}.file")
+    _expect(
+        file == blob_name(layer),
+        where,
+        f"{ctx}.file is {file!r}, expected {blob_name(layer)!r} for layer {layer}",
+    )
+    record_bytes = _int(raw, "record_bytes", f"{where}: {ctx}", lo=1)
+    stride = _int(raw, "stride", f"{where}: {ctx}", lo=1)
+    _expect(
+        stride % ALIGNMENT == 0,
+        where,
+        f"{ctx}.stride {stride} is not a multiple of {ALIGNMENT}",
+    )
+    _expect(
+        stride >= record_bytes,
+        where,
+        f"{ctx}.stride {stride} is smaller than record_bytes {record_bytes}",
+    )
+
+    segments = []
+    offset = 0
+    last_rank = -1
+    for j, seg in enumerate(_list(raw, "segments", f"{where}: {ctx}")):
+        sctx = f"{ctx}.segments[{j}]"
+        _expect(isinstance(seg, dict), where, f"{sctx} is not a JSON object")
+        key = seg.get("key")
+        _expect(key in SEGMENT_KEYS, where, f"{sctx}.key {key!r} is not a segment key")
+        rank = SEGMENT_KEYS.index(key)
+        _expect(
+            rank > last_rank,
+            where,
+            f"{sctx}.key {key!r} is out of order or repeated "
+            "(order: gate, up, down; weight, scales, biases, bias)",
+        )
+        last_rank = rank
+        dtype = seg.get("dtype")
+        _expect(dtype in DTYPES, where, f"{sctx}.dtype {dtype!r} is not an MLX dtype")
+        shape = seg.get("shape")
+        _expect(
+            isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+            and all(d >= 0 for d in shape),
+            where,
+            f"{sctx}.shape {shape!r} is not a list of non-negative integers",
+        )
+        nbytes = _int(seg, "nbytes", f"{where}: {sctx}")
+        want = math.prod(shape) * DTYPES[dtype].size
+        _expect(
+            nbytes == want,
+            where,
+            f"{sctx}.nbytes is {nbytes}, expected {want} for {dtype}{shape}",
+        )
+        seg_offset = _int(seg, "offset", f"{where}: {sctx}")
+        _expect(
+            seg_offset == offset,
+            where,
+            f"{sctx}.offset is {seg_offset}, expected {offset} (segments are contiguous)",
+        )
+        offset += nbytes
+        segments.append(Segment(key, dtype, tuple(shape), nbytes, seg_offset))
+    _expect(len(segments) > 0, where, f"{ctx}.segments is empty")
+    _expect(
+        offset == record_bytes,
+        where,
+        f"{ctx}: segments sum to {offset} bytes but record_bytes is {record_bytes}",
+    )
+
+    keys = {s.key for s in segments}
+    raw_q = raw.get("quantization")
+    _expect(isinstance(raw_q, dict), where, f"{ctx}.quantization is not an object")
+    quantization = {}
+    for proj in PROJECTIONS:
+        present = f"{proj}.weight" in keys
+        if proj not in raw_q:
+            _expect(not present, where, f"{ctx}.quantization lacks {proj!r}")
+            continue
+        _expect(present, where, f"{ctx}.quantization names {proj!r} without segments")
+        quantization[proj] = _parse_quantization(
+            raw_q[proj], f"{proj}.scales" in keys, f"{where}: {ctx}.quantization.{proj}"
+        )
+    extra = set(raw_q) - set(PROJECTIONS)
+    _expect(not extra, where, f"{ctx}.quantization has unknown keys {sorted(extra)}")
+
+    checksums = _list(raw, "checksums", f"{where}: {ctx}")
+    _expect(
+        len(checksums) == num_experts,
+        where,
+        f"{ctx}.checksums has {len(checksums)} entries, expected {num_experts}",
+    )
+    _expect(
+        all(isinstance(c, int) and not isinstance(c, bool) for c in checksums)
+        and all(0 <= c < 2**32 for c in checksums),
+        where,
+        f"{ctx}.checksums holds values that are not crc32 integers",
+    )
+    return LayerSpec(
+        layer=layer,
+        moe_index=moe_index,
+        module=module,
+        file=file,
+        record_bytes=record_bytes,
+        stride=stride,
+        segments=tuple(segments),
+        quantization=quantization,
+        checksums=tuple(checksums),
+    )
+
+
+def _parse_quantization(q, has_scales: bool, where: str) -> dict | None:
+    if q is None:
+        _expect(not has_scales, where, "is null but the projection has scales")
+        return None
+    _expect(isinstance(q, dict), where, f"{q!r} is neither null nor an object")
+    _expect(has_scales, where, "is set but the projection has no scales")
+    group_size = _int(q, "group_size", where, lo=1)
+    bits = _int(q, "bits", where, lo=1)
+    mode = _str(q, "mode", where)
+    return {"group_size": group_size, "bits": bits, "mode": mode}
+
+
+def _check_blob(path: Path, want: int, spec: LayerSpec) -> None:
+    _expect(path.is_file(), str(path), f"blob of layer {spec.layer} is missing")
+    size = path.stat().st_size
+    _expect(
+        size >= want,
+        str(path),
+        f"truncated: {size} bytes, expected {want} (num_experts x stride {spec.stride})",
+    )
+    _expect(
+        size == want,
+        str(path),
+        f"size mismatch: {size} bytes, expected {want} (num_experts x stride {spec.stride})",
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing") from None
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path}: unreadable JSON ({e})") from None
+    _expect(isinstance(data, dict), str(path), "top level is not a JSON object")
+    return data
+
+
+def read_config(store_dir: str | Path) -> dict:
+    """The model config (`config.json`) of a store.
+
+    Raises:
+        StoreError: the file is missing, not JSON, or not a JSON object.
+    """
+    return _read_json(Path(store_dir) / CONFIG_FILE)
+
+
+def load_manifest(store_dir: str | Path) -> Manifest:
+    """Read and validate `store_dir/manifest.json` (see `Manifest.from_json`).
+
+    Raises:
+        StoreError: no manifest (not a store, or an interrupted convert),
+            unreadable JSON, or any validation failure.
+    """
+    store_dir = Path(store_dir)
+    if not (store_dir / MANIFEST_FILE).is_file():
+        raise StoreError(
+            f"{store_dir / MANIFEST_FILE}: missing; {store_dir} is not a complete expert store"
+        )
+    return Manifest.from_json(_read_json(store_dir / MANIFEST_FILE), store_dir)
+
+
+def is_store(path: str | Path) -> bool:
+    """True when `path` is a directory with a `manifest.json` of this format.
+
+    A cheap check (it reads only the manifest's `format`); `ExpertStore`
+    validates everything.
+    """
+    try:
+        with open(Path(path) / MANIFEST_FILE, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+class ExpertStore:
+    """A validated expert store directory.
+
+    Attributes:
+        path: the store directory.
+        manifest: its validated `Manifest`.
+        config: the model config (`config.json`) as a dict.
+
+    Raises:
+        StoreError: when the store fails validation (see `Manifest.from_json`).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = load_manifest(self.path)
+        self.config = read_config(self.path)
+        self._by_layer = {spec.layer: spec for spec in self.manifest.layers}
+
+    def __repr__(self) -> str:
+        return f"ExpertStore({str(self.path)!r})"
+
+    def layer(self, decoder_idx: int) -> LayerSpec:
+        """The spec of decoder layer `decoder_idx`.
+
+        Raises:
+            KeyError: that decoder layer is not an MoE layer of this store.
+        """
+        try:
+            return self._by_layer[decoder_idx]
+        except KeyError:
+            raise KeyError(
+                f"decoder layer {decoder_idx} is not an MoE layer of {self.path} "
+                f"(MoE layers: {sorted(self._by_layer)})"
+            ) from None
+
+    def blob_path(self, spec: LayerSpec) -> Path:
+        """Path of the blob file of `spec`."""
+        return self.path / spec.file
+
+    def dense_weights(self) -> dict[str, mx.array]:
+        """All non-expert weights, lazily loaded from `dense.safetensors`,
+        under mlx-lm's sanitized key names."""
+        return mx.load(str(self.path / DENSE_FILE))
+
+    def read_record(self, spec: LayerSpec, e: int) -> bytes:
+        """Expert `e`'s record of layer `spec`: `spec.record_bytes` bytes read
+        with one positional read at `e * spec.stride` (padding excluded).
+
+        Raises:
+            IndexError: `e` is not in `[0, num_experts)`.
+            StoreError: the file ends before the record does.
+        """
+        n = self.manifest.num_experts
+        if not 0 <= e < n:
+            raise IndexError(f"expert {e} out of range [0, {n})")
+        path = self.blob_path(spec)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            data = os.pread(fd, spec.record_bytes, e * spec.stride)
+        finally:
+            os.close(fd)
+        if len(data) != spec.record_bytes:
+            raise StoreError(
+                f"{path}: truncated: expert {e} has {len(data)} of {spec.record_bytes} bytes"
+            )
+        return data
+
+    def verify(self, layers: list[int] | None = None) -> int:
+        """Check every record's crc32 and that its padding is zero.
+
+        Args:
+            layers: decoder layer indices to check; all MoE layers if None.
+
+        Returns:
+            The number of records checked.
+
+        Raises:
+            KeyError: a requested layer is not an MoE layer.
+            StoreError: naming the blob file, layer and expert of the first
+                corrupt record.
+        """
+        specs = self.manifest.layers if layers is None else [self.layer(i) for i in layers]
+        checked = 0
+        for spec in specs:
+            path = self.blob_path(spec)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                for e in range(self.manifest.num_experts):
+                    _check_record(path, spec, e, os.pread(fd, spec.stride, e * spec.stride))
+                    checked += 1
+            finally:
+                os.close(fd)
+        return checked
+
+
+def _check_record(path: Path, spec: LayerSpec, e: int, data: bytes) -> None:
+    where = f"{path}: layer {spec.layer} expert {e}"
+    _expect(
+        len(data) == spec.stride,
+        where,
+        f"truncated: {len(data)} of {spec.stride} bytes",
+    )
+    crc = zlib.crc32(memoryview(data)[: spec.record_bytes])
+    _expect(
+        crc == spec.checksums[e],
+        where,
+        f"crc32 {crc:#010x} does not match the manifest's {spec.checksums[e]:#010x}",
+    )
+    pad = spec.stride - spec.record_bytes
+    _expect(
+        data.count(0, spec.record_bytes) == pad,
+        where,
+        "padding is not zero",
+    )
