@@ -1,0 +1,40 @@
+"""Shared fixtures: small real models and their stores, built once per session."""
+
+import os
+
+import pytest
+
+from factories import make_random_model
+
+from engine.convert import convert
+from engine.store import ExpertStore
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _store_cache(tmp_path_factory):
+    """Converted stores of model directories go to a temporary cache, not ~/.cache."""
+    os.environ["EXPERTSTREAM_CACHE"] = str(tmp_path_factory.mktemp("store-cache"))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """A function (model_type, **options) -> mlx-lm model dir, memoised per session."""
+    made = {}
+
+    def get(model_type: str, **options):
+        key = (model_type, tuple(sorted(options.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(model_type) / "model"
+            made[key] = make_random_model(out, model_type, **options)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen_store(model_dirs, tmp_path_factory):
+    """ExpertStore of a 4-layer, 8-expert, top-2 quantized qwen3_moe model."""
+    dest = tmp_path_factory.mktemp("stores") / "qwen3"
+    return ExpertStore(convert(model_dirs("qwen3_moe"), dest))
