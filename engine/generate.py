@@ -147,6 +147,10 @@ def generate(
             on_text(r.text)
         last = r
     after = sm.snapshot().totals()
+    if sm.config.autopin_frac > 0:
+        from engine import autopin
+
+        autopin.update(sm)
     return GenerationResult(
         text="".join(text),
         tokens=tokens,

@@ -1,0 +1,48 @@
+"""Autopin pins the most frequent experts within its budget, saves them beside the
+store's data, and pre-loads them at the next start."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+
+from engine import autopin
+from engine.cache import SLOT_PINNED
+from engine.config import StreamConfig
+from engine.model import load
+
+
+def test_autopin_pins_top_experts_and_restores_them(model_dirs):
+    cfg = StreamConfig(expert_slots=4, autopin_frac=0.5)
+    sm = load(model_dirs("qwen3_moe"), cfg)
+    sm.model(mx.array([[5, 9, 13, 2, 77, 31, 4, 8]]))
+    freq = sm.snapshot().freq
+    pins = autopin.update(sm)
+    assert autopin.budget(sm) == 2
+    for li, layer_pins in enumerate(pins):
+        want = sorted(np.argsort(-freq[li], kind="stable")[:2].tolist())
+        assert layer_pins == want
+    snap = sm.snapshot()
+    for li, layer_pins in enumerate(pins):
+        pinned = sorted(snap.slot_expert[li][snap.slot_state[li] == SLOT_PINNED].tolist())
+        assert pinned == layer_pins
+    saved = json.loads((sm.store.path / autopin.PIN_FILE).read_text())
+    assert saved["pins"] == pins
+
+    again = load(model_dirs("qwen3_moe"), cfg)  # a new start pre-loads the pin set
+    snap = again.snapshot()
+    for li, layer_pins in enumerate(pins):
+        pinned = sorted(snap.slot_expert[li][snap.slot_state[li] == SLOT_PINNED].tolist())
+        assert pinned == layer_pins
+    assert again.cache.check() == ""
+    (sm.store.path / autopin.PIN_FILE).unlink()
+
+
+def test_restore_ignores_a_pin_file_of_another_model(model_dirs):
+    sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=4))
+    path = sm.store.path / autopin.PIN_FILE
+    path.write_text(json.dumps({"num_experts": 64, "pins": [[60]] * 4}))
+    try:
+        assert autopin.restore_pins(sm) == []
+    finally:
+        path.unlink()
