@@ -88,6 +88,14 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from engine.bench import run_suite
+
+    run_suite(args.suite, args.out, args.model)
+    print(f"wrote {args.out}/results.json and results.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="expertstream",
@@ -112,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_stream_flags(p)
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: figures and ratios against resident mlx-lm")
+    p.add_argument("--suite", choices=["quick", "full"], default="quick")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--model", help="default: the embedded model")
+    p.set_defaults(func=_bench)
     return parser
 
 
