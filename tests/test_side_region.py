@@ -1,0 +1,147 @@
+"""The side region's rules, one scenario each, on the native cache.
+
+Each test names the seed defect of DESIGN.md it guards against, or the mode rule.
+"""
+
+import time
+
+import numpy as np
+
+from engine.cache import ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED, open_cache
+from engine.config import StreamConfig
+
+
+def ids(*experts):
+    return np.array(experts, dtype=np.int32)
+
+
+def side(cache, layer=0):
+    """{expert: state} of generation 0's rows, and the count of free rows."""
+    s = cache.snapshot(layer)
+    spec = cache.spec
+    experts, states = s["side_expert"][:spec], s["side_state"][:spec]
+    owned = {int(e): int(st) for e, st in zip(experts, states, strict=True) if st != ROW_FREE}
+    return owned, int((states == ROW_FREE).sum())
+
+
+def acquire(cache, layer, *experts):
+    rows, missing = cache.acquire(layer, ids(*experts).reshape(-1, 1))
+    assert missing == []
+    return rows.reshape(-1).tolist()
+
+
+def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
+    """Defect 1: the seed gave a re-predicted in-flight expert a second row and leaked one."""
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=3))
+    cache.inject_fault(0, "delay", expert=5, count=1, delay_ms=300)
+    cache.prefetch(0, ids(5))
+    cache.prefetch(0, ids(5, 5))
+    owned, free = side(cache)
+    assert owned == {5: ROW_IN_FLIGHT} and free == 2
+    assert cache.inflight == 1
+    cache.drain()
+    owned, free = side(cache)
+    assert owned == {5: ROW_PUBLISHED} and free == 2
+    assert cache.check() == ""
+    s = cache.snapshot(0)["stats"]
+    assert s["prefetch_issued"] == 1
+
+
+def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
+    """Defect 4: a fill must not overwrite a row that this forward's gather still reads."""
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=1, sync=True))
+    cache.prefetch(0, ids(3))
+    rows = acquire(cache, 0, 3)  # side hit, read by the current forward
+    assert rows == [cache.cap + 0]
+    cache.prefetch(0, ids(4))  # ledger full, the only row is fenced
+    assert side(cache)[0] == {3: ROW_PUBLISHED}
+    acquire(cache, 1, 0)
+    acquire(cache, 0, 0)  # layer index wrapped: a new forward, the old one evaluated
+    cache.prefetch(0, ids(4))
+    assert side(cache)[0] == {4: ROW_PUBLISHED}
+    assert cache.check() == ""
+
+
+def test_each_store_has_its_own_state(qwen_store):
+    """Defect 3: the seed kept cache state in process globals keyed by layer."""
+    a = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True))
+    b = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True))
+    a.prefetch(0, ids(6))
+    acquire(a, 0, 1)
+    assert side(a)[0] == {6: ROW_PUBLISHED} and side(b)[0] == {}
+    assert (b.snapshot(0)["slot_expert"] == -1).all()
+
+
+def test_lfu_reuses_the_least_frequently_predicted_row(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=2, sync=True))
+    cache.prefetch(0, ids(2, 5))
+    cache.prefetch(0, ids(5))  # 5 predicted again: frequency 2, 2 stays at 1
+    cache.prefetch(0, ids(7))
+    assert side(cache)[0] == {5: ROW_PUBLISHED, 7: ROW_PUBLISHED}
+    cache.prefetch(0, ids(1, 7))  # 7 is wanted now, so 5 (not 7) goes despite its frequency
+    assert side(cache)[0] == {1: ROW_PUBLISHED, 7: ROW_PUBLISHED}
+    cache.prefetch(0, ids(3))  # tie between 1 and 7 (both 1, 7 re-predicted -> 2): 1 goes
+    assert side(cache)[0] == {3: ROW_PUBLISHED, 7: ROW_PUBLISHED}
+
+
+def test_resident_experts_are_not_prefetched(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True))
+    acquire(cache, 0, 4)
+    cache.prefetch(0, ids(4, 6))
+    assert side(cache)[0] == {6: ROW_PUBLISHED}
+
+
+def gen_rows(cache, layer, gen):
+    s = cache.snapshot(layer)
+    spec = cache.spec
+    part = slice(gen * spec, (gen + 1) * spec)
+    return {int(e): int(st) for e, st in zip(s["side_expert"][part], s["side_state"][part],
+                                             strict=True) if st != ROW_FREE}
+
+
+def test_legacy_mode_reads_the_generation_filled_by_the_previous_forward(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True,
+                                                side_lfu=False))
+    # Forward 0 fills generation 0 and reads generation 1.
+    acquire(cache, 0, 0)
+    cache.prefetch(1, ids(6))
+    assert gen_rows(cache, 1, 0) == {6: ROW_PUBLISHED}
+    assert acquire(cache, 1, 6) == [0]  # not readable by the forward that filled it
+    acquire(cache, 1, 1)  # the second slot was free
+    acquire(cache, 1, 2)  # evicts 6: LFU tie with 1, 6 was used less recently
+    assert sorted(cache.snapshot(1)["slot_expert"].tolist()) == [1, 2]
+    # Forward 1 reads generation 0 and fills generation 1.
+    acquire(cache, 0, 0)
+    assert acquire(cache, 1, 6) == [cache.cap + 0]  # side hit: generation 0, row 0
+    assert cache.snapshot(1)["stats"]["side_hits"] == 1
+    # Forward 2 fills generation 0 again: rows outside the new prediction are released.
+    acquire(cache, 0, 0)
+    cache.prefetch(1, ids(3))
+    assert gen_rows(cache, 1, 0) == {3: ROW_PUBLISHED}
+    assert cache.check() == ""
+
+
+def test_mode_switch_applies_at_the_forward_boundary(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=2, sync=True))
+    cache.prefetch(0, ids(6))
+    cache.side_lfu = False
+    assert side(cache)[0] == {6: ROW_PUBLISHED}  # nothing changes mid-forward
+    acquire(cache, 0, 0)
+    acquire(cache, 0, 0)  # boundary: the switch drains and clears the side region
+    assert side(cache)[0] == {} and cache.check() == ""
+
+
+def test_drain_cancels_queued_fills_and_waits_for_started_ones(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=4,
+                                                reader_threads=1))
+    cache.inject_fault(0, "delay", expert=-1, count=1, delay_ms=200)
+    cache.prefetch(0, ids(2, 3, 4, 5))
+    time.sleep(0.05)  # the first fill has started and sleeps; three are queued
+    cache.drain()
+    assert cache.inflight == 0
+    owned, free = side(cache)
+    stats = cache.snapshot(0)["stats"]
+    assert len(owned) + stats["prefetch_cancelled"] == 4
+    assert stats["prefetch_cancelled"] >= 1
+    assert all(st == ROW_PUBLISHED for st in owned.values())
+    assert cache.check() == ""
