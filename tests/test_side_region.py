@@ -39,12 +39,15 @@ def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
     owned, free = side(cache)
     assert owned == {5: ROW_IN_FLIGHT} and free == 2
     assert cache.inflight == 1
-    cache.drain()
+    cache.drain()  # waits for the fill if it started, else cancels it
     owned, free = side(cache)
-    assert owned == {5: ROW_PUBLISHED} and free == 2
-    assert cache.check() == ""
     s = cache.snapshot(0)["stats"]
     assert s["prefetch_issued"] == 1
+    if s["prefetch_cancelled"]:
+        assert owned == {} and free == 3
+    else:
+        assert owned == {5: ROW_PUBLISHED} and free == 2
+    assert cache.check() == "" and cache.inflight == 0
 
 
 def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
