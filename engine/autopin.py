@@ -60,9 +60,11 @@ def restore_pins(sm: StreamedModel) -> list[list[int]]:
     try:
         saved = json.loads(path.read_text())
         pins = saved["pins"]
-        ok = (saved["num_experts"] == sm.store.manifest.num_experts
-              and len(pins) == sm.cache.num_layers
-              and all(0 <= e < saved["num_experts"] for layer in pins for e in layer))
+        ok = (
+            saved["num_experts"] == sm.store.manifest.num_experts
+            and len(pins) == sm.cache.num_layers
+            and all(0 <= e < saved["num_experts"] for layer in pins for e in layer)
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return []
     if not ok:

@@ -23,9 +23,18 @@ SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED = range(5
 ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED = range(3)
 
 STAT_KEYS = (
-    "hits", "misses", "loads", "bytes_read", "side_hits", "prefetch_issued",
-    "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "evictions",
-    "overcap_calls", "read_seconds",
+    "hits",
+    "misses",
+    "loads",
+    "bytes_read",
+    "side_hits",
+    "prefetch_issued",
+    "prefetch_used",
+    "prefetch_wasted",
+    "prefetch_cancelled",
+    "evictions",
+    "overcap_calls",
+    "read_seconds",
 )
 
 
@@ -53,8 +62,13 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
             "record_bytes": spec.record_bytes,
             "checksums": list(spec.checksums),
             "segments": [
-                {"key": s.key, "dtype": s.dtype, "shape": list(s.shape),
-                 "offset": s.offset, "nbytes": s.nbytes}
+                {
+                    "key": s.key,
+                    "dtype": s.dtype,
+                    "shape": list(s.shape),
+                    "offset": s.offset,
+                    "nbytes": s.nbytes,
+                }
                 for s in spec.segments
             ],
         }
@@ -104,8 +118,10 @@ class CacheSnapshot:
     def totals(self) -> dict:
         """Counters summed over layers, plus `hit_rate` (hits / lookups) and
         `prefetch_accuracy` (used / issued), 0 when undefined."""
-        t = {k: float(v.sum()) if k == "read_seconds" else int(v.sum())
-             for k, v in self.stats.items()}
+        t = {
+            k: float(v.sum()) if k == "read_seconds" else int(v.sum())
+            for k, v in self.stats.items()
+        }
         lookups = t["hits"] + t["misses"]
         t["hit_rate"] = t["hits"] / lookups if lookups else 0.0
         issued = t["prefetch_issued"]

@@ -65,18 +65,25 @@ class StreamConfig:
             if not ok:
                 raise ValueError(f"StreamConfig.{field} = {value!r}: {what}")
 
-        need(self.expert_slots is None or self.expert_slots >= 1, "expert_slots",
-             self.expert_slots, "must be >= 1")
+        need(
+            self.expert_slots is None or self.expert_slots >= 1,
+            "expert_slots",
+            self.expert_slots,
+            "must be >= 1",
+        )
         need(self.spec_slots >= 0, "spec_slots", self.spec_slots, "must be >= 0")
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
         need(self.cutoff is None or self.cutoff >= 0, "cutoff", self.cutoff, "must be >= 0")
         need(self.policy in ("lfu", "lru"), "policy", self.policy, "must be 'lfu' or 'lru'")
         need(self.decay_every >= 0, "decay_every", self.decay_every, "must be >= 0")
-        need(0.0 <= self.autopin_frac < 1.0, "autopin_frac", self.autopin_frac,
-             "must be in [0, 1)")
-        need(self.prefill_chunk is None or self.prefill_chunk >= 1, "prefill_chunk",
-             self.prefill_chunk, "must be >= 1")
+        need(0.0 <= self.autopin_frac < 1.0, "autopin_frac", self.autopin_frac, "must be in [0, 1)")
+        need(
+            self.prefill_chunk is None or self.prefill_chunk >= 1,
+            "prefill_chunk",
+            self.prefill_chunk,
+            "must be >= 1",
+        )
         need(self.reader_threads >= 1, "reader_threads", self.reader_threads, "must be >= 1")
 
     def replace(self, **changes) -> "StreamConfig":

@@ -66,7 +66,11 @@ def stream_generate(
     check_context(sm, len(prompt), max_tokens)
     sampler = make_sampler(temp=temperature, top_p=top_p)
     yield from mlx_stream_generate(
-        sm.model, sm.tokenizer, mx.array(prompt), max_tokens=max_tokens, sampler=sampler,
+        sm.model,
+        sm.tokenizer,
+        mx.array(prompt),
+        max_tokens=max_tokens,
+        sampler=sampler,
         prompt_cache=prompt_cache,
     )
 
@@ -118,8 +122,11 @@ class GenerationResult:
 
 def cache_delta(before: dict, after: dict) -> dict:
     """Counter totals accumulated between two `CacheSnapshot.totals()`."""
-    d = {k: after[k] - before[k] for k in after if k not in ("hit_rate", "prefetch_accuracy",
-                                                             "inflight")}
+    d = {
+        k: after[k] - before[k]
+        for k in after
+        if k not in ("hit_rate", "prefetch_accuracy", "inflight")
+    }
     lookups = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / lookups if lookups else 0.0
     d["prefetch_accuracy"] = (

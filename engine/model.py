@@ -138,8 +138,9 @@ def _quantize_dense(model: nn.Module, config: dict, weights: dict) -> None:
     )
 
 
-def load(path: str | Path | None = None, config: StreamConfig | None = None,
-         progress=None) -> StreamedModel:
+def load(
+    path: str | Path | None = None, config: StreamConfig | None = None, progress=None
+) -> StreamedModel:
     """Loads a streamed model.
 
     Args:
@@ -187,9 +188,7 @@ def load(path: str | Path | None = None, config: StreamConfig | None = None,
     mx.eval(model.parameters())
 
     tokenizer = None
-    if (store.path / "tokenizer_config.json").exists() or (
-        store.path / "tokenizer.json"
-    ).exists():
+    if (store.path / "tokenizer_config.json").exists() or (store.path / "tokenizer.json").exists():
         tokenizer = load_tokenizer(store.path, eos_token_ids=cfg.get("eos_token_id"))
     model_obj = StreamedModel(model, tokenizer, store, config, cache, coordinator)
     if config.autopin_frac > 0:

@@ -56,7 +56,9 @@ class StreamedSwitchGLU(nn.Module):
             )
         else:
             y = mx.gather_mm(
-                x, pool[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=rows,
+                x,
+                pool[f"{name}.weight"].swapaxes(-1, -2),
+                rhs_indices=rows,
                 sorted_indices=sorted_rows,
             )
         if f"{name}.bias" in pool:

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from factories import make_random_model
-
 from engine.convert import convert
 from engine.store import ExpertStore
+
+from factories import make_random_model
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 

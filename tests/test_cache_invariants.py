@@ -82,18 +82,29 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def open(self, cap, spec, side_lfu, sync, policy):
         store = self.store
-        self.cache = open_cache(store, StreamConfig(
-            expert_slots=cap, spec_slots=spec, side_lfu=side_lfu, sync=sync, policy=policy,
-            decay_every=3, prefill_chunk=2))
+        self.cache = open_cache(
+            store,
+            StreamConfig(
+                expert_slots=cap,
+                spec_slots=spec,
+                side_lfu=side_lfu,
+                sync=sync,
+                policy=policy,
+                decay_every=3,
+                prefill_chunk=2,
+            ),
+        )
         self.checker = RowChecker(store, self.cache)
 
-    @rule(li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1,
-                                             max_size=6))
+    @rule(
+        li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1, max_size=6)
+    )
     def acquire(self, li, ids):
         acquire_and_check(self.checker, self.cache, li, ids)
 
-    @rule(li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1,
-                                             max_size=6))
+    @rule(
+        li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1, max_size=6)
+    )
     def prefetch(self, li, ids):
         self.cache.prefetch(li, np.array(ids, dtype=np.int32))
 
@@ -148,16 +159,21 @@ def test_cache_state_machine(qwen_store):
     CacheMachine.store = qwen_store
     run_state_machine_as_test(
         CacheMachine,
-        settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
-                          suppress_health_check=list(HealthCheck)),
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
     )
 
 
 def test_concurrent_soak(qwen_store):
     """Async prefetch, re-predictions of in-flight experts, drains and resets on the
     generation thread while two threads poll snapshots; bounded at ~3 s."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=3, spec_slots=3,
-                                                prefill_chunk=2, decay_every=5))
+    cache = open_cache(
+        qwen_store, StreamConfig(expert_slots=3, spec_slots=3, prefill_chunk=2, decay_every=5)
+    )
     checker = RowChecker(qwen_store, cache)
     stop = threading.Event()
     violations, polls = [], [0]

@@ -10,10 +10,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from factories import MODEL_TYPES
-
 from engine.config import StreamConfig
 from engine.model import load
+
+from factories import MODEL_TYPES
 
 PROMPT = [3, 17, 42, 5, 99, 64, 1, 8, 23, 77, 12, 50]
 DECODE_STEPS = 32
@@ -71,10 +71,19 @@ def test_streamed_equals_resident(model_dirs, resident, model_type, slots):
 @pytest.mark.parametrize("side_lfu", [True, False])
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("spec", [1, 6])
-def test_prefetch_modes_equal_resident(model_dirs, resident, model_type, slots, side_lfu,
-                                       sync, spec):
-    cfg = StreamConfig(expert_slots=slots, spec_slots=spec, prefetch=True, side_lfu=side_lfu,
-                       sync=sync, ahead_lo=1, ahead_hi=2, cutoff=2)
+def test_prefetch_modes_equal_resident(
+    model_dirs, resident, model_type, slots, side_lfu, sync, spec
+):
+    cfg = StreamConfig(
+        expert_slots=slots,
+        spec_slots=spec,
+        prefetch=True,
+        side_lfu=side_lfu,
+        sync=sync,
+        ahead_lo=1,
+        ahead_hi=2,
+        cutoff=2,
+    )
     sm = load(model_dirs(model_type), cfg)
     assert_same(resident(model_type), greedy_logits(sm.model))
     sm.cache.drain()
@@ -87,13 +96,16 @@ def test_prefetch_modes_equal_resident(model_dirs, resident, model_type, slots, 
 
 def test_dense_layers_and_expert_bias(model_dirs, resident):
     """MoE index != decoder index (mlp_only_layers) and olmoe experts with bias."""
-    for model_type, options in [("qwen3_moe", {"mlp_only_layers": (0, 2)}),
-                                ("olmoe", {"expert_bias": True}),
-                                ("qwen3_moe", {"tie_word_embeddings": True,
-                                               "stray_lm_head": True}),
-                                ("mixtral", {"quantized": False})]:
-        sm = load(model_dirs(model_type, **options),
-                  StreamConfig(expert_slots=2, spec_slots=2, prefetch=True))
+    for model_type, options in [
+        ("qwen3_moe", {"mlp_only_layers": (0, 2)}),
+        ("olmoe", {"expert_bias": True}),
+        ("qwen3_moe", {"tie_word_embeddings": True, "stray_lm_head": True}),
+        ("mixtral", {"quantized": False}),
+    ]:
+        sm = load(
+            model_dirs(model_type, **options),
+            StreamConfig(expert_slots=2, spec_slots=2, prefetch=True),
+        )
         assert_same(resident(model_type, **options), greedy_logits(sm.model))
 
 

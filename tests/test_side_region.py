@@ -98,13 +98,17 @@ def gen_rows(cache, layer, gen):
     s = cache.snapshot(layer)
     spec = cache.spec
     part = slice(gen * spec, (gen + 1) * spec)
-    return {int(e): int(st) for e, st in zip(s["side_expert"][part], s["side_state"][part],
-                                             strict=True) if st != ROW_FREE}
+    return {
+        int(e): int(st)
+        for e, st in zip(s["side_expert"][part], s["side_state"][part], strict=True)
+        if st != ROW_FREE
+    }
 
 
 def test_legacy_mode_reads_the_generation_filled_by_the_previous_forward(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True,
-                                                side_lfu=False))
+    cache = open_cache(
+        qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True, side_lfu=False)
+    )
     # Forward 0 fills generation 0 and reads generation 1.
     acquire(cache, 0, 0)
     cache.prefetch(1, ids(6))
@@ -135,8 +139,7 @@ def test_mode_switch_applies_at_the_forward_boundary(qwen_store):
 
 
 def test_drain_cancels_queued_fills_and_waits_for_started_ones(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=4,
-                                                reader_threads=1))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=4, reader_threads=1))
     cache.inject_fault(0, "delay", expert=-1, count=1, delay_ms=200)
     cache.prefetch(0, ids(2, 3, 4, 5))
     time.sleep(0.05)  # the first fill has started and sleeps; three are queued
