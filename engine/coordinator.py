@@ -33,6 +33,8 @@ class Coordinator:
         self.cutoff = self.num_layers // 2 if config.cutoff is None else config.cutoff
         # Predictions run on the CPU stream where there is no GPU kernel for them.
         self._cpu_stream = mx.default_device() != mx.cpu
+        self._last_layer = -1
+        self._targets: set[int] = set()  # submitted in the current forward
 
     def target_for(self, layer: int) -> int | None:
         """MoE layer whose experts `layer` prefetches: layer + ahead_lo before `cutoff`,
@@ -57,10 +59,15 @@ class Coordinator:
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills
         predicted from `x` at MoE layer `layer`; None when nothing is prefetched
-        (disabled, prefill of more than one token, or no target layer)."""
+        (disabled, prefill of more than one token, no target layer, or the target was
+        already submitted in this forward: ahead_lo > ahead_hi can map two layers to one)."""
+        if layer <= self._last_layer:
+            self._targets.clear()  # the layer index wrapped: a new forward
+        self._last_layer = layer
         if not self.enabled or x.size // x.shape[-1] != 1:
             return None
         target = self.target_for(layer)
-        if target is None:
+        if target is None or target in self._targets:
             return None
+        self._targets.add(target)
         return self.cache.prefetch_op(target, self.predict(target, x), self._cpu_stream)
