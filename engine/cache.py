@@ -17,6 +17,7 @@ from engine.store import ExpertStore
 
 ExpertReadError = _ext.ExpertReadError
 ChecksumError = _ext.ChecksumError
+ExpertReadTimeout = _ext.ExpertReadTimeout
 
 # slot_state / side_state codes of a snapshot.
 SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED = range(5)
@@ -35,6 +36,7 @@ STAT_KEYS = (
     "evictions",
     "overcap_calls",
     "read_seconds",
+    "read_errors",
 )
 
 
@@ -87,6 +89,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
         verify=config.verify_checksums,
         uncached=config.uncached_io,
         threads=config.reader_threads,
+        read_timeout=config.read_timeout_s,
     )
 
 
@@ -101,7 +104,8 @@ class CacheSnapshot:
         side_state: (n, 2 * spec) uint8, ROW_* codes.
         freq: (n, num_experts) float32, LFU frequency per expert.
         stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds in
-            seconds, bytes_read in bytes, the rest counts).
+            seconds, bytes_read in bytes, the rest counts; read_errors: reads that failed
+            or timed out after their retry, demand and prefetch).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
     """

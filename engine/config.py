@@ -42,6 +42,11 @@ class StreamConfig:
         reader_threads: background reader threads.
         verify_checksums: check each record's crc32 on every read.
         uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
+        read_timeout_s: a demand read (or a drain of prefetch fills) that sees no read
+            finish for this long gives up: ExpertReadTimeout naming the file, layer and
+            expert (a given-up fill is left to a later demand read); the late read never
+            writes a pool row. 0 waits forever. Not applied to SYNC fills, which read on
+            the submitting thread.
     """
 
     expert_slots: int | None = None
@@ -59,6 +64,7 @@ class StreamConfig:
     reader_threads: int = 2
     verify_checksums: bool = True
     uncached_io: bool = True
+    read_timeout_s: float = 30.0
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
@@ -85,6 +91,12 @@ class StreamConfig:
             "must be >= 1",
         )
         need(self.reader_threads >= 1, "reader_threads", self.reader_threads, "must be >= 1")
+        need(
+            0 <= self.read_timeout_s <= 86400,
+            "read_timeout_s",
+            self.read_timeout_s,
+            "must be in [0, 86400] seconds",
+        )
 
     def replace(self, **changes) -> "StreamConfig":
         """A copy with `changes` applied (validated again)."""

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-from .layouts import Layout, layout_for
+from .layouts import Layout, NotMoEError, layout_for
 from .store import (
     CONFIG_FILE,
     DENSE_FILE,
@@ -38,6 +38,9 @@ from .store import (
 )
 
 _SWITCH_KEY = re.compile(r"model\.layers\.(\d+)\.([^.]+)\.switch_mlp\.(.+)")
+# Other weight formats (pickle-based and others): never opened nor copied into a store;
+# named in the error when a model directory has no safetensors.
+_UNREAD_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".npz", ".npy", ".gguf")
 
 
 @dataclass
@@ -64,7 +67,8 @@ def convert(
 
     Expert weights (`model.layers.N.<block>.switch_mlp.*`) go to one
     `layerNN.blob` per MoE layer, every other weight to `dense.safetensors`;
-    `config.json` and the tokenizer/auxiliary files are copied (no `*.py`).
+    `config.json` and the tokenizer/auxiliary files are copied (no `*.py`, no
+    pickle or other weight files).
 
     Args:
         model_dir: an mlx-lm model directory (`config.json`,
@@ -84,7 +88,8 @@ def convert(
             missing.
         ValueError: invalid `config.json`, a config with `model_file` (custom
             model code is never run), or weights that do not match the model.
-        UnsupportedModelError, NotMoEError: from `layout_for`.
+        UnsupportedModelError, NotMoEError: from `layout_for`; NotMoEError also when
+            no decoder layer of the model is an MoE layer.
         FileExistsError: `store_dir` exists and `force` is False, or it is not a
             store.
         OSError: writing failed (e.g. ENOSPC); the message names `store_dir`.
@@ -98,6 +103,11 @@ def convert(
     _check_destination(model_dir, store_dir, force)
 
     model = _instantiate(config, layout, model_dir)
+    if not layout.moe_blocks(model):
+        raise NotMoEError(
+            f"{model_dir / CONFIG_FILE}: no layer of this {layout.model_type} model has "
+            "routed experts (mlp_only_layers / decoder_sparse_step make every layer dense)"
+        )
     weights = _load_weights(model_dir, model)
     plans = _plan_layers(layout, config, model, weights)
     if "lm_head" not in model:
@@ -183,10 +193,20 @@ def _load_weights(model_dir: Path, model: nn.Module) -> dict[str, mx.array]:
     """Lazily loaded, sanitized weights (per-expert checkpoints are stacked)."""
     files = sorted(model_dir.glob("model*.safetensors"))
     if not files:
-        raise FileNotFoundError(errno.ENOENT, "no model*.safetensors weights", str(model_dir))
+        others = sorted(p.name for p in model_dir.iterdir() if p.suffix in _UNREAD_WEIGHT_SUFFIXES)
+        detail = "no model*.safetensors weights"
+        if others:
+            detail += (
+                f" (found {', '.join(others)}: only safetensors are read, pickle-based "
+                "and other formats never are)"
+            )
+        raise FileNotFoundError(errno.ENOENT, detail, str(model_dir))
     weights = {}
     for f in files:
-        weights.update(mx.load(str(f)))
+        try:
+            weights.update(mx.load(str(f), format="safetensors"))
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
     weights = model.sanitize(weights)
     for key in weights:
         if ".experts." in key:
@@ -307,7 +327,10 @@ def _write_store(
     progress: Callable[[int, int], None] | None,
 ) -> None:
     num_experts = layout.num_experts(config)
-    mx.save_safetensors(str(tmp / DENSE_FILE), dense, metadata={"format": "mlx"})
+    try:
+        mx.save_safetensors(str(tmp / DENSE_FILE), dense, metadata={"format": "mlx"})
+    except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
+        raise OSError(f"cannot write {DENSE_FILE} ({e}); is the disk full?") from e
     dense.clear()
     _fsync(tmp / DENSE_FILE)
 
@@ -422,6 +445,7 @@ def _copy_aux_files(model_dir: Path, dest: Path) -> None:
         skip = (
             not entry.is_file()
             or name.endswith((".safetensors", ".safetensors.index.json", ".py"))
+            or name.endswith(_UNREAD_WEIGHT_SUFFIXES)
             or name == MANIFEST_FILE
             or re.fullmatch(r"layer\d+\.blob", name) is not None
         )

@@ -6,6 +6,7 @@ patches every MoE block's `switch_mlp` with a `StreamedSwitchGLU`, and loads onl
 dense weights. The result generates through mlx-lm's own `stream_generate`.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -21,8 +22,16 @@ from engine import cache as cache_mod
 from engine.config import StreamConfig
 from engine.convert import convert
 from engine.coordinator import Coordinator
-from engine.layouts import layout_for
-from engine.store import ExpertStore, StoreError, is_store
+from engine.layouts import Layout, layout_for
+from engine.store import (
+    DTYPES,
+    MANIFEST_FILE,
+    PROJECTIONS,
+    ExpertStore,
+    LayerSpec,
+    StoreError,
+    is_store,
+)
 from engine.streamed_layer import StreamedSwitchGLU
 
 
@@ -51,19 +60,29 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
 
     Raises:
         FileNotFoundError: `path` does not exist or has no config.json.
+        PermissionError: `path` is a directory this process may not list.
         StoreError, UnsupportedModelError, NotMoEError: from validation and convert.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    if is_store(path):
-        return ExpertStore(path)
+    if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, "cannot read the directory (permission denied)", str(path)
+        )
+    manifest = path / MANIFEST_FILE
+    if is_store(path) or (manifest.is_file() and not os.access(manifest, os.R_OK)):
+        return ExpertStore(path)  # an unreadable manifest is reported, not taken for a model dir
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} is neither an expert store (manifest.json) nor an mlx-lm model "
             "directory (config.json)"
         )
-    layout_for(json.loads((path / "config.json").read_text()))  # fail fast, before hashing
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    layout_for(config)  # fail fast, before hashing
     dest = store_cache_dir() / f"{path.resolve().name}-{_fingerprint(path)}"
     if not is_store(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +157,110 @@ def _quantize_dense(model: nn.Module, config: dict, weights: dict) -> None:
     )
 
 
+def _expected_segments(switch_mlp: nn.Module, quantization: dict) -> dict:
+    """{segment key: (dtype name or None for any float, per-expert shape)} that the
+    model's own (unevaluated) SwitchGLU `switch_mlp` needs, quantized as `quantization`
+    says. Shapes come from lazy arrays: nothing is computed."""
+    want = {}
+    for proj in PROJECTIONS:
+        linear = switch_mlp[proj]
+        _, rows, cols = linear.weight.shape
+        q = quantization.get(proj)
+        if q is None:
+            want[f"{proj}.weight"] = (None, (rows, cols))
+        else:
+            parts = mx.quantize(
+                mx.zeros((rows, cols)), group_size=q["group_size"], bits=q["bits"], mode=q["mode"]
+            )
+            for name, a in zip(("weight", "scales", "biases"), parts, strict=False):
+                dtype = "uint32" if name == "weight" else None
+                want[f"{proj}.{name}"] = (dtype, tuple(a.shape))
+        if "bias" in linear:
+            want[f"{proj}.bias"] = (None, (rows,))
+    return want
+
+
+def _check_store_matches_model(
+    store: ExpertStore, layout: Layout, cfg: dict, blocks: list[tuple[int, nn.Module]]
+) -> None:
+    """Refuses a store whose experts are not those of the model its config.json builds (a
+    store of a different model, or another model's config.json copied in): the MoE layers,
+    expert count, top-k and every segment's shape must be what that model holds.
+
+    Raises:
+        StoreError: naming the manifest, the layer and the field or segment at fault.
+    """
+    m = store.manifest
+    where = store.path / MANIFEST_FILE
+    if [i for i, _ in blocks] != [s.layer for s in m.layers]:
+        raise StoreError(
+            f"{store.path}: the store's MoE layers {[s.layer for s in m.layers]} do not match "
+            f"the model's {[i for i, _ in blocks]} (a store of a different model?)"
+        )
+    for field, got, want in (
+        ("num_experts", m.num_experts, layout.num_experts(cfg)),
+        ("top_k", m.top_k, layout.top_k(cfg)),
+        ("num_hidden_layers", m.num_hidden_layers, cfg.get("num_hidden_layers")),
+    ):
+        if got != want:
+            raise StoreError(
+                f"{where}: {field} is {got} but config.json says {want} "
+                "(a store of a different model?)"
+            )
+    for (_, block), spec in zip(blocks, m.layers, strict=True):
+        _check_layer_segments(where, spec, block.switch_mlp)
+
+
+def _check_layer_segments(where: Path, spec: LayerSpec, switch_mlp: nn.Module) -> None:
+    ctx = f"{where}: layers[{spec.moe_index}] ({spec.file})"
+    try:
+        want = _expected_segments(switch_mlp, spec.quantization)
+    except ValueError as e:
+        raise StoreError(
+            f"{ctx}: quantization {spec.quantization} does not fit the model ({e})"
+        ) from None
+    got = {s.key: s for s in spec.segments}
+    for key in [*got, *(k for k in want if k not in got)]:
+        if key not in want:
+            raise StoreError(f"{ctx}: segment {key} is not a parameter of the model")
+        if key not in got:
+            raise StoreError(f"{ctx}: segment {key} of the model is missing")
+        dtype, shape = want[key]
+        seg = got[key]
+        ok_dtype = seg.dtype == dtype if dtype else mx.issubdtype(DTYPES[seg.dtype], mx.floating)
+        if tuple(seg.shape) != shape or not ok_dtype:
+            need = f"{dtype or 'a float'} {list(shape)}"
+            raise StoreError(
+                f"{ctx}: segment {key} is {seg.dtype} {list(seg.shape)} but the model of "
+                f"config.json needs {need} (a store of a different model?)"
+            )
+
+
+def _load_tokenizer(store: ExpertStore, cfg: dict) -> TokenizerWrapper | None:
+    """mlx-lm's tokenizer of the store, or None when it has no tokenizer files. Code in
+    the store is never run (trust_remote_code=False: an `auto_map` is refused).
+
+    Raises:
+        StoreError: the tokenizer files cannot be loaded, or hold no vocabulary.
+    """
+    path = store.path
+    if not ((path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists()):
+        return None
+    try:
+        tokenizer = load_tokenizer(
+            path, {"trust_remote_code": False}, eos_token_ids=cfg.get("eos_token_id")
+        )
+        empty = not tokenizer.encode("The", add_special_tokens=False)
+    except Exception as e:  # transformers and tokenizers raise many kinds
+        raise StoreError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+    if empty:
+        raise StoreError(
+            f"{path}: the tokenizer has no vocabulary (tokenizer_config.json without "
+            "tokenizer.json or its vocabulary files?)"
+        )
+    return tokenizer
+
+
 def load(
     path: str | Path | None = None, config: StreamConfig | None = None, progress=None
 ) -> StreamedModel:
@@ -150,8 +273,10 @@ def load(
         progress: `progress(done_bytes, total_bytes)` during a first-use convert.
 
     Raises:
-        FileNotFoundError, StoreError, UnsupportedModelError, NotMoEError: bad path or
-            store; StoreError when the store's MoE layers do not match the model's.
+        FileNotFoundError, PermissionError, StoreError, UnsupportedModelError,
+            NotMoEError: bad path or store; StoreError when the store's MoE layers, expert
+            count, top-k or segment shapes are not those of the model its config.json
+            describes, or its tokenizer files cannot be loaded.
         engine.cache.ExpertReadError: a blob file cannot be opened.
     """
     from engine.resources import default_model_path
@@ -164,11 +289,7 @@ def load(
     model = model_class(args_class.from_dict(cfg))
     blocks = layout.moe_blocks(model)
     specs = store.manifest.layers
-    if [i for i, _ in blocks] != [s.layer for s in specs]:
-        raise StoreError(
-            f"{store.path}: the store's MoE layers {[s.layer for s in specs]} do not match "
-            f"the model's {[i for i, _ in blocks]} (a store of a different model?)"
-        )
+    _check_store_matches_model(store, layout, cfg, blocks)
     cache = cache_mod.open_cache(store, config)
     coordinator = Coordinator(cache, [b.gate for _, b in blocks], config)
     for moe_index, ((_, block), spec) in enumerate(zip(blocks, specs, strict=True)):
@@ -187,9 +308,7 @@ def load(
         raise StoreError(f"{store.path / 'dense.safetensors'}: {e}") from None
     mx.eval(model.parameters())
 
-    tokenizer = None
-    if (store.path / "tokenizer_config.json").exists() or (store.path / "tokenizer.json").exists():
-        tokenizer = load_tokenizer(store.path, eos_token_ids=cfg.get("eos_token_id"))
+    tokenizer = _load_tokenizer(store, cfg)
     model_obj = StreamedModel(model, tokenizer, store, config, cache, coordinator)
     if config.autopin_frac > 0:
         from engine.autopin import restore_pins

@@ -452,7 +452,9 @@ def _read_json(path: Path) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise StoreError(f"{path}: missing") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
         raise StoreError(f"{path}: unreadable JSON ({e})") from None
     _expect(isinstance(data, dict), str(path), "top level is not a JSON object")
     return data
@@ -537,8 +539,17 @@ class ExpertStore:
 
     def dense_weights(self) -> dict[str, mx.array]:
         """All non-expert weights, lazily loaded from `dense.safetensors`,
-        under mlx-lm's sanitized key names."""
-        return mx.load(str(self.path / DENSE_FILE))
+        under mlx-lm's sanitized key names.
+
+        Raises:
+            StoreError: the file cannot be read, or is not safetensors, or is shorter
+                than its header says (MLX refuses it; no zeros are read past the end).
+        """
+        path = self.path / DENSE_FILE
+        try:
+            return mx.load(str(path), format="safetensors")
+        except (RuntimeError, ValueError, OSError) as e:
+            raise StoreError(f"{path}: cannot load ({e})") from None
 
     def read_record(self, spec: LayerSpec, e: int) -> bytes:
         """Expert `e`'s record of layer `spec`: `spec.record_bytes` bytes read

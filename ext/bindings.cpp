@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <unordered_map>
 
 #include "errors.h"
@@ -69,6 +70,7 @@ nb::dict stats_dict(const es::LayerStats& s) {
   d["evictions"] = s.evictions;
   d["overcap_calls"] = s.overcap_calls;
   d["read_seconds"] = static_cast<double>(s.read_seconds_us) * 1e-6;
+  d["read_errors"] = s.read_errors;
   return d;
 }
 
@@ -97,13 +99,14 @@ NB_MODULE(_ext, m) {
 
   auto read_error = nb::exception<es::ReadError>(m, "ExpertReadError", PyExc_OSError);
   nb::exception<es::ChecksumError>(m, "ChecksumError", read_error);
+  nb::exception<es::ReadTimeout>(m, "ExpertReadTimeout", read_error);
 
   nb::class_<Cache>(m, "ExpertCache")
       .def(
           "__init__",
           [](Cache* self, nb::list layers, int num_experts, int cap, int spec, int scratch,
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
-             bool uncached, int threads) {
+             bool uncached, int threads, double read_timeout) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
@@ -119,11 +122,17 @@ NB_MODULE(_ext, m) {
             c.verify = verify;
             c.uncached = uncached;
             c.threads = threads;
+            if (!(read_timeout >= 0 && read_timeout <= 86400))
+              throw std::invalid_argument("read_timeout must be in [0, 86400] seconds, got " +
+                                          std::to_string(read_timeout));
+            c.read_timeout_ms = static_cast<int>(std::lround(read_timeout * 1000));
+            if (read_timeout > 0 && c.read_timeout_ms == 0) c.read_timeout_ms = 1;
             new (self) Cache{std::make_shared<es::ExpertCache>(std::move(specs), num_experts, c)};
           },
           "layers"_a, "num_experts"_a, "cap"_a, "spec"_a = 0, "scratch"_a = 1,
           "policy"_a = "lfu", "decay_every"_a = 256, "side_lfu"_a = true, "sync"_a = false,
-          "verify"_a = true, "uncached"_a = true, "threads"_a = 2)
+          "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
+          "read_timeout"_a = 30.0)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); })
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); })
       .def_prop_ro("rows", [](const Cache& c) { return c.impl->rows(); })

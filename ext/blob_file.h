@@ -43,9 +43,11 @@ class BlobFile {
   // Arms a fault for the next `count` reads of `expert` (-1: any expert). Test hook.
   void inject_fault(Fault fault, int expert, int count, int delay_ms);
 
+  // "<path> (layer <layer>, expert <expert>)", the prefix of every read error message.
+  std::string where(int expert) const;
+
  private:
   void read_once(int expert, uint8_t* dst) const;
-  std::string where(int expert) const;
 
   std::string path_;
   int layer_;

@@ -1,5 +1,6 @@
-// Exceptions the native core raises; bindings.cpp maps them to Python classes
-// (ReadError -> engine.errors.ExpertReadError, an OSError; ChecksumError is a ReadError).
+// Exceptions the native core raises; bindings.cpp maps them to Python classes:
+// ReadError -> engine._ext.ExpertReadError (an OSError), ChecksumError -> ChecksumError
+// and ReadTimeout -> ExpertReadTimeout (both ExpertReadErrors).
 #pragma once
 
 #include <stdexcept>
@@ -12,6 +13,12 @@ struct ReadError : std::runtime_error {
 };
 
 struct ChecksumError : ReadError {
+  using ReadError::ReadError;
+};
+
+// No demand read of a batch finished within the read timeout; the reads given up on can
+// never write a pool row afterwards.
+struct ReadTimeout : ReadError {
   using ReadError::ReadError;
 };
 

@@ -1,8 +1,10 @@
 #include "expert_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -26,7 +28,36 @@ void check_layer(int li, int n) {
                             std::to_string(n) + ")");
 }
 
+std::string duration_text(int ms) {
+  return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s" : std::to_string(ms) + " ms";
+}
+
+// Life of one record read. A read is Pending while queued or reading; its reader moves it
+// to Copying only after the bytes and checksum are good, copies into the pool row, then
+// settles it Done; a failed read settles Failed. Whoever waits for it may instead settle
+// a Pending read Abandoned (timeout), after which that read never touches its row.
+enum ReadState : int { kPending = 0, kCopying, kDone, kFailed, kAbandoned };
+
+// The demand reads of one call, shared by the waiting caller and the reader threads.
+// All fields are guarded by mu.
+struct DemandBatch {
+  explicit DemandBatch(size_t n) : state(n, kPending), error(n) {}
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> state;
+  std::vector<std::exception_ptr> error;
+  size_t settled = 0;  // reads Done, Failed or Abandoned
+};
+
 }  // namespace
+
+// A prefetch fill's state: Pending -> Copying by its reader (compare-exchange, so the copy
+// runs without the cache mutex); Pending -> Failed by its reader or Pending -> Abandoned
+// by a timed-out drain, under the cache mutex. The one that leaves Pending other than to
+// Copying releases the side row.
+struct ExpertCache::FillTicket {
+  std::atomic<int> state{kPending};
+};
 
 ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config)
     : layers_(std::move(layers)),
@@ -73,6 +104,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     real_.emplace_back(config_.cap, num_experts_, config_.policy, config_.decay_every);
     side_.push_back({SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)});
     loading_.emplace_back(config_.cap, 0);
+    fill_tickets_.emplace_back(2 * static_cast<size_t>(config_.spec));
   }
   stats_.resize(layers_.size());
   readers_ = std::make_unique<ReaderPool>(config_.threads);
@@ -86,16 +118,97 @@ ExpertCache::~ExpertCache() {
 int ExpertCache::read_gen() const { return side_lfu_ ? 0 : static_cast<int>((forward_ + 1) % 2); }
 int ExpertCache::fill_gen() const { return side_lfu_ ? 0 : static_cast<int>(forward_ % 2); }
 
-void ExpertCache::read_into_rows(int li, int expert, const std::vector<int>& rows) {
+void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
   const auto& L = layers_[li];
-  uint8_t* buf = bounce_buffer(static_cast<size_t>(L.stride));
-  files_[li]->read_record(expert, buf, config_.verify);
   for (size_t s = 0; s < L.segments.size(); ++s) {
     const auto& seg = L.segments[s];
-    for (int row : rows)
-      std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, buf + seg.offset,
-                  static_cast<size_t>(seg.nbytes));
+    std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, buf + seg.offset,
+                static_cast<size_t>(seg.nbytes));
   }
+}
+
+void ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
+                              std::vector<uint8_t>& landed) {
+  const size_t n = loads.size();
+  landed.assign(n, 0);
+  if (n == 0) return;
+  auto batch = std::make_shared<DemandBatch>(n);
+  std::vector<std::function<void()>> tasks;
+  tasks.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    tasks.emplace_back([this, li, batch, i, e = loads[i].first, row = loads[i].second] {
+      auto& b = *batch;
+      {
+        std::lock_guard<std::mutex> lk(b.mu);
+        if (b.state[i] != kPending) return;  // given up before it started
+      }
+      uint8_t* buf = nullptr;
+      std::exception_ptr err;
+      try {
+        buf = bounce_buffer(static_cast<size_t>(layers_[li].stride));
+        files_[li]->read_record(e, buf, config_.verify);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lk(b.mu);
+        if (b.state[i] != kPending) return;  // given up while reading: drop the bytes
+        if (err) {
+          b.state[i] = kFailed;
+          b.error[i] = err;
+          ++b.settled;
+          b.cv.notify_all();
+          return;
+        }
+        b.state[i] = kCopying;
+      }
+      copy_record(li, buf, row);
+      std::lock_guard<std::mutex> lk(b.mu);
+      b.state[i] = kDone;
+      ++b.settled;
+      b.cv.notify_all();
+    });
+  }
+  std::exception_ptr submit_error;  // then some reads may be queued: give them all up
+  try {
+    readers_->submit_demand(std::move(tasks));
+  } catch (...) {
+    submit_error = std::current_exception();
+  }
+
+  std::unique_lock<std::mutex> lk(batch->mu);
+  auto abandon_pending = [&] {
+    for (size_t i = 0; i < n; ++i) {
+      if (batch->state[i] != kPending) continue;
+      batch->state[i] = kAbandoned;
+      ++batch->settled;
+    }
+  };
+  if (submit_error) abandon_pending();
+  const auto timeout = std::chrono::milliseconds(config_.read_timeout_ms);
+  while (batch->settled < n) {
+    const size_t before = batch->settled;
+    auto progressed = [&] { return batch->settled != before; };
+    if (config_.read_timeout_ms <= 0) {
+      batch->cv.wait(lk, progressed);
+    } else if (!batch->cv.wait_for(lk, timeout, progressed)) {
+      abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
+    }
+  }
+  std::exception_ptr first = submit_error;
+  for (size_t i = 0; i < n; ++i) {
+    landed[i] = batch->state[i] == kDone;
+    if (first || landed[i]) continue;
+    if (batch->state[i] == kFailed) {
+      first = batch->error[i];
+    } else {
+      first = std::make_exception_ptr(ReadTimeout(
+          files_[li]->where(loads[i].first) + ": read timed out (no read finished within " +
+          duration_text(config_.read_timeout_ms) + "; is the storage responding?)"));
+    }
+  }
+  lk.unlock();
+  if (first) std::rethrow_exception(first);
 }
 
 void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
@@ -112,7 +225,34 @@ void ExpertCache::drain_locked(std::unique_lock<std::mutex>& lk) {
   lk.unlock();
   readers_->cancel_prefetches();  // runs the cancelled tasks, which take mu_
   lk.lock();
-  drained_cv_.wait(lk, [this] { return inflight_ == 0; });
+  const auto timeout = std::chrono::milliseconds(config_.read_timeout_ms);
+  while (inflight_ > 0) {
+    const uint64_t before = fills_settled_;
+    auto progressed = [&] { return inflight_ == 0 || fills_settled_ != before; };
+    if (config_.read_timeout_ms <= 0) {
+      drained_cv_.wait(lk, progressed);
+    } else if (!drained_cv_.wait_for(lk, timeout, progressed)) {
+      abandon_stuck_fills_locked();
+    }
+  }
+}
+
+void ExpertCache::abandon_stuck_fills_locked() {
+  for (size_t li = 0; li < side_.size(); ++li) {
+    for (int g = 0; g < 2; ++g) {
+      auto& S = side_[li][g];
+      for (int row = 0; row < config_.spec; ++row) {
+        if (S.state(row) != RowState::kInFlight) continue;
+        const auto& t = fill_tickets_[li][static_cast<size_t>(g * config_.spec + row)];
+        int expect = kPending;
+        if (!t || !t->state.compare_exchange_strong(expect, kAbandoned)) continue;
+        S.abandon(S.expert_at(row), row);
+        ++stats_[li].prefetch_wasted;
+        ++stats_[li].read_errors;
+        --inflight_;
+      }
+    }
+  }
 }
 
 void ExpertCache::drain() {
@@ -192,27 +332,30 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   if (!loads.empty()) {
     lk.unlock();
     auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::function<void()>> tasks;
-    for (auto [e, slot] : loads)
-      tasks.push_back([this, li, e = e, slot = slot] { read_into_rows(li, e, {slot}); });
+    std::vector<uint8_t> landed;
     std::exception_ptr err;
     try {
-      readers_->run_demand(std::move(tasks));
+      demand_read(li, loads, landed);
     } catch (...) {
       err = std::current_exception();
     }
     auto us = std::chrono::duration_cast<std::chrono::microseconds>(
                   std::chrono::steady_clock::now() - t0).count();
     lk.lock();
-    for (auto [e, slot] : loads) loading_[li][slot] = 0;
     st.read_seconds_us += static_cast<uint64_t>(us);
-    if (err) std::rethrow_exception(err);  // slots stay empty: no wrong bytes mapped
-    for (auto [e, slot] : loads) {
+    for (size_t i = 0; i < loads.size(); ++i) {
+      auto [e, slot] = loads[i];
+      loading_[li][slot] = 0;
+      if (i >= landed.size() || !landed[i]) {
+        ++st.read_errors;
+        continue;  // the slot stays empty: no wrong bytes mapped
+      }
       R.assign(slot, e, tick_);
       row_of[e] = slot;
       ++st.loads;
       st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
     }
+    if (err) std::rethrow_exception(err);
   }
   for (size_t i = 0; i < n; ++i) local[i] = row_of[ids[i]];
   return {};
@@ -225,7 +368,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
                                 " experts for " + std::to_string(config_.scratch) +
                                 " scratch rows");
   const int base = config_.cap + 2 * config_.spec;
-  std::vector<std::function<void()>> tasks;
+  std::vector<std::pair<int, int>> loads;
   std::vector<int> rows;
   for (size_t i = 0; i < experts.size(); ++i) {
     int e = experts[i];
@@ -233,49 +376,77 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
       throw std::out_of_range("expert id " + std::to_string(e) + " out of range");
     int row = base + static_cast<int>(i);
     rows.push_back(row);
-    tasks.push_back([this, li, e, row] { read_into_rows(li, e, {row}); });
+    loads.emplace_back(e, row);
   }
   auto t0 = std::chrono::steady_clock::now();
-  readers_->run_demand(std::move(tasks));
+  std::vector<uint8_t> landed;
+  std::exception_ptr err;
+  try {
+    demand_read(li, loads, landed);
+  } catch (...) {
+    err = std::current_exception();
+  }
   auto us = std::chrono::duration_cast<std::chrono::microseconds>(
                 std::chrono::steady_clock::now() - t0).count();
+  const auto ok = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
   std::lock_guard<std::mutex> lk(mu_);
   auto& st = stats_[li];
   st.misses += experts.size();
-  st.loads += experts.size();
-  st.bytes_read += experts.size() * static_cast<uint64_t>(layers_[li].stride);
+  st.loads += ok;
+  st.read_errors += experts.size() - ok;
+  st.bytes_read += ok * static_cast<uint64_t>(layers_[li].stride);
   st.read_seconds_us += static_cast<uint64_t>(us);
+  if (err) std::rethrow_exception(err);
   return rows;
 }
 
-void ExpertCache::fill_task(int li, int gen, int expert, int row, bool cancelled) {
-  bool ok = false;
-  if (!cancelled) {
+void ExpertCache::fill_task(int li, int gen, int expert, int row,
+                            const std::shared_ptr<FillTicket>& t, bool cancelled) {
+  bool landed = false;
+  if (!cancelled && t->state.load() == kPending) {
+    uint8_t* buf = nullptr;
+    bool read = false;
     try {
-      read_into_rows(li, expert, {config_.cap + gen * config_.spec + row});
-      ok = true;
-    } catch (const std::exception&) {
-      ok = false;  // a failed prefetch only costs a later demand read
+      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride));
+      files_[li]->read_record(expert, buf, config_.verify);
+      read = true;
+    } catch (...) {
+      // a failed prefetch only costs a later demand read
+    }
+    int expect = kPending;
+    if (read && t->state.compare_exchange_strong(expect, kCopying)) {
+      copy_record(li, buf, config_.cap + gen * config_.spec + row);
+      landed = true;
     }
   }
   std::lock_guard<std::mutex> lk(mu_);
+  int expect = kPending;
+  if (!landed && !t->state.compare_exchange_strong(expect, kFailed))
+    return;  // a timed-out drain gave up on this fill and released its row
   auto& S = side_[li][gen];
   auto& st = stats_[li];
-  if (ok) {
+  if (landed) {
     S.publish(expert, row);
     ++st.loads;
     st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+  } else if (cancelled) {
+    S.abandon(expert, row);
+    ++st.prefetch_cancelled;
   } else {
     S.abandon(expert, row);
-    ++(cancelled ? st.prefetch_cancelled : st.prefetch_wasted);
+    ++st.prefetch_wasted;
+    ++st.read_errors;
   }
-  if (--inflight_ == 0) drained_cv_.notify_all();
+  --inflight_;
+  ++fills_settled_;
+  drained_cv_.notify_all();
 }
 
 void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
   check_layer(li, num_layers());
   if (config_.spec == 0) return;
   std::vector<std::pair<int, int>> todo;
+  std::vector<std::shared_ptr<FillTicket>> tickets;
   int gen;
   bool sync;
   {
@@ -296,13 +467,20 @@ void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
     stats_[li].prefetch_wasted += dropped;
     stats_[li].prefetch_issued += todo.size();
     inflight_ += static_cast<int>(todo.size());
+    for (auto [e, row] : todo) {
+      auto t = std::make_shared<FillTicket>();
+      fill_tickets_[li][static_cast<size_t>(gen * config_.spec + row)] = t;
+      tickets.push_back(std::move(t));
+    }
   }
-  for (auto [e, row] : todo) {
+  for (size_t i = 0; i < todo.size(); ++i) {
+    auto [e, row] = todo[i];
     if (sync) {
-      fill_task(li, gen, e, row, false);
+      fill_task(li, gen, e, row, tickets[i], false);
     } else {
-      readers_->submit_prefetch(
-          [this, li, gen, e = e, row = row](bool cancelled) { fill_task(li, gen, e, row, cancelled); });
+      readers_->submit_prefetch([this, li, gen, e = e, row = row, t = tickets[i]](bool cancelled) {
+        fill_task(li, gen, e, row, t, cancelled);
+      });
     }
   }
 }
@@ -326,15 +504,19 @@ void ExpertCache::pin(int li, int expert) {
     }
     loading_[li][slot] = 1;
     lk.unlock();
+    std::vector<uint8_t> landed;
     std::exception_ptr err;
     try {
-      read_into_rows(li, expert, {slot});
+      demand_read(li, {{expert, slot}}, landed);
     } catch (...) {
       err = std::current_exception();
     }
     lk.lock();
     loading_[li][slot] = 0;
-    if (err) std::rethrow_exception(err);
+    if (err) {
+      ++stats_[li].read_errors;
+      std::rethrow_exception(err);  // the slot stays empty
+    }
     R.assign(slot, expert, ++tick_);
     ++stats_[li].loads;
     stats_[li].bytes_read += static_cast<uint64_t>(layers_[li].stride);

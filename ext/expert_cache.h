@@ -10,6 +10,10 @@
 //                                  misses chunk by chunk, leaving the real region intact
 // Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
 // run on the reader pool or inline (SYNC); snapshots may be taken from any thread.
+// Reads: every record is read into the reading thread's own buffer and copied into a pool
+// row only after the read and its checksum succeeded, and only if nobody gave up on it:
+// a read abandoned on timeout (demand reads and drains wait at most `read_timeout_ms`
+// without progress) can never write a row, however late it returns.
 #pragma once
 
 #include <condition_variable>
@@ -57,6 +61,7 @@ struct CacheConfig {
   bool verify = true;     // crc32 every record read
   bool uncached = true;   // O_DIRECT / F_NOCACHE
   int threads = 2;        // reader pool
+  int read_timeout_ms = 30000;  // longest wait without a read finishing (0: no limit)
 };
 
 // Counters of one layer. Lookups count distinct experts per acquire call.
@@ -64,6 +69,7 @@ struct LayerStats {
   uint64_t hits = 0, misses = 0, loads = 0, bytes_read = 0, side_hits = 0;
   uint64_t prefetch_issued = 0, prefetch_used = 0, prefetch_wasted = 0, prefetch_cancelled = 0;
   uint64_t evictions = 0, overcap_calls = 0, read_seconds_us = 0;
+  uint64_t read_errors = 0;  // reads failed or given up on (demand and prefetch)
 };
 
 struct LayerSnapshot {
@@ -101,7 +107,9 @@ class ExpertCache {
   // or inline in SYNC mode). Called by the prefetch primitive.
   void prefetch(int li, const int32_t* ids, size_t n);
 
-  // Cancels queued fills and waits for started ones.
+  // Cancels queued fills and waits for started ones. A fill still reading after
+  // read_timeout_ms without any fill finishing is given up on: its row is freed (the late
+  // read never writes it) and the expert is left to a later demand read.
   void drain();
 
   void pin(int li, int expert);
@@ -125,12 +133,22 @@ class ExpertCache {
   void inject_fault(int li, Fault fault, int expert, int count, int delay_ms);
 
  private:
+  struct FillTicket;  // who settles one prefetch fill: its reader or a timed-out drain
+
   void begin_forward_locked(std::unique_lock<std::mutex>& lk);
   void drain_locked(std::unique_lock<std::mutex>& lk);
+  // Drain timed out: frees the row of every fill still Pending (reading or queued).
+  void abandon_stuck_fills_locked();
   int read_gen() const;
   int fill_gen() const;
-  void read_into_rows(int li, int expert, const std::vector<int>& rows);
-  void fill_task(int li, int gen, int expert, int row, bool cancelled);
+  void copy_record(int li, const uint8_t* buf, int row);
+  // Reads each (expert, row) of layer li on the reader threads into its row and waits.
+  // landed[i] tells whether load i's row now holds its expert; on any failure the first
+  // error (in load order) is thrown once every read has landed, failed or been given up.
+  void demand_read(int li, const std::vector<std::pair<int, int>>& loads,
+                   std::vector<uint8_t>& landed);
+  void fill_task(int li, int gen, int expert, int row, const std::shared_ptr<FillTicket>& t,
+                 bool cancelled);
 
   std::vector<LayerSpec> layers_;
   int num_experts_;
@@ -145,6 +163,8 @@ class ExpertCache {
   std::vector<std::vector<SideLedger>> side_;  // [li][gen]
   std::vector<std::vector<uint8_t>> loading_;  // [li][slot]
   std::vector<LayerStats> stats_;
+  std::vector<std::vector<std::shared_ptr<FillTicket>>> fill_tickets_;  // [li][gen*spec+row]
+  uint64_t fills_settled_ = 0;  // fills published or released: drain's progress measure
   uint64_t forward_ = 0;
   uint64_t tick_ = 0;
   int last_li_ = -1;

@@ -1,14 +1,11 @@
 #include "reader_pool.h"
 
-#include <atomic>
-#include <exception>
-#include <memory>
-
 namespace es {
 
 ReaderPool::ReaderPool(int threads) {
   if (threads < 1) threads = 1;
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(); });
+  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(false); });
+  workers_.emplace_back([this] { worker(true); });
 }
 
 ReaderPool::~ReaderPool() {
@@ -18,20 +15,25 @@ ReaderPool::~ReaderPool() {
     stop_ = true;
   }
   cv_.notify_all();
+  demand_cv_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
-void ReaderPool::worker() {
+void ReaderPool::worker(bool demand_only) {
   for (;;) {
     std::function<void()> demand;
     PrefetchTask prefetch;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [this] { return stop_ || !demand_.empty() || !prefetch_.empty(); });
+      if (demand_only) {
+        demand_cv_.wait(lk, [this] { return stop_ || !demand_.empty(); });
+      } else {
+        cv_.wait(lk, [this] { return stop_ || !demand_.empty() || !prefetch_.empty(); });
+      }
       if (!demand_.empty()) {
         demand = std::move(demand_.front());
         demand_.pop_front();
-      } else if (!prefetch_.empty()) {
+      } else if (!demand_only && !prefetch_.empty()) {
         prefetch = std::move(prefetch_.front());
         prefetch_.pop_front();
       } else {
@@ -46,51 +48,17 @@ void ReaderPool::worker() {
   }
 }
 
-void ReaderPool::run_demand(std::vector<std::function<void()>> tasks) {
-  if (tasks.empty()) return;
-  struct Batch {
-    std::mutex mu;
-    std::condition_variable cv;
-    size_t left;
-    std::exception_ptr error;
-  };
-  auto batch = std::make_shared<Batch>();
-  batch->left = tasks.size();
-  auto wrap = [batch](std::function<void()> fn) {
-    return [batch, fn = std::move(fn)] {
-      std::exception_ptr err;
-      try {
-        fn();
-      } catch (...) {
-        err = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lk(batch->mu);
-      if (err && !batch->error) batch->error = err;
-      if (--batch->left == 0) batch->cv.notify_all();
-    };
-  };
+void ReaderPool::submit_demand(std::vector<std::function<void()>> tasks) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (size_t i = 1; i < tasks.size(); ++i) demand_.push_back(wrap(std::move(tasks[i])));
+    for (auto& t : tasks) demand_.push_back(std::move(t));
   }
-  cv_.notify_all();
-  wrap(std::move(tasks[0]))();
-  // Help with this batch's remaining demand work instead of idling.
-  for (;;) {
-    std::function<void()> next;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!demand_.empty()) {
-        next = std::move(demand_.front());
-        demand_.pop_front();
-      }
-    }
-    if (!next) break;
-    next();
+  demand_cv_.notify_one();
+  if (tasks.size() == 1) {
+    cv_.notify_one();
+  } else {
+    cv_.notify_all();
   }
-  std::unique_lock<std::mutex> lk(batch->mu);
-  batch->cv.wait(lk, [&] { return batch->left == 0; });
-  if (batch->error) std::rethrow_exception(batch->error);
 }
 
 void ReaderPool::submit_prefetch(PrefetchTask task) {

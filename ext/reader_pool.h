@@ -1,5 +1,8 @@
 // Background reader threads with two queues: demand reads (a layer is waiting on them)
 // always run before queued prefetch reads, so a speculative read never delays a needed one.
+// `threads` workers take both; one more takes demand reads only, standing in for the
+// waiting caller, so demand reads get threads + 1 lanes and prefetch never more than
+// `threads`.
 #pragma once
 
 #include <condition_variable>
@@ -22,9 +25,10 @@ class ReaderPool {
   ReaderPool(const ReaderPool&) = delete;
   ReaderPool& operator=(const ReaderPool&) = delete;
 
-  // Runs every task, on the reader threads and the calling thread, ahead of any queued
-  // prefetch; returns when all have finished and rethrows the first exception.
-  void run_demand(std::vector<std::function<void()>> tasks);
+  // Queues demand tasks ahead of every queued prefetch. The caller waits for them on its
+  // own terms (ExpertCache bounds the wait with the read timeout), never by running reads
+  // itself: a read that hangs in the kernel must not hold the generation thread.
+  void submit_demand(std::vector<std::function<void()>> tasks);
 
   // Queues a prefetch task behind all demand work.
   void submit_prefetch(PrefetchTask task);
@@ -32,13 +36,12 @@ class ReaderPool {
   // Calls every queued, not yet started prefetch task with cancelled=true; returns how many.
   size_t cancel_prefetches();
 
-  int threads() const { return static_cast<int>(workers_.size()); }
-
  private:
-  void worker();
+  void worker(bool demand_only);
 
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;         // workers taking both kinds
+  std::condition_variable demand_cv_;  // the demand-only worker
   std::deque<std::function<void()>> demand_;
   std::deque<PrefetchTask> prefetch_;
   bool stop_ = false;

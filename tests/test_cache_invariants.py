@@ -3,10 +3,13 @@
 After every step: each real region's slot<->expert maps agree, pinned experts are
 resident, and per (layer, generation) free + in flight + published == side rows with no
 row owned twice (ExpertCache.check()). Every row a caller is handed, and every published
-side row, holds exactly its expert's record bytes from the blob.
+side row, holds exactly its expert's record bytes from the blob. Read faults are injected
+too: a transient one (one bad read) must be invisible; a persistent one may fail a call,
+with an error naming file, layer and expert, and with every invariant intact.
 """
 
 import random
+import re
 import threading
 import time
 
@@ -14,65 +17,19 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from rowcheck import RowChecker, acquire_and_check
 
-from engine.cache import ROW_PUBLISHED, open_cache
+from engine.cache import ExpertReadError, open_cache
 from engine.config import StreamConfig
 
 NUM_EXPERTS = 8
-
-
-class RowChecker:
-    """Compares pool rows with the records of the store's blob files."""
-
-    def __init__(self, store, cache):
-        self.store, self.cache = store, cache
-        self.specs = store.manifest.layers
-        self.records = {
-            (li, e): store.read_record(spec, e)
-            for li, spec in enumerate(self.specs)
-            for e in range(NUM_EXPERTS)
-        }
-
-    def row_bytes(self, li, row):
-        pools = self.cache.pool(li)
-        return b"".join(np.array(p[row]).tobytes() for p in pools)
-
-    def assert_row(self, li, row, expert):
-        want = self.records[(li, expert)]
-        assert self.row_bytes(li, row) == want, f"layer {li} row {row} != expert {expert}"
-
-    def assert_all_published(self):
-        cap, spec = self.cache.cap, self.cache.spec
-        snap = [self.cache.snapshot(li) for li in range(self.cache.num_layers)]
-        for li, s in enumerate(snap):
-            for slot, e in enumerate(s["slot_expert"]):
-                if e >= 0:
-                    self.assert_row(li, slot, int(e))
-            for i, (e, state) in enumerate(zip(s["side_expert"], s["side_state"], strict=True)):
-                if state == ROW_PUBLISHED:
-                    self.assert_row(li, cap + i, int(e))
-            assert i + 1 == 2 * spec if spec else True
-
-
-def acquire_and_check(checker, cache, li, ids):
-    """acquire, stream the over-capacity misses, and check every row handed out."""
-    arr = np.array(ids, dtype=np.int32).reshape(-1, 1)
-    rows, missing = cache.acquire(li, arr)
-    rows = rows.reshape(-1)
-    for e, r in zip(ids, rows, strict=True):
-        if r >= 0:
-            checker.assert_row(li, int(r), e)
-        else:
-            assert e in missing
-    placed = {e: int(r) for e, r in zip(ids, rows, strict=True) if r >= 0}
-    assert len(set(placed.values())) == len(placed), "two experts share a row"
-    for start in range(0, len(missing), cache.scratch):
-        chunk = missing[start : start + cache.scratch]
-        for e, r in zip(chunk, cache.load_scratch(li, chunk), strict=True):
-            checker.assert_row(li, r, e)
+FAULTS = ("eio", "short_read", "corrupt")
 
 
 class CacheMachine(RuleBasedStateMachine):
+    steps = 0  # rules run, over all examples
+    read_errors = 0  # clean errors from persistent faults
+
     @initialize(
         cap=st.integers(1, NUM_EXPERTS),
         spec=st.integers(0, 4),
@@ -95,12 +52,38 @@ class CacheMachine(RuleBasedStateMachine):
             ),
         )
         self.checker = RowChecker(store, self.cache)
+        self.hard = [False] * 4  # a fault that can fail a read is armed on the layer
+
+    def read_failed(self, li, err):
+        """A read error is clean only where a persistent fault is armed."""
+        assert self.hard[li], f"a transient fault surfaced: {err}"
+        CacheMachine.read_errors += 1
+        assert re.search(r"layer\d+\.blob \(layer \d+, expert \d+\): ", str(err)), str(err)
 
     @rule(
         li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1, max_size=6)
     )
     def acquire(self, li, ids):
-        acquire_and_check(self.checker, self.cache, li, ids)
+        try:
+            acquire_and_check(self.checker, self.cache, li, ids)
+        except ExpertReadError as err:
+            self.read_failed(li, err)
+
+    @rule(
+        li=st.integers(0, 3),
+        kind=st.sampled_from(FAULTS),
+        expert=st.integers(-1, NUM_EXPERTS - 1),
+        count=st.sampled_from([1, 1, 2, 50]),
+    )
+    def inject_fault(self, li, kind, expert, count):
+        """count 1: retried or re-read, invisible; 2 and more: fails a read (or a fill)."""
+        self.cache.inject_fault(li, kind, expert=expert, count=count)
+        self.hard[li] = count >= 2
+
+    @rule(li=st.integers(0, 3))
+    def fault_gone(self, li):
+        self.cache.inject_fault(li, "none", count=0)
+        self.hard[li] = False
 
     @rule(
         li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1, max_size=6)
@@ -131,6 +114,9 @@ class CacheMachine(RuleBasedStateMachine):
     def pin(self, li, e):
         try:
             self.cache.pin(li, e)
+        except ExpertReadError as err:
+            self.read_failed(li, err)
+            return
         except ValueError as err:
             assert "no evictable slot" in str(err)
             return
@@ -143,6 +129,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
+        CacheMachine.steps += 1
         if hasattr(self, "cache"):
             assert self.cache.check() == ""
 
@@ -157,6 +144,7 @@ def test_cache_state_machine(qwen_store):
     from hypothesis.stateful import run_state_machine_as_test
 
     CacheMachine.store = qwen_store
+    CacheMachine.steps = CacheMachine.read_errors = 0
     run_state_machine_as_test(
         CacheMachine,
         settings=settings(
@@ -166,11 +154,16 @@ def test_cache_state_machine(qwen_store):
             suppress_health_check=list(HealthCheck),
         ),
     )
+    print(
+        f"state machine: {CacheMachine.steps} steps checked, "
+        f"{CacheMachine.read_errors} clean read errors, 0 violations"
+    )
 
 
 def test_concurrent_soak(qwen_store):
-    """Async prefetch, re-predictions of in-flight experts, drains and resets on the
-    generation thread while two threads poll snapshots; bounded at ~3 s."""
+    """Async prefetch, re-predictions of in-flight experts, transient read faults (which
+    must stay invisible), drains and resets on the generation thread while two threads
+    poll snapshots; bounded at ~3 s."""
     cache = open_cache(
         qwen_store, StreamConfig(expert_slots=3, spec_slots=3, prefill_chunk=2, decay_every=5)
     )
@@ -202,8 +195,10 @@ def test_concurrent_soak(qwen_store):
             op = rng.random()
             if op < 0.45:
                 acquire_and_check(checker, cache, li, ids)
-            elif op < 0.9:
+            elif op < 0.85:
                 cache.prefetch(li, np.array(ids * 2, dtype=np.int32))  # re-predictions
+            elif op < 0.9:
+                cache.inject_fault(li, rng.choice(FAULTS), expert=rng.choice([-1, *ids]))
             elif op < 0.95:
                 cache.side_lfu = rng.random() < 0.5
             elif op < 0.98:

@@ -1,0 +1,31 @@
+# Native stress test of the expert cache under sanitizers (issue 6):
+#   make asan   AddressSanitizer + UndefinedBehaviorSanitizer
+#   make tsan   ThreadSanitizer
+# Each configures ext/ with plain CMake into build/<name> (the Python module is not built),
+# builds ext/tests/stress.cpp against the installed MLX and runs it for STRESS_SECONDS.
+# Any sanitizer report or cache violation fails the target.
+
+PYTHON ?= $(shell test -x .venv/bin/python && echo .venv/bin/python || echo python3)
+# ext/ needs CMake >= 3.27: `pip install cmake` into the venv where the system's is older.
+CMAKE ?= $(shell test -x .venv/bin/cmake && echo .venv/bin/cmake || echo cmake)
+STRESS_SECONDS ?= 8
+STRESS_SEED ?= 1
+CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEXPERTSTREAM_BUILD_MODULE=OFF \
+	-DEXPERTSTREAM_BUILD_TESTS=ON -DPython_EXECUTABLE=$(abspath $(shell command -v $(PYTHON)))
+
+.PHONY: asan tsan sanitizers
+
+sanitizers: asan tsan
+
+asan:
+	$(CMAKE) -S ext -B build/asan $(CMAKE_FLAGS) -DEXPERTSTREAM_SANITIZE=address >/dev/null
+	$(CMAKE) --build build/asan --target stress -j 2
+	ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		build/asan/stress $(STRESS_SECONDS) $(STRESS_SEED)
+
+tsan:
+	$(CMAKE) -S ext -B build/tsan $(CMAKE_FLAGS) -DEXPERTSTREAM_SANITIZE=thread >/dev/null
+	$(CMAKE) --build build/tsan --target stress -j 2
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+		build/tsan/stress $(STRESS_SECONDS) $(STRESS_SEED)

@@ -1,0 +1,382 @@
+// Native stress test of ExpertCache, built by `make asan` (AddressSanitizer + UBSan) and
+// `make tsan` (ThreadSanitizer) at the repository root.
+//
+// One thread drives the cache as the generation thread does: acquire (forward after
+// forward, with over-capacity calls streamed through the scratch rows), asynchronous
+// prefetch with re-predictions of in-flight experts, drains, resets, side-region mode and
+// SYNC switches, policy switches, pin/unpin, and read faults: transient ones (one bad
+// read: must be invisible) and persistent or hung ones (past the read timeout: must give
+// a clean error). Meanwhile two threads poll snapshot() and check(). Every row handed out,
+// and after each drain every mapped slot and published side row, is compared byte for byte
+// with its record; a late write by a read given up on would show up there.
+//
+// Usage: stress [seconds=8] [seed=1]. Prints "N operations, M violations" and exits 1 on
+// any violation.
+#include <unistd.h>
+#include <zlib.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "errors.h"
+#include "expert_cache.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kLayers = 3;
+constexpr int kExperts = 8;
+constexpr int kStride = 4096;
+constexpr int kTimeoutMs = 100;
+constexpr int kHangMs = 250;
+// Two segments: (40, 16) uint32 and (1000,) uint8, 3560 bytes of a 4096-byte stride.
+constexpr int64_t kSeg0 = 40 * 16 * 4;
+constexpr int64_t kSeg1 = 1000;
+constexpr int64_t kRecord = kSeg0 + kSeg1;
+
+uint64_t splitmix(uint64_t& x) {
+  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The record bytes of (layer, expert): distinct for every pair.
+std::vector<uint8_t> record_bytes(int layer, int expert) {
+  std::vector<uint8_t> r(kRecord);
+  uint64_t state = static_cast<uint64_t>(layer) * 1000003u + static_cast<uint64_t>(expert) + 1;
+  for (auto& b : r) b = static_cast<uint8_t>(splitmix(state));
+  return r;
+}
+
+struct Violations {
+  std::mutex mu;
+  std::vector<std::string> list;
+  void add(std::string what) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (list.size() < 20) std::fprintf(stderr, "VIOLATION: %s\n", what.c_str());
+    list.push_back(std::move(what));
+  }
+  size_t count() {
+    std::lock_guard<std::mutex> lk(mu);
+    return list.size();
+  }
+};
+
+class Stress {
+ public:
+  Stress(const std::string& dir, uint64_t seed) : rng_(seed) {
+    for (int l = 0; l < kLayers; ++l) {
+      es::LayerSpec L;
+      L.layer = 2 * l;  // decoder numbering differs from MoE numbering, as in real models
+      L.path = dir + "/layer" + std::to_string(L.layer) + ".blob";
+      L.stride = kStride;
+      L.record_bytes = kRecord;
+      L.segments = {{"a", es::mx::uint32, {40, 16}, 0, kSeg0},
+                    {"b", es::mx::uint8, {1000}, kSeg0, kSeg1}};
+      std::FILE* f = std::fopen(L.path.c_str(), "wb");
+      if (!f) throw std::runtime_error("cannot create " + L.path);
+      std::vector<uint8_t> pad(kStride - kRecord, 0);
+      for (int e = 0; e < kExperts; ++e) {
+        records_[l][e] = record_bytes(l, e);
+        L.checksums.push_back(static_cast<uint32_t>(
+            ::crc32(0L, records_[l][e].data(), static_cast<uInt>(kRecord))));
+        std::fwrite(records_[l][e].data(), 1, kRecord, f);
+        std::fwrite(pad.data(), 1, pad.size(), f);
+      }
+      std::fclose(f);
+      paths_.push_back(L.path);
+      specs_.push_back(std::move(L));
+    }
+    es::CacheConfig c;
+    c.cap = 3;
+    c.spec = 2;
+    c.scratch = 2;
+    c.decay_every = 7;
+    c.threads = 2;
+    c.read_timeout_ms = kTimeoutMs;
+    cache_ = std::make_unique<es::ExpertCache>(specs_, kExperts, c);
+  }
+
+  ~Stress() {
+    cache_.reset();
+    for (const auto& p : paths_) ::unlink(p.c_str());
+  }
+
+  // The mutating thread: returns the number of operations run.
+  uint64_t drive(double seconds);
+  void poll(const std::atomic<bool>& stop, std::atomic<uint64_t>& polls);
+  void finish();
+
+  Violations violations;
+  uint64_t rows_checked = 0, clean_errors = 0, timeouts = 0, faults = 0;
+
+ private:
+  int randint(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+  bool chance(double p) { return std::uniform_real_distribution<double>(0, 1)(rng_) < p; }
+
+  bool row_holds(int li, int row, int expert) const {
+    auto pool = cache_->pool(li);
+    const uint8_t* want = records_[li][expert].data();
+    return std::memcmp(pool[0].data<uint8_t>() + static_cast<size_t>(row) * kSeg0, want,
+                       kSeg0) == 0 &&
+           std::memcmp(pool[1].data<uint8_t>() + static_cast<size_t>(row) * kSeg1,
+                       want + kSeg0, kSeg1) == 0;
+  }
+  void expect_row(int li, int row, int expert, const char* what) {
+    ++rows_checked;
+    if (!row_holds(li, row, expert))
+      violations.add(std::string(what) + ": MoE layer " + std::to_string(li) + " row " +
+                     std::to_string(row) + " does not hold expert " + std::to_string(expert));
+  }
+  void expect_consistent(const char* when) {
+    if (auto msg = cache_->check(); !msg.empty()) violations.add(std::string(when) + ": " + msg);
+  }
+  void verify_all(const char* when);
+  void error(int li, const std::exception& e);
+
+  void op_acquire();
+  void op_prefetch();
+  void op_fault();
+
+  std::mt19937_64 rng_;
+  std::vector<es::LayerSpec> specs_;
+  std::vector<std::string> paths_;
+  std::vector<uint8_t> records_[kLayers][kExperts];
+  std::unique_ptr<es::ExpertCache> cache_;
+  int next_li_ = 0;
+  bool hard_[kLayers] = {};       // a fault that may fail reads is armed on the layer
+  Clock::time_point hang_until_;  // a hung read may hold a reader thread until then
+  std::vector<int32_t> last_prediction_;
+};
+
+void Stress::verify_all(const char* when) {
+  const int cap = cache_->config().cap;
+  for (int li = 0; li < kLayers; ++li) {
+    auto s = cache_->snapshot(li);
+    for (int slot = 0; slot < cap; ++slot)
+      if (s.slot_expert[slot] >= 0) expect_row(li, slot, s.slot_expert[slot], when);
+    for (size_t r = 0; r < s.side_expert.size(); ++r)
+      if (s.side_state[r] == static_cast<uint8_t>(es::RowState::kPublished))
+        expect_row(li, cap + static_cast<int>(r), s.side_expert[r], when);
+  }
+}
+
+void Stress::error(int li, const std::exception& e) {
+  // Read errors are clean only where a fault that can fail reads is armed; a timeout
+  // anywhere while a hung read may still hold a reader thread.
+  bool timeout = dynamic_cast<const es::ReadTimeout*>(&e) != nullptr;
+  bool read = dynamic_cast<const es::ReadError*>(&e) != nullptr;
+  bool allowed = timeout ? Clock::now() < hang_until_ : read && hard_[li];
+  if (!allowed) {
+    violations.add(std::string("unexpected error in MoE layer ") + std::to_string(li) + ": " +
+                   e.what());
+    return;
+  }
+  ++clean_errors;
+  timeouts += timeout;
+  expect_consistent("after a read error");
+}
+
+void Stress::op_acquire() {
+  // Mostly forward order (a wrap starts a new forward), sometimes any layer.
+  int li = chance(0.8) ? next_li_ : randint(0, kLayers - 1);
+  next_li_ = (li + 1) % kLayers;
+  std::vector<int32_t> ids(static_cast<size_t>(randint(1, 6)));
+  for (auto& e : ids) e = randint(0, kExperts - 1);
+  std::vector<int32_t> local(ids.size(), -2);
+  std::vector<int> missing;
+  try {
+    missing = cache_->acquire(li, ids.data(), local.data(), ids.size());
+  } catch (const es::ReadError& e) {
+    error(li, e);
+    return;
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (local[i] >= 0) {
+      expect_row(li, local[i], ids[i], "acquire");
+    } else if (local[i] != -1) {
+      violations.add("acquire left an entry unset");
+    }
+  }
+  const int scratch = cache_->config().scratch;
+  for (size_t start = 0; start < missing.size(); start += static_cast<size_t>(scratch)) {
+    std::vector<int> chunk(missing.begin() + static_cast<long>(start),
+                           missing.begin() + static_cast<long>(std::min(
+                                                 missing.size(), start + scratch)));
+    std::vector<int> rows;
+    try {
+      rows = cache_->load_scratch(li, chunk);
+    } catch (const es::ReadError& e) {
+      error(li, e);
+      return;
+    }
+    for (size_t i = 0; i < chunk.size(); ++i) expect_row(li, rows[i], chunk[i], "scratch");
+  }
+}
+
+void Stress::op_prefetch() {
+  int li = randint(0, kLayers - 1);
+  std::vector<int32_t> ids;
+  if (!last_prediction_.empty() && chance(0.5))
+    ids = last_prediction_;  // re-predict experts whose fills may still be in flight
+  for (int k = randint(1, 4); k > 0; --k) ids.push_back(randint(0, kExperts - 1));
+  if (chance(0.3)) ids.insert(ids.end(), ids.begin(), ids.end());  // duplicates
+  cache_->prefetch(li, ids.data(), ids.size());
+  last_prediction_ = ids;
+}
+
+void Stress::op_fault() {
+  int li = randint(0, kLayers - 1);
+  int expert = chance(0.5) ? -1 : randint(0, kExperts - 1);
+  double p = std::uniform_real_distribution<double>(0, 1)(rng_);
+  ++faults;
+  if (p < 0.6) {  // transient: one bad read, retried or re-read: must be invisible
+    static const es::Fault kinds[] = {es::Fault::kEIO, es::Fault::kShortRead,
+                                      es::Fault::kCorrupt};
+    if (!hard_[li]) cache_->inject_fault(li, kinds[randint(0, 2)], expert, 1, 0);
+  } else if (p < 0.8) {  // persistent for a while: reads fail after their retry
+    static const es::Fault kinds[] = {es::Fault::kEIO, es::Fault::kShortRead,
+                                      es::Fault::kCorrupt};
+    cache_->inject_fault(li, kinds[randint(0, 2)], expert, randint(2, 6), 0);
+    hard_[li] = true;
+  } else if (p < 0.83) {  // a read hanging past the timeout
+    cache_->inject_fault(li, es::Fault::kDelay, -1, 1, kHangMs);  // the next read
+    hang_until_ = Clock::now() + std::chrono::milliseconds(3 * kHangMs);
+  } else {  // the fault is gone
+    cache_->inject_fault(li, es::Fault::kNone, -1, 0, 0);
+    hard_[li] = false;
+  }
+}
+
+uint64_t Stress::drive(double seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  uint64_t ops = 0;
+  while (Clock::now() < deadline) {
+    double p = std::uniform_real_distribution<double>(0, 1)(rng_);
+    try {
+      if (p < 0.38) {
+        op_acquire();
+      } else if (p < 0.68) {
+        op_prefetch();
+      } else if (p < 0.75) {
+        cache_->drain();
+        if (cache_->inflight() != 0) violations.add("fills in flight after a drain");
+        verify_all("after a drain");
+      } else if (p < 0.77) {
+        cache_->reset();
+        if (cache_->inflight() != 0) violations.add("fills in flight after a reset");
+      } else if (p < 0.81) {
+        cache_->set_side_lfu(chance(0.5));
+      } else if (p < 0.83) {
+        cache_->set_sync(chance(0.3));
+      } else if (p < 0.84) {
+        cache_->set_policy(chance(0.5) ? es::Policy::kLFU : es::Policy::kLRU);
+      } else if (p < 0.90) {
+        int li = randint(0, kLayers - 1), e = randint(0, kExperts - 1);
+        try {
+          cache_->pin(li, e);
+          auto s = cache_->snapshot(li);
+          for (int slot = 0; slot < cache_->config().cap; ++slot)
+            if (s.slot_expert[slot] == e) expect_row(li, slot, e, "pin");
+        } catch (const es::ReadError& err) {
+          error(li, err);
+        } catch (const std::invalid_argument&) {
+          // would leave no evictable slot: refused, nothing changed
+        }
+      } else if (p < 0.94) {
+        cache_->unpin(randint(0, kLayers - 1), randint(0, kExperts - 1));
+      } else {
+        op_fault();
+      }
+    } catch (const std::exception& e) {
+      violations.add(std::string("unexpected exception: ") + e.what());
+    }
+    expect_consistent("after an operation");
+    ++ops;
+  }
+  return ops;
+}
+
+void Stress::poll(const std::atomic<bool>& stop, std::atomic<uint64_t>& polls) {
+  const int cap = cache_->config().cap, spec = cache_->config().spec;
+  while (!stop.load()) {
+    if (auto msg = cache_->check(); !msg.empty()) violations.add("poller: " + msg);
+    for (int li = 0; li < kLayers; ++li) {
+      auto s = cache_->snapshot(li);
+      if (static_cast<int>(s.slot_expert.size()) != cap ||
+          static_cast<int>(s.side_state.size()) != 2 * spec)
+        violations.add("poller: snapshot has the wrong shape");
+      for (size_t r = 0; r < s.side_state.size(); ++r) {
+        bool free = s.side_state[r] == 0;
+        if (free != (s.side_expert[r] < 0) || s.side_state[r] > 2)
+          violations.add("poller: side row " + std::to_string(r) + " owner/state mismatch");
+      }
+      for (int slot = 0; slot < cap; ++slot)
+        if (s.slot_state[slot] > 4) violations.add("poller: bad slot state");
+    }
+    (void)cache_->inflight();
+    (void)cache_->forward();
+    ++polls;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));  // the app polls, not spins
+  }
+}
+
+void Stress::finish() {
+  for (int li = 0; li < kLayers; ++li) cache_->inject_fault(li, es::Fault::kNone, -1, 0, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2 * kHangMs));  // hung reads return
+  cache_->drain();
+  if (cache_->inflight() != 0) violations.add("fills in flight at the end");
+  expect_consistent("at the end");
+  verify_all("at the end");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double seconds = argc > 1 ? std::atof(argv[1]) : 8.0;
+  uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
+  char tmpl[] = "/tmp/expertstream-stress-XXXXXX";
+  if (!::mkdtemp(tmpl)) {
+    std::perror("mkdtemp");
+    return 2;
+  }
+  const auto t0 = Clock::now();
+  uint64_t ops = 0, violations = 0;
+  std::atomic<uint64_t> polls{0};
+  {
+    Stress stress(tmpl, seed);
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> pollers;
+    for (int i = 0; i < 2; ++i) pollers.emplace_back([&] { stress.poll(stop, polls); });
+    ops = stress.drive(seconds);
+    stress.finish();
+    stop = true;
+    for (auto& t : pollers) t.join();
+    violations = stress.violations.count();
+    std::printf(
+        "%llu operations, %llu violations (%llu polls, %llu rows verified, %llu faults "
+        "injected, %llu clean read errors of which %llu timeouts, %.1f s)\n",
+        static_cast<unsigned long long>(ops), static_cast<unsigned long long>(violations),
+        static_cast<unsigned long long>(polls.load()),
+        static_cast<unsigned long long>(stress.rows_checked),
+        static_cast<unsigned long long>(stress.faults),
+        static_cast<unsigned long long>(stress.clean_errors),
+        static_cast<unsigned long long>(stress.timeouts),
+        std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  ::rmdir(tmpl);
+  return violations == 0 ? 0 : 1;
+}
