@@ -21,11 +21,15 @@ def prompt_tokens(sm: StreamedModel, prompt: str, chat: bool) -> list[int]:
     model has one (a single user turn, generation prompt added), else as given.
 
     Raises:
-        ValueError: the store has no tokenizer, or the prompt encodes to no tokens.
+        ValueError: the store has no tokenizer, the prompt encodes to no tokens, or to an
+            id outside the model's vocabulary.
     """
     tok = sm.tokenizer
     if tok is None:
-        raise ValueError(f"{sm.store.path} has no tokenizer files; pass token ids instead")
+        raise ValueError(
+            f"{sm.store.path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+            "text generation needs the model's tokenizer"
+        )
     if chat and getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
@@ -34,6 +38,12 @@ def prompt_tokens(sm: StreamedModel, prompt: str, chat: bool) -> list[int]:
         ids = tok.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
+    vocab = sm.store.config.get("vocab_size")
+    if vocab and max(ids) >= vocab:
+        raise ValueError(
+            f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary of "
+            f"{vocab} (vocab_size in config.json): tokenizer and model do not match"
+        )
     return list(ids)
 
 
