@@ -1,0 +1,160 @@
+"""Cache controls: live toggles (applied at the next forward, even mid-reply) and pool
+settings (applied between replies by rebuilding the pools with a new StreamConfig)."""
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.worker import ModelInfo
+
+LIVE_LABELS = {
+    "prefetch": (
+        "Prefetch",
+        "Predict the experts of later layers and read them ahead "
+        "into the side region (needs side rows > 0).",
+    ),
+    "side_lfu": (
+        "Side-region LFU",
+        "On: one persistent side region, rows reused from the "
+        "least-frequently-predicted expert. Off: legacy double buffer (two "
+        "generations, one read while the other fills).",
+    ),
+    "sync": (
+        "SYNC fills",
+        "Fill side rows synchronously where the prefetch is submitted "
+        "(diagnostic: removes the asynchronous-fill variable).",
+    ),
+}
+
+
+def summary(info: ModelInfo) -> str:
+    """One line on the model and its pool."""
+    c = info.config
+    return (
+        f"{len(info.layers)} MoE layers × {info.num_experts} experts (top-{info.top_k})"
+        f" · {c.expert_slots or info.num_experts} slots + 2 × {c.spec_slots} side rows"
+        f" · pool {info.pool_bytes / 2**20:.1f} MiB"
+    )
+
+
+class ControlsPanel(QWidget):
+    """Emits `liveToggled(field, on)`, `rebuildRequested(fields)` and `openRequested`."""
+
+    liveToggled = Signal(str, bool)
+    rebuildRequested = Signal(dict)
+    openRequested = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.live = {}
+        live_box = QGroupBox("Live · from the next forward, safe mid-reply")
+        live_row = QHBoxLayout(live_box)
+        for name, (label, tip) in LIVE_LABELS.items():
+            box = QCheckBox(label)
+            box.setToolTip(tip)
+            box.toggled.connect(lambda on, name=name: self.liveToggled.emit(name, on))
+            live_row.addWidget(box)
+            self.live[name] = box
+        live_row.addStretch(1)
+
+        self.expert_slots = QSpinBox(minimum=1, maximum=1)
+        self.expert_slots.setToolTip("Real-region slots per MoE layer (cap).")
+        self.spec_slots = QSpinBox(minimum=0, maximum=1)
+        self.spec_slots.setToolTip("Side-region rows per generation (0: no prefetch).")
+        self.ahead_lo = QSpinBox(minimum=1, maximum=1)
+        self.ahead_lo.setToolTip("Prefetch distance, in MoE layers, before the cutoff.")
+        self.ahead_hi = QSpinBox(minimum=1, maximum=1)
+        self.ahead_hi.setToolTip("Prefetch distance from the cutoff on.")
+        self.cutoff = QSpinBox(minimum=0, maximum=1)
+        self.cutoff.setToolTip("First MoE layer that uses ahead hi.")
+        self.autopin = QDoubleSpinBox(decimals=2, minimum=0.0, maximum=0.95, singleStep=0.05)
+        self.autopin.setToolTip(
+            "Fraction of the slots autopin may pin with the most frequent experts (0: off)."
+        )
+        self.apply_button = QPushButton("Rebuild pool")
+        self.apply_button.setToolTip(
+            "Reload the model with these settings (between replies; the conversation is kept)."
+        )
+        self.apply_button.clicked.connect(lambda: self.rebuildRequested.emit(self.pool()))
+        self.open_button = QPushButton("Open model…")
+        self.open_button.clicked.connect(self.openRequested)
+
+        pool_box = QGroupBox("Pool · rebuilt between replies")
+        form = QFormLayout()
+        form.addRow("expert slots", self.expert_slots)
+        form.addRow("side rows", self.spec_slots)
+        form.addRow("autopin budget", self.autopin)
+        form2 = QFormLayout()
+        form2.addRow("ahead lo", self.ahead_lo)
+        form2.addRow("ahead hi", self.ahead_hi)
+        form2.addRow("cutoff", self.cutoff)
+        grid = QHBoxLayout()
+        grid.addLayout(form)
+        grid.addSpacing(12)
+        grid.addLayout(form2)
+        grid.addStretch(1)
+        pool_layout = QVBoxLayout(pool_box)
+        pool_layout.addLayout(grid)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.apply_button)
+        buttons.addStretch(1)
+        buttons.addWidget(self.open_button)
+        pool_layout.addLayout(buttons)
+
+        self.model_label = QLabel("Loading…")
+        self.model_label.setObjectName("model")
+        self.model_label.setWordWrap(True)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.model_label)
+        layout.addWidget(live_box)
+        layout.addWidget(pool_box)
+
+    def set_model(self, info: ModelInfo) -> None:
+        """Shows `info`'s settings (without emitting liveToggled)."""
+        c = info.config
+        n = len(info.layers)
+        self.expert_slots.setMaximum(info.num_experts)
+        self.expert_slots.setValue(c.expert_slots or info.num_experts)
+        self.spec_slots.setMaximum(info.num_experts)
+        self.spec_slots.setValue(c.spec_slots)
+        for box in (self.ahead_lo, self.ahead_hi):
+            box.setMaximum(max(1, n - 1))
+        self.ahead_lo.setValue(c.ahead_lo)
+        self.ahead_hi.setValue(c.ahead_hi)
+        self.cutoff.setMaximum(n)
+        self.cutoff.setValue(n // 2 if c.cutoff is None else c.cutoff)
+        self.autopin.setValue(c.autopin_frac)
+        for name, box in self.live.items():
+            box.blockSignals(True)
+            box.setChecked(bool(getattr(c, name)))
+            box.blockSignals(False)
+        self.live["prefetch"].setEnabled(c.spec_slots > 0)
+        self.model_label.setText(f"<b>{info.name}</b> · {summary(info)}")
+        self.model_label.setToolTip(f"model: {info.path}\nstore: {info.store_path}")
+
+    def live_settings(self) -> dict:
+        """{field: on} of the live toggles."""
+        return {name: box.isChecked() for name, box in self.live.items()}
+
+    def pool(self) -> dict:
+        """StreamConfig fields of the pool settings and the live toggles."""
+        return {
+            "expert_slots": self.expert_slots.value(),
+            "spec_slots": self.spec_slots.value(),
+            "ahead_lo": self.ahead_lo.value(),
+            "ahead_hi": self.ahead_hi.value(),
+            "cutoff": self.cutoff.value(),
+            "autopin_frac": self.autopin.value(),
+        } | self.live_settings()

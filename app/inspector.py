@@ -1,0 +1,376 @@
+"""The cache inspector: slot occupancy and LFU heat maps, live time series and totals.
+
+Every plot item is created once; `show_snapshot` updates them with setImage / setData
+from the window's polling timer. Nothing here talks to the engine: it is handed
+`CacheSnapshot`s (plain numpy data) and renders them.
+"""
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QToolTip,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.monitor import (
+    STATE_COLORS,
+    STATE_NAMES,
+    LiveSeries,
+    frequency,
+    occupancy,
+    process_rss_bytes,
+    row_info,
+)
+from app.worker import ModelInfo
+
+BACKGROUND = "#1b1d23"
+FOREGROUND = "#c9d1d9"
+WINDOW_SECONDS = 60.0
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _title(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setObjectName("title")
+    return label
+
+
+def _heat_plot(widget: pg.GraphicsLayoutWidget, xlabel: str) -> tuple[pg.PlotItem, pg.ImageItem]:
+    plot = widget.addPlot(row=0, col=0)
+    plot.setMenuEnabled(False)
+    plot.setMouseEnabled(x=False, y=False)
+    plot.hideButtons()
+    plot.invertY(True)
+    plot.setLabel("left", "MoE layer")
+    plot.setLabel("bottom", xlabel)
+    plot.getAxis("left").setTickSpacing(major=1, minor=1)
+    image = pg.ImageItem(axisOrder="row-major")
+    plot.addItem(image)
+    return plot, image
+
+
+class OccupancyView(pg.GraphicsLayoutWidget):
+    """One row per MoE layer, one column per pool row: real slots, then the side rows of
+    generation 0 and 1, coloured by state. Hovering shows the row's facts."""
+
+    def __init__(self):
+        super().__init__()
+        self.plot, self.image = _heat_plot(self, "pool row")
+        lut = np.array([QColor(c).getRgb()[:3] for c in STATE_COLORS], np.uint8)
+        self.image.setLookupTable(lut)
+        self.image.setLevels((0, len(STATE_COLORS)))
+        self.plot.showAxis("top")
+        self.plot.getAxis("top").setStyle(tickLength=0)
+        self.separators = [
+            pg.InfiniteLine(angle=90, pen=pg.mkPen("#e6e6e6", width=2)) for _ in range(2)
+        ]
+        for line in self.separators:
+            self.plot.addItem(line)
+        self.snapshot = None
+        self.hover_text = ""
+        self._shape = (0, 0, 0)
+        self._lfu = True
+        self.scene().sigMouseMoved.connect(self._hover)
+
+    def set_shape(self, layers: int, cap: int, spec: int) -> None:
+        """Axes and region separators for `layers` x (cap + 2 * spec) rows."""
+        cols = cap + 2 * spec
+        self.image.setImage(np.zeros((layers, cols), np.uint8), autoLevels=False)
+        self.plot.setRange(xRange=(0, cols), yRange=(0, layers), padding=0)
+        self.separators[0].setPos(cap)
+        self.separators[1].setPos(cap + spec)
+        for line in self.separators:
+            line.setVisible(spec > 0)
+        self._shape = (layers, cap, spec)
+        self._region_labels()
+        step = max(1, cols // 16)
+        self.plot.getAxis("bottom").setTicks(
+            [[(c + 0.5, str(c)) for c in range(0, cols, step)], []]
+        )
+        self.plot.getAxis("left").setTicks([[(r + 0.5, str(r)) for r in range(layers)], []])
+
+    def set_side_lfu(self, lfu: bool) -> None:
+        """Notes that generation 1 is unused in persistent LFU mode."""
+        self._lfu = lfu
+        self._region_labels()
+
+    def _region_labels(self) -> None:
+        _, cap, spec = self._shape
+        top = [(cap / 2, "real slots")]
+        if spec:
+            gen1 = "gen 1 (unused: LFU)" if self._lfu else "side gen 1"
+            top += [(cap + spec / 2, "side gen 0"), (cap + 1.5 * spec, gen1)]
+        self.plot.getAxis("top").setTicks([top, []])
+
+    def draw(self, snap) -> np.ndarray:
+        """Draws `snap`; returns the state image it set."""
+        states, _ = occupancy(snap)
+        if not np.array_equal(states, self.image.image):
+            self.image.setImage(states, autoLevels=False)
+        self.snapshot = snap
+        return states
+
+    def cell_at(self, scene_pos: QPointF) -> tuple[int, int] | None:
+        """(layer, row) under a scene position, or None outside the image."""
+        if self.snapshot is None:
+            return None
+        p = self.image.mapFromScene(scene_pos)
+        layer, row = int(np.floor(p.y())), int(np.floor(p.x()))
+        n, cols = self.image.image.shape
+        return (layer, row) if 0 <= layer < n and 0 <= row < cols else None
+
+    def _hover(self, scene_pos: QPointF) -> None:
+        cell = self.cell_at(scene_pos)
+        if cell is None:
+            self.hover_text = ""
+            QToolTip.hideText()
+            return
+        self.hover_text = row_info(self.snapshot, *cell).text()
+        view_pos = self.mapFromScene(scene_pos)
+        QToolTip.showText(self.mapToGlobal(view_pos), self.hover_text, self)
+
+
+class FrequencyView(pg.GraphicsLayoutWidget):
+    """LFU frequency per layer and expert, log colour scale; dots mark the experts held
+    in a real slot, rings those published in a side row."""
+
+    def __init__(self):
+        super().__init__()
+        self.plot, self.image = _heat_plot(self, "expert")
+        cmap = pg.colormap.get("inferno")
+        self.colorbar = pg.ColorBarItem(
+            values=(0, 1), colorMap=cmap, interactive=False, width=14, label="log10(1 + frequency)"
+        )
+        self.colorbar.setImageItem(self.image, insert_in=self.plot)
+        self.real_marks = pg.ScatterPlotItem(
+            size=5, symbol="s", pen=None, brush=pg.mkBrush("#7fd4ff")
+        )
+        self.side_marks = pg.ScatterPlotItem(
+            size=11, symbol="o", pen=pg.mkPen("#3fbf7f", width=1.5), brush=None
+        )
+        self.plot.addItem(self.real_marks)
+        self.plot.addItem(self.side_marks)
+        self._top = None
+        self._in_real = self._in_side = None
+
+    def set_shape(self, layers: int, num_experts: int) -> None:
+        """Axes for `layers` x `num_experts`."""
+        self.image.setImage(np.zeros((layers, num_experts), np.float32), autoLevels=False)
+        self.plot.setRange(xRange=(0, num_experts), yRange=(0, layers), padding=0)
+        step = max(1, num_experts // 16)
+        self.plot.getAxis("bottom").setTicks(
+            [[(e + 0.5, str(e)) for e in range(0, num_experts, step)], []]
+        )
+        self.plot.getAxis("left").setTicks([[(r + 0.5, str(r)) for r in range(layers)], []])
+
+    def draw(self, snap) -> np.ndarray:
+        """Draws `snap`; returns the heat image it set."""
+        heat, in_real, in_side = frequency(snap)
+        if not np.array_equal(heat, self.image.image):
+            self.image.setImage(heat, autoLevels=False)
+        top = max(0.5, np.ceil(float(heat.max()) * 4) / 4)  # steps of 0.25: few rescales
+        if top != self._top:
+            self._top = top
+            self.colorbar.setLevels((0.0, top))
+        for marks, mask, last in (
+            (self.real_marks, in_real, self._in_real),
+            (self.side_marks, in_side, self._in_side),
+        ):
+            if not np.array_equal(mask, last):
+                rows, cols = np.nonzero(mask)
+                marks.setData(cols + 0.5, rows + 0.5)
+        self._in_real, self._in_side = in_real, in_side
+        return heat
+
+
+def _round_up(v: float) -> float:
+    """The smallest round number (1, 1.5, 2, 3, 4, 5, 6, 8 x 10^k) at or above `v`, at
+    least 1."""
+    if v <= 1:
+        return 1.0
+    base = 10 ** np.floor(np.log10(v))
+    return float(next(m * base for m in (1, 1.5, 2, 3, 4, 5, 6, 8, 10) if m * base >= v))
+
+
+SERIES = (
+    ("decode_tps", "decode tok/s", "#7cc4ff", 1.0),
+    ("hit_rate", "hit rate %", "#3fbf7f", 100.0),
+    ("side_hits_ps", "side hits /s", "#b05ce0", 1.0),
+    ("inflight", "fills in flight", "#f0a030", 1.0),
+    ("read_Bps", "MB read /s", "#ff7b72", 1e-6),
+)
+
+
+class SeriesView(pg.GraphicsLayoutWidget):
+    """The time series of `LiveSeries`, last minute, one small plot each."""
+
+    def __init__(self):
+        super().__init__()
+        self.curves = {}
+        self.plots = []
+        self._xmin = None
+        self._ytop = {}
+        for i, (key, title, color, _) in enumerate(SERIES):
+            plot = self.addPlot(row=i // 3, col=i % 3)
+            plot.setTitle(title, size="9pt")
+            plot.setMenuEnabled(False)
+            plot.setMouseEnabled(x=False, y=False)
+            plot.hideButtons()
+            plot.setYRange(0, 100 if key == "hit_rate" else 1, padding=0.02)
+            self.plots.append(plot)
+            plot.getAxis("bottom").setStyle(tickLength=-4)
+            if i >= 2:
+                plot.setLabel("bottom", "seconds")
+            curve = plot.plot(pen=pg.mkPen(color, width=2), connect="finite")
+            self.curves[key] = curve
+
+    def draw(self, series: LiveSeries, now: float) -> None:
+        """Draws `series` as of time `now`."""
+        x, ys = series.arrays(now)
+        for plot, (key, _, _, scale) in zip(self.plots, SERIES, strict=True):
+            y = ys[key] * scale
+            self.curves[key].setData(x, y)
+            if key != "hit_rate":  # y from 0 to a round number above the peak
+                top = _round_up(float(np.nanmax(y, initial=0.0)))
+                if top != self._ytop.get(key):
+                    self._ytop[key] = top
+                    plot.setYRange(0, top, padding=0.02)
+        # the x axis grows from 5 s to WINDOW_SECONDS as history accumulates
+        xmin = -min(WINDOW_SECONDS, max(5.0, float(np.ceil(-x[0]))) if len(x) else 5.0)
+        if xmin != self._xmin:
+            self._xmin = xmin
+            for plot in self.plots:
+                plot.setXRange(xmin, 0, padding=0)
+
+
+TOTALS = (
+    ("hits", "hits"),
+    ("misses", "misses"),
+    ("hit_rate", "hit rate"),
+    ("side_hits", "side hits"),
+    ("prefetch", "prefetch used / issued"),
+    ("prefetch_accuracy", "prefetch accuracy"),
+    ("bytes_read", "read from disk"),
+    ("evictions", "evictions"),
+    ("inflight", "fills in flight"),
+    ("pool", "pool memory"),
+    ("rss", "process memory (RSS)"),
+    ("forward", "forward passes"),
+)
+
+
+class InspectorPanel(QWidget):
+    """The whole inspector. `set_model` once per load, `show_snapshot` per poll."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        pg.setConfigOptions(background=BACKGROUND, foreground=FOREGROUND, antialias=False)
+        self.occupancy = OccupancyView()
+        self.frequency = FrequencyView()
+        self.series_view = SeriesView()
+        self.series = LiveSeries(maxlen=int(WINDOW_SECONDS * 10) + 10)
+        self.pool_bytes = 0
+
+        key = QHBoxLayout()
+        key.setSpacing(4)
+        for name, color in zip(STATE_NAMES, STATE_COLORS, strict=True):
+            swatch = QLabel()
+            swatch.setFixedSize(14, 14)
+            swatch.setStyleSheet(f"background: {color}; border: 1px solid #555;")
+            key.addWidget(swatch)
+            key.addWidget(QLabel(name))
+            key.addSpacing(10)
+        key.addStretch(1)
+
+        self.hover_label = QLabel("Hover a cell for its layer, row, expert and frequency.")
+        self.hover_label.setObjectName("hint")
+        self.occupancy.scene().sigMouseMoved.connect(
+            lambda _: self.hover_label.setText(self.occupancy.hover_text or self.hover_label.text())
+        )
+
+        marks = QLabel(
+            '<span style="color:#7fd4ff">■</span> held in a real slot &nbsp; '
+            '<span style="color:#3fbf7f">○</span> published in a side row &nbsp; '
+            "colour: log10(1 + LFU frequency)"
+        )
+        marks.setObjectName("hint")
+
+        self.totals = {}
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(14)
+        grid.setVerticalSpacing(2)
+        for i, (k, label) in enumerate(TOTALS):
+            name = QLabel(label)
+            name.setObjectName("hint")
+            value = QLabel("–")
+            value.setObjectName("value")
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            r, c = divmod(i, 3)
+            grid.addWidget(name, r, 2 * c)
+            grid.addWidget(value, r, 2 * c + 1)
+            self.totals[k] = value
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(_title("Slot occupancy"))
+        layout.addLayout(key)
+        layout.addWidget(self.occupancy, 4)
+        layout.addWidget(self.hover_label)
+        layout.addWidget(_title("LFU frequency"))
+        layout.addWidget(marks)
+        layout.addWidget(self.frequency, 4)
+        layout.addWidget(_title("Live"))
+        layout.addWidget(self.series_view, 6)
+        layout.addLayout(grid)
+
+    def set_model(self, info: ModelInfo) -> None:
+        """Shapes the plots for `info` and restarts the time series."""
+        c = info.config
+        n = len(info.layers)
+        self.occupancy.set_shape(n, c.expert_slots or info.num_experts, c.spec_slots)
+        self.frequency.set_shape(n, info.num_experts)
+        self.occupancy.set_side_lfu(c.side_lfu)
+        self.series.clear()
+        self.pool_bytes = info.pool_bytes
+
+    def show_snapshot(self, snap, now: float, tokens: int, full: bool = True) -> None:
+        """Draws one poll: `snap`, at monotonic time `now`, `tokens` received so far.
+        The occupancy map, the totals and the series' samples follow every poll; the
+        LFU map and the plotted series only when `full` (the timer asks every other
+        poll: they change slowly, and each redraw takes the GIL from the worker)."""
+        totals = snap.totals()
+        self.series.sample(now, totals, tokens)
+        self.occupancy.draw(snap)
+        if full:
+            self.frequency.draw(snap)
+            self.series_view.draw(self.series, now)
+        t = totals
+        values = {
+            "hits": f"{t['hits']:,}",
+            "misses": f"{t['misses']:,}",
+            "hit_rate": f"{t['hit_rate']:.1%}",
+            "side_hits": f"{t['side_hits']:,}",
+            "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_issued']:,}",
+            "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}",
+            "bytes_read": _human_bytes(t["bytes_read"]),
+            "evictions": f"{t['evictions']:,}",
+            "inflight": str(t["inflight"]),
+            "pool": _human_bytes(self.pool_bytes),
+            "rss": _human_bytes(process_rss_bytes()),
+            "forward": f"{snap.forward:,}",
+        }
+        for k, v in values.items():
+            self.totals[k].setText(v)

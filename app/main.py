@@ -1,0 +1,167 @@
+"""`expertstream-gui`: the desktop app's entry point.
+
+    expertstream-gui [--model PATH] [--expert-slots N] [--spec-slots N] [...]
+    expertstream-gui --screenshot PNG --prompt TEXT [--model PATH] [--max-tokens N]
+
+The second form runs one chat turn, saves a PNG of the whole window while tokens are
+still being generated, and exits (with QT_QPA_PLATFORM=offscreen it needs no display).
+"""
+
+import argparse
+import os
+import sys
+
+from engine.config import config_from_env
+
+NO_DISPLAY = """expertstream-gui: no display found (DISPLAY and WAYLAND_DISPLAY are unset).
+  To run without a display, render offscreen:
+      QT_QPA_PLATFORM=offscreen expertstream-gui --screenshot out.png --prompt "Once upon a time"
+  or use the command line:
+      expertstream generate --prompt "Once upon a time"
+"""
+
+# Cache flags: (flag, StreamConfig field, type or None for on/off, help).
+CACHE_FLAGS = (
+    (
+        "--expert-slots",
+        "expert_slots",
+        int,
+        "real-region slots per MoE layer (default: half the experts, at least top-k)",
+    ),
+    ("--spec-slots", "spec_slots", int, "side-region rows per generation (default: top-k)"),
+    ("--prefetch", "prefetch", None, "speculative prefetch into the side region (default: on)"),
+    ("--ahead-lo", "ahead_lo", int, "prefetch distance before --cutoff"),
+    ("--ahead-hi", "ahead_hi", int, "prefetch distance from --cutoff on"),
+    ("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),
+    ("--lfu", "side_lfu", None, "persistent LFU side region (--no-lfu: legacy double buffer)"),
+    ("--sync", "sync", None, "fill the side region synchronously (diagnostic)"),
+    ("--autopin-frac", "autopin_frac", float, "fraction of the slots autopin may pin"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="expertstream-gui",
+        description="Chat with a Mixture-of-Experts model whose experts stream from disk, "
+        "and watch its expert cache live.",
+    )
+    p.add_argument(
+        "--model", help="mlx-lm MoE model directory or expert store (default: the embedded model)"
+    )
+    p.add_argument(
+        "--screenshot",
+        metavar="PNG",
+        help="run one chat turn, save the window as PNG while tokens are being generated, and exit",
+    )
+    p.add_argument("--prompt", default="Once upon a time", help="the message of --screenshot")
+    p.add_argument("--max-tokens", type=int, default=64, help="reply length of --screenshot")
+    p.add_argument(
+        "--shot-at",
+        type=int,
+        help="grab after this many reply tokens (default: three quarters of --max-tokens)",
+    )
+    g = p.add_argument_group(
+        "expert cache (flags win over EXPERT_SLOTS, SIDEREGION_LFU, SIDEREGION_SYNC, "
+        "AUTOPIN_BUDGET_FRAC, PREFILL_CHUNK); all can be changed in the window"
+    )
+    for flag, field, kind, text in CACHE_FLAGS:
+        if kind is None:
+            g.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            g.add_argument(flag, dest=field, type=kind, help=text)
+    return p
+
+
+def overrides_from(args: argparse.Namespace, environ=None) -> dict:
+    """StreamConfig fields given by the environment (the seed's variables) or flags;
+    the rest take the app's defaults once the model's size is known."""
+    values = config_from_env(environ)
+    for _, field, _, _ in CACHE_FLAGS:
+        if getattr(args, field, None) is not None:
+            values[field] = getattr(args, field)
+    return values
+
+
+def has_display(environ=None) -> bool:
+    """False on Linux when neither a display server nor a Qt platform is set."""
+    env = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(env.get(k) for k in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
+def _screenshot(window, args, app) -> None:
+    """Sends --prompt once the model is loaded, grabs the window at the --shot-at-th
+    token (or at the reply's end if it is shorter), then stops and quits."""
+    shot_at = args.shot_at or max(1, args.max_tokens * 3 // 4)
+    state = {"saved": False}
+
+    def grab(when: str) -> None:
+        if state["saved"]:
+            return
+        window.chat.flush()
+        window.poll()
+        if not window.grab().save(args.screenshot):
+            print(f"expertstream-gui: could not write {args.screenshot}", file=sys.stderr)
+            app.exit(1)
+            return
+        state["saved"] = True
+        print(f"saved {args.screenshot} {when}")
+
+    def on_loaded(_info) -> None:
+        window.chat.max_tokens.setValue(args.max_tokens)
+        window.chat.prompt.setPlainText(args.prompt)
+        window.send(args.prompt)
+
+    def on_token(n: int) -> None:
+        if n >= shot_at and not state["saved"]:
+            grab(f"at reply token {n} of at most {args.max_tokens}")
+            window.stop()
+
+    def on_done(reply) -> None:
+        if reply is None:
+            print("expertstream-gui: the reply failed (see the screenshot)", file=sys.stderr)
+        grab(f"at the reply's end ({len(window.reply_tokens)} tokens)")
+        app.exit(0 if state["saved"] and reply is not None else 1)
+
+    def on_load_failed(message: str) -> None:
+        print(f"expertstream-gui: {message}", file=sys.stderr)
+        app.exit(1)
+
+    window.modelLoaded.connect(on_loaded)
+    window.tokenShown.connect(on_token)
+    window.replyDone.connect(on_done)
+    window.engine.worker.loadFailed.connect(on_load_failed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `expertstream-gui`; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if not has_display():
+        print(NO_DISPLAY, file=sys.stderr, end="")
+        return 2
+    try:
+        overrides = overrides_from(args)
+    except ValueError as e:
+        print(f"expertstream-gui: error: {e}", file=sys.stderr)
+        return 2
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.window import MainWindow, apply_style
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName("ExpertStream")
+    app.setDesktopFileName("expertstream")
+    apply_style(app)
+    window = MainWindow(args.model, overrides)
+    if args.screenshot:
+        _screenshot(window, args, app)
+    window.show()
+    code = app.exec()
+    window.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

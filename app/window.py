@@ -1,0 +1,328 @@
+"""The main window: wires the chat, the controls and the inspector to the engine thread.
+
+The window keeps the conversation and the app's state (no model / loading / generating /
+idle). Loads asked for while a reply runs are queued and start when it ends; the
+inspector polls the engine's snapshot from a QTimer, on the GUI thread, without waiting
+for the worker.
+"""
+
+import dataclasses
+import time
+
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
+from PySide6.QtWidgets import (
+    QApplication,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QProgressBar,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat import ChatPanel
+from app.controls import LIVE_LABELS, ControlsPanel, summary
+from app.conversation import ASSISTANT, USER, Conversation
+from app.inspector import InspectorPanel
+from app.worker import Engine, ModelInfo, Reply
+from engine.resources import resources_dir
+
+POLL_HZ = 10.0
+
+
+def icon_path() -> str:
+    """The app icon (SVG)."""
+    return str(resources_dir() / "icons" / "expertstream.svg")
+
+
+def apply_style(app: QApplication) -> None:
+    """The app's style sheet and icon."""
+    qss = resources_dir() / "style.qss"
+    if qss.is_file():
+        app.setStyleSheet(qss.read_text())
+    app.setWindowIcon(QIcon(icon_path()))
+
+
+class MainWindow(QMainWindow):
+    """ExpertStream's window. Opens `model_path` (None: the embedded model) with
+    StreamConfig `overrides` over the app defaults.
+
+    Signals (for scripts and tests): `modelLoaded(ModelInfo)`, `tokenShown(n)` when the
+    n-th token of a reply arrives (its text is on screen within `chat.FLUSH_MS`),
+    `replyDone(Reply | None)` (None: the reply failed).
+    """
+
+    modelLoaded = Signal(object)
+    tokenShown = Signal(int)
+    replyDone = Signal(object)
+
+    def __init__(
+        self, model_path: str | None = None, overrides: dict | None = None, poll_hz: float = POLL_HZ
+    ):
+        super().__init__()
+        self.setWindowTitle("ExpertStream")
+        self.setWindowIcon(QIcon(icon_path()))
+        self.resize(QSize(1480, 940))
+        self.info: ModelInfo | None = None
+        self.busy: str | None = None  # "loading" | "generating" | None
+        self.pending: tuple[str | None, dict] | None = None
+        self.conversation = Conversation()
+        self.reply_tokens: list[int] = []
+        self.last_reply: Reply | None = None
+        self.tokens_received = 0
+        self._clear_after_reply = False
+
+        self.engine = Engine()
+        w = self.engine.worker
+        w.loadProgress.connect(self._on_progress)
+        w.loaded.connect(self._on_loaded)
+        w.loadFailed.connect(self._on_load_failed)
+        w.token.connect(self._on_token)
+        w.replyFinished.connect(self._on_reply_finished)
+        w.replyFailed.connect(self._on_reply_failed)
+
+        self.chat = ChatPanel()
+        self.controls = ControlsPanel()
+        self.inspector = InspectorPanel()
+        self.chat.sendRequested.connect(self.send)
+        self.chat.stopRequested.connect(self.stop)
+        self.chat.newChatRequested.connect(self.new_chat)
+        self.controls.liveToggled.connect(self.set_live)
+        self.controls.rebuildRequested.connect(self.rebuild)
+        self.controls.openRequested.connect(self.open_model)
+
+        left = QWidget()
+        left_layout = QVBoxLayout(left)
+        left_layout.setContentsMargins(10, 8, 6, 8)
+        left_layout.addWidget(self.chat, 1)
+        left_layout.addWidget(self.controls)
+        right = QWidget()
+        right_layout = QVBoxLayout(right)
+        right_layout.setContentsMargins(6, 8, 10, 8)
+        right_layout.addWidget(self.inspector)
+        splitter = QSplitter(Qt.Orientation.Horizontal)
+        splitter.addWidget(left)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(0, 4)
+        splitter.setStretchFactor(1, 5)
+        splitter.setSizes([620, 860])
+        self.setCentralWidget(splitter)
+
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(260)
+        self.progress.setTextVisible(True)
+        self.progress.hide()
+        self.state_label = QLabel()
+        self.statusBar().addPermanentWidget(self.progress)
+        self.statusBar().addPermanentWidget(self.state_label)
+        self._menus()
+
+        self.timer = QTimer(self)
+        self._polls = 0
+        self.timer.timeout.connect(self._tick)
+        if poll_hz > 0:
+            self.timer.start(int(1000 / poll_hz))
+        self.request_load(model_path, overrides or {})
+
+    def _menus(self) -> None:
+        menu = self.menuBar().addMenu("&File")
+        for text, key, slot in (
+            ("&Open model…", QKeySequence.StandardKey.Open, self.open_model),
+            ("&New chat", QKeySequence.StandardKey.New, self.new_chat),
+            ("&Quit", QKeySequence.StandardKey.Quit, self.close),
+        ):
+            action = QAction(text, self)
+            action.setShortcut(key)
+            action.triggered.connect(lambda _=False, slot=slot: slot())
+            menu.addAction(action)
+
+    # state
+    def _set_busy(self, busy: str | None) -> None:
+        self.busy = busy
+        self.chat.set_state(
+            ready=self.info is not None and busy is None, generating=busy == "generating"
+        )
+        self.controls.apply_button.setEnabled(self.info is not None)
+        self.state_label.setText(
+            {"loading": "loading…", "generating": "generating…"}.get(
+                busy, "ready" if self.info else "no model"
+            )
+        )
+
+    def _message(self, text: str, error: bool = False) -> None:
+        self.statusBar().showMessage(text, 0 if error else 8000)
+
+    # commands
+    def send(self, text: str) -> None:
+        """Sends a user message and starts the reply (refused while busy)."""
+        if self.info is None or self.busy is not None:
+            self._message(f"Cannot send now: {self.busy or 'no model is loaded'}.")
+            return
+        self.conversation.add(USER, text)
+        self.chat.show_user(text)
+        self.reply_tokens = []
+        self.chat.figures.setText("Generating…")
+        self._set_busy("generating")
+        self.engine.generate(self.conversation, **self.chat.settings())
+
+    def stop(self) -> None:
+        """Ends the reply after its current token."""
+        if self.busy == "generating":
+            self.engine.stop()
+            self._message("Stopping…")
+
+    def new_chat(self) -> None:
+        """Forgets the conversation (after stopping the reply in progress)."""
+        if self.busy == "generating":
+            self._clear_after_reply = True
+            self.engine.stop()
+            return
+        self.conversation.clear()
+        self.chat.clear()
+        self._message("New chat.")
+
+    def set_live(self, name: str, on: bool) -> None:
+        """Applies a live toggle now; it takes effect at the next forward."""
+        self.engine.set_live(name, on)
+        if name == "side_lfu":
+            self.inspector.occupancy.set_side_lfu(on)
+        self._message(
+            f"{LIVE_LABELS[name][0]} {'on' if on else 'off'}: from the next forward pass."
+        )
+
+    def rebuild(self, fields: dict) -> None:
+        """Reloads the current model with pool settings `fields` (other StreamConfig
+        fields as they are)."""
+        if self.info is None:
+            self._message("No model to rebuild: open one first.")
+            return
+        self.request_load(self.info.path, dataclasses.asdict(self.info.config) | fields)
+
+    def open_model(self, path: str | None = None) -> None:
+        """Opens an mlx-lm MoE directory or an expert store (asks for it when None)."""
+        if path is None:
+            path = QFileDialog.getExistingDirectory(
+                self, "Open an mlx-lm MoE model directory or an expert store"
+            )
+            if not path:
+                return
+        self.request_load(path, self.controls.live_settings())
+
+    def request_load(self, path: str | None, overrides: dict) -> None:
+        """Loads now, or after the reply / load in progress."""
+        if self.busy is not None:
+            self.pending = (path, overrides)
+            what = "reply" if self.busy == "generating" else "load"
+            self._message(
+                f"Queued: the model is (re)loaded when the {what} in progress "
+                "ends" + (" (Stop to apply now)." if what == "reply" else ".")
+            )
+            return
+        self._set_busy("loading")
+        self.progress.setRange(0, 0)
+        self.progress.show()
+        name = "the embedded model" if path is None else path
+        self._message(f"Loading {name}…")
+        self.engine.load(path, overrides)
+
+    def _run_pending(self) -> None:
+        if self.pending is not None and self.busy is None:
+            path, overrides = self.pending
+            self.pending = None
+            self.request_load(path, overrides)
+
+    def _tick(self) -> None:
+        self._polls += 1
+        self.poll(full=self._polls % 2 == 0)
+
+    def poll(self, full: bool = True) -> None:
+        """Draws the engine's current snapshot; the timer redraws the slow-changing
+        plots every other poll (`full`), see `InspectorPanel.show_snapshot`."""
+        info = self.info
+        snap = self.engine.snapshot()
+        if info is None or snap is None:
+            return
+        cap = info.config.expert_slots or info.num_experts
+        if snap.slot_expert.shape[1] != cap or snap.side_expert.shape[1] != (
+            2 * info.config.spec_slots
+        ):
+            return  # a reload swapped the model; its `loaded` signal is on its way
+        self.inspector.show_snapshot(snap, time.monotonic(), self.tokens_received, full)
+
+    # worker signals
+    def _on_progress(self, done: float, total: float) -> None:
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(int(1000 * done / total) if total else 0)
+        self.progress.setFormat(f"converting %p%  ({done / 2**20:.0f}/{total / 2**20:.0f} MiB)")
+
+    def _on_loaded(self, info: ModelInfo) -> None:
+        wanted = self.controls.live_settings() if self.info else {}
+        self.info = info
+        self.progress.hide()
+        self.controls.set_model(info)
+        self.inspector.set_model(info)
+        self.chat.set_mode(info.chat_template)
+        self.chat.max_tokens.setMaximum(info.context or 8192)
+        for name, on in wanted.items():  # toggled while loading
+            if on != getattr(info.config, name):
+                self.controls.live[name].setChecked(on)
+        self.setWindowTitle(f"ExpertStream · {info.name}")
+        self.chat.show_note(f"Loaded {info.name} in {info.load_seconds:.1f} s: {summary(info)}.")
+        self._message(f"Loaded {info.name}.")
+        self._set_busy(None)
+        self.modelLoaded.emit(info)
+        self._run_pending()
+
+    def _on_load_failed(self, message: str) -> None:
+        self.progress.hide()
+        self.chat.show_note(message, error=True)
+        self._message(message, error=True)
+        if self.info is None:
+            self.controls.model_label.setText("No model loaded: use Open model…")
+        self._set_busy(None)
+        self._run_pending()
+
+    def _on_token(self, text: str, token: int) -> None:
+        self.chat.append_reply(text)
+        self.reply_tokens.append(token)
+        self.tokens_received += 1
+        self.tokenShown.emit(len(self.reply_tokens))
+
+    def _end_reply(self) -> None:
+        self._set_busy(None)
+        if self._clear_after_reply:
+            self._clear_after_reply = False
+            self.new_chat()
+
+    def _on_reply_finished(self, reply: Reply) -> None:
+        self.conversation.add(ASSISTANT, reply.text)
+        self.last_reply = reply
+        self.chat.end_reply(reply)
+        self._message(
+            f"Reply: {len(reply.tokens)} tokens in {reply.seconds:.1f} s"
+            f"{' (stopped)' if reply.stopped else ''}."
+        )
+        self._end_reply()
+        self.replyDone.emit(reply)
+        self._run_pending()
+
+    def _on_reply_failed(self, message: str, partial: str) -> None:
+        if partial:
+            self.conversation.add(ASSISTANT, partial)
+            kept = "the partial reply is kept"
+        else:
+            self.conversation.turns.pop()
+            kept = "your message was not added to the conversation; send it again"
+        self.chat.show_note(f"Reply failed: {message} ({kept}).", error=True)
+        self.chat.figures.setText("Last reply failed (see above).")
+        self._message(f"Reply failed: {message}", error=True)
+        self._end_reply()
+        self.replyDone.emit(None)
+        self._run_pending()
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802  (Qt override)
+        self.timer.stop()
+        self.engine.shutdown()
+        super().closeEvent(event)

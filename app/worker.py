@@ -1,0 +1,305 @@
+"""The engine thread: loading and generation run there, never on the GUI thread.
+
+Commands (load, generate, unload) are queued to one daemon thread per process; `stop`
+and cancel are `threading.Event`s read by the worker between tokens / convert steps, so
+the GUI never waits on it. Results come back as Qt signals of `Worker` (a QObject of the
+GUI thread; emitting from the engine thread queues them to the GUI's event loop) and
+carry plain Python data only (str, int, float, dataclasses of those): MLX arrays and
+streams stay on the thread that made them. The engine is imported there too.
+
+The engine thread lives as long as the process. MLX keeps per-thread state whose
+destructor takes the GIL; a thread that ends while the interpreter is finalizing aborts
+the process ("terminate called without an active exception"), so it must not end.
+
+Two things the GUI thread calls directly, both thread-safe in the engine: `snapshot()`
+(numpy copies, polled by the inspector) and the live toggles `set_prefetch`,
+`set_side_lfu`, `set_sync` (they take effect at the next forward boundary / submission).
+"""
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal
+
+from app.conversation import Conversation, prompt_ids
+
+LIVE_FIELDS = ("prefetch", "side_lfu", "sync")
+
+
+class _Cancelled(Exception):
+    """Raised in the convert progress callback when the app is closing."""
+
+
+def app_defaults(num_experts: int, top_k: int) -> dict:
+    """StreamConfig fields the app uses when none are given: half the experts as real
+    slots (at least top_k), top_k side rows, prefetch on, so streaming is visible."""
+    return {"expert_slots": max(top_k, num_experts // 2), "spec_slots": top_k, "prefetch": True}
+
+
+@dataclass
+class ModelInfo:
+    """What the GUI knows of the loaded model (plain data)."""
+
+    name: str
+    path: str
+    store_path: str
+    layers: list[int]
+    num_experts: int
+    top_k: int
+    config: object
+    chat_template: bool
+    pool_bytes: int
+    load_seconds: float
+    context: int | None
+
+
+@dataclass
+class Reply:
+    """A finished (or stopped) reply."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_tps: float
+    decode_tps: float
+    cache: dict
+    stopped: bool
+    seconds: float
+    peak_memory_bytes: int
+
+
+class _EngineThread:
+    """The process's engine thread: runs submitted callables one at a time, in order."""
+
+    _instance: "_EngineThread | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="expertstream-engine", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls) -> "_EngineThread":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001  (a command's own errors are its signals)
+                traceback.print_exc()
+
+
+class Worker(QObject):
+    """Its methods `load`, `generate` and `unload` run on the engine thread; it is
+    created on (and its signals delivered to) the GUI thread."""
+
+    loadProgress = Signal(float, float)  # done bytes, total bytes of a first-use convert
+    loaded = Signal(object)  # ModelInfo
+    loadFailed = Signal(str)
+    token = Signal(str, int)  # text segment, token id
+    replyFinished = Signal(object)  # Reply
+    replyFailed = Signal(str, str)  # message, partial reply text
+
+    def __init__(self, stop: threading.Event, cancel: threading.Event):
+        super().__init__()
+        self._stop = stop
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._sm = None
+        self._last_progress = 0.0
+
+    # called from the GUI thread
+    def snapshot(self):
+        """The loaded model's CacheSnapshot, or None before the first load."""
+        with self._lock:
+            return None if self._sm is None else self._sm.snapshot()
+
+    def set_live(self, name: str, on: bool) -> None:
+        """Applies one live toggle (`LIVE_FIELDS`) to the loaded model."""
+        with self._lock:
+            if self._sm is not None:
+                getattr(self._sm, f"set_{name}")(on)
+
+    # run on the engine thread
+    def _progress(self, done: int, total: int) -> None:
+        if self._cancel.is_set():
+            raise _Cancelled
+        now = time.monotonic()
+        if done >= total or now - self._last_progress > 0.05:
+            self._last_progress = now
+            self.loadProgress.emit(float(done), float(total))
+
+    def load(self, path, overrides: dict) -> None:
+        """Loads `path` (None: the embedded model) with the app defaults overridden by
+        `overrides` (StreamConfig fields); emits `loaded` or `loadFailed`. The model
+        in use stays until the new one has loaded."""
+        t0 = time.monotonic()
+        try:
+            from engine.config import StreamConfig
+            from engine.model import load, resolve_store
+            from engine.resources import default_model_path
+
+            source = Path(default_model_path() if path is None else path)
+            store = resolve_store(source, progress=self._progress)
+            m = store.manifest
+            config = StreamConfig(**(app_defaults(m.num_experts, m.top_k) | overrides))
+            sm = load(store.path, config)
+        except _Cancelled:
+            return
+        except Exception as e:  # noqa: BLE001  (any failure is reported, the app goes on)
+            self.loadFailed.emit(
+                f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
+            )
+            return
+        old = self._sm
+        with self._lock:
+            self._sm = sm
+        del old  # freed here, on the engine thread
+        cap = config.expert_slots or m.num_experts
+        rows = cap + 2 * config.spec_slots + (config.prefill_chunk or m.top_k)
+        self.loaded.emit(
+            ModelInfo(
+                name=source.name,
+                path=str(source),
+                store_path=str(store.path),
+                layers=[s.layer for s in m.layers],
+                num_experts=m.num_experts,
+                top_k=m.top_k,
+                config=config,
+                chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
+                pool_bytes=rows * sum(s.stride for s in m.layers),
+                load_seconds=time.monotonic() - t0,
+                context=store.config.get("max_position_embeddings"),
+            )
+        )
+
+    def generate(self, request: dict) -> None:
+        """Generates a reply to `request["conversation"]` (a Conversation) with
+        `max_tokens`, `temperature`, `top_p`; emits `token` per token, then
+        `replyFinished` (also when stopped) or `replyFailed`."""
+        text: list[str] = []
+        try:
+            import mlx.core as mx
+
+            from engine.generate import cache_delta, stream_generate
+
+            sm = self._sm
+            if sm is None:
+                raise RuntimeError("no model is loaded")
+            conv: Conversation = request["conversation"]
+            ids = prompt_ids(sm.tokenizer, conv)
+            mx.reset_peak_memory()
+            before = sm.snapshot().totals()
+            t0 = time.monotonic()
+            tokens, last = [], None
+            for r in stream_generate(
+                sm, ids, request["max_tokens"], request["temperature"], request["top_p"]
+            ):
+                tokens.append(int(r.token))
+                text.append(r.text)
+                last = r
+                self.token.emit(r.text, int(r.token))
+                if self._stop.is_set():
+                    break
+            reply = Reply(
+                text="".join(text),
+                tokens=tokens,
+                prompt_tokens=len(ids),
+                prefill_tps=float(last.prompt_tps) if last else 0.0,
+                decode_tps=float(last.generation_tps) if last else 0.0,
+                cache=cache_delta(before, sm.snapshot().totals()),
+                stopped=self._stop.is_set(),
+                seconds=time.monotonic() - t0,
+                peak_memory_bytes=int(mx.get_peak_memory()),
+            )
+            if sm.config.autopin_frac > 0:  # as engine.generate.generate does
+                from engine import autopin
+
+                autopin.update(sm)
+            self.replyFinished.emit(reply)
+        except Exception as e:  # noqa: BLE001  (shown in the window; the app goes on)
+            self.replyFailed.emit(f"{type(e).__name__}: {e}", "".join(text))
+        finally:
+            _settle_random_state()
+
+    def unload(self) -> None:
+        """Drops the model (on the engine thread, where its arrays were made)."""
+        with self._lock:
+            sm, self._sm = self._sm, None
+        del sm
+
+
+def _settle_random_state() -> None:
+    """Evaluates MLX's global random key, which sampling leaves as a lazy array of this
+    thread's stream (any other thread, e.g. at exit, must not be the one to free it)."""
+    import mlx.core as mx
+
+    mx.eval(mx.random.state)
+
+
+class Engine:
+    """The GUI side of the engine thread. Signals of the worker are `self.worker.*`."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._cancel = threading.Event()
+        self.worker = Worker(self._stop, self._cancel)
+        self._thread = _EngineThread.get()
+
+    def load(self, path: str | None, overrides: dict) -> None:
+        """Queues a load of `path` (None: embedded model) with StreamConfig `overrides`."""
+        overrides = dict(overrides)
+        self._thread.submit(lambda: self.worker.load(path, overrides))
+
+    def generate(
+        self, conversation: Conversation, max_tokens: int, temperature: float, top_p: float
+    ) -> None:
+        """Queues a reply to (a copy of) `conversation`."""
+        self._stop.clear()
+        request = {
+            "conversation": conversation.copy(),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+        }
+        self._thread.submit(lambda: self.worker.generate(request))
+
+    def stop(self) -> None:
+        """Asks the reply in progress to end after its current token."""
+        self._stop.set()
+
+    def snapshot(self):
+        """The loaded model's CacheSnapshot (thread-safe), or None."""
+        return self.worker.snapshot()
+
+    def set_live(self, name: str, on: bool) -> None:
+        """Sets a live toggle (prefetch, side_lfu, sync) on the loaded model now."""
+        self.worker.set_live(name, on)
+
+    def shutdown(self, timeout: float = 60.0) -> bool:
+        """Stops any reply or convert, drops the model, and waits (up to `timeout`
+        seconds) until the engine thread has done so; True when it has."""
+        self._stop.set()
+        self._cancel.set()
+        done = threading.Event()
+
+        def unload() -> None:
+            self.worker.unload()
+            done.set()
+
+        self._thread.submit(unload)
+        return done.wait(timeout)

@@ -1,0 +1,375 @@
+"""The desktop app, driven offscreen with real chat turns on the embedded model.
+
+A reply's tokens equal the CLI's for the same prompt and settings; the occupancy heat map
+is exactly the engine's snapshot mapped to display states; live toggles flipped
+mid-reply leave the greedy tokens unchanged; pool rebuilds asked for mid-reply wait for
+the reply's end; errors are shown and the conversation is kept.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PySide6.QtCore import QPointF, Qt  # noqa: E402
+from PySide6.QtGui import QImage  # noqa: E402
+
+from app.conversation import ASSISTANT, USER, Conversation, plain_text  # noqa: E402
+from app.main import has_display  # noqa: E402
+from app.monitor import (  # noqa: E402
+    EMPTY,
+    IN_FLIGHT,
+    JUST_LOADED,
+    PINNED,
+    RESIDENT,
+    SIDE_READY,
+    LiveSeries,
+)
+from app.window import MainWindow  # noqa: E402
+from engine import cache as C  # noqa: E402
+from engine.resources import default_model_path  # noqa: E402
+
+MODEL = str(default_model_path())
+PROMPT = "Once upon a time"
+MAX_TOKENS = 20
+# Fewer slots than the embedded model's 32 experts, so replies stream and evict.
+SETTINGS = {"expert_slots": 8, "spec_slots": 4, "prefetch": True}
+CLI_FLAGS = ["--expert-slots", "8", "--spec-slots", "4", "--prefetch"]
+TIMEOUT_MS = 180_000
+
+# The display state of each engine code, written out independently of app.monitor.
+SLOT_STATES = {
+    C.SLOT_EMPTY: EMPTY,
+    C.SLOT_RESIDENT: RESIDENT,
+    C.SLOT_PINNED: PINNED,
+    C.SLOT_LOADING: IN_FLIGHT,
+    C.SLOT_JUST_LOADED: JUST_LOADED,
+}
+ROW_STATES = {C.ROW_FREE: EMPTY, C.ROW_IN_FLIGHT: IN_FLIGHT, C.ROW_PUBLISHED: SIDE_READY}
+
+
+def cli_generate(prompt: str, max_tokens: int) -> dict:
+    """`expertstream generate --json` (greedy) with the window's cache settings."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "generate",
+            "--model",
+            MODEL,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(max_tokens),
+            "--json",
+            *CLI_FLAGS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def expected_states(snap) -> np.ndarray:
+    return np.array(
+        [
+            [SLOT_STATES[int(s)] for s in slots] + [ROW_STATES[int(s)] for s in side]
+            for slots, side in zip(snap.slot_state, snap.side_state, strict=True)
+        ],
+        np.uint8,
+    )
+
+
+@pytest.fixture
+def window(qtbot):
+    """The app's window on the embedded model, loaded."""
+    w = MainWindow(MODEL, SETTINGS)
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS):
+        w.show()
+    return w
+
+
+def chat_turn(qtbot, w: MainWindow, prompt: str, max_tokens: int = MAX_TOKENS):
+    """Types `prompt`, clicks Send (greedy), and returns the Reply (None: failed)."""
+    w.chat.temperature.setValue(0.0)
+    w.chat.max_tokens.setValue(max_tokens)
+    w.chat.prompt.setPlainText(prompt)
+    with qtbot.waitSignal(w.replyDone, timeout=TIMEOUT_MS) as blocker:
+        qtbot.mouseClick(w.chat.send_button, Qt.MouseButton.LeftButton)
+    return blocker.args[0]
+
+
+def test_plain_continuation_joins_turns():
+    conv = Conversation(
+        [
+            (USER, "Once upon a time"),
+            (ASSISTANT, ", there was a cat."),
+            (USER, "The cat"),
+            (ASSISTANT, "sat"),
+            (USER, " on a mat"),
+        ]
+    )
+    assert plain_text(conv) == "Once upon a time, there was a cat. The catsat on a mat"
+
+
+def test_live_series_rates_are_over_the_last_second():
+    def totals(hits, misses, side_hits, bytes_read, inflight=0):
+        return {
+            "hits": hits,
+            "misses": misses,
+            "side_hits": side_hits,
+            "bytes_read": bytes_read,
+            "inflight": inflight,
+        }
+
+    series = LiveSeries(rate_window=1.0)
+    series.sample(0.0, totals(0, 0, 0, 0), 0)
+    series.sample(0.5, totals(30, 10, 5, 1000), 20)
+    series.sample(1.0, totals(60, 20, 10, 2000, inflight=3), 40)
+    series.sample(1.5, totals(60, 20, 10, 2000), 40)  # idle for half a second
+    series.sample(3.0, totals(60, 20, 10, 2000), 40)  # idle
+    x, ys = series.arrays(now=3.0)
+    np.testing.assert_allclose(x, [-2.5, -2.0, -1.5, 0.0])
+    np.testing.assert_allclose(ys["decode_tps"], [40, 40, 20, 0])
+    np.testing.assert_allclose(ys["hit_rate"], [0.75, 0.75, 0.75, np.nan])
+    np.testing.assert_allclose(ys["side_hits_ps"], [10, 10, 5, 0])
+    np.testing.assert_allclose(ys["read_Bps"], [2000, 2000, 1000, 0])
+    np.testing.assert_allclose(ys["inflight"], [0, 3, 0, 0])
+
+
+def test_reply_tokens_equal_the_cli(window, qtbot):
+    reply = chat_turn(qtbot, window, PROMPT)
+    cli = cli_generate(PROMPT, MAX_TOKENS)
+    assert reply.tokens == cli["tokens"]
+    assert window.reply_tokens == cli["tokens"]  # every token reached the view
+    assert reply.text == cli["text"]
+    assert PROMPT + cli["text"] in window.chat.transcript.toPlainText()
+    assert window.conversation.turns == [(USER, PROMPT), (ASSISTANT, cli["text"])]
+    assert 0 < reply.cache["hit_rate"] <= 1 and reply.cache["misses"] > 0
+    assert "decode" in window.chat.figures.text()
+
+    # A second turn continues the whole text, as the CLI does with that text as prompt.
+    follow = chat_turn(qtbot, window, "The next day", 12)
+    cli2 = cli_generate(plain_text(window.conversation.copy()).removesuffix(follow.text), 12)
+    assert follow.tokens == cli2["tokens"]
+
+
+def test_heatmap_is_the_engine_snapshot(window, qtbot, monkeypatch):
+    taken = []
+    engine_snapshot = window.engine.snapshot
+
+    def recording():
+        snap = engine_snapshot()
+        taken.append(snap)
+        return snap
+
+    monkeypatch.setattr(window.engine, "snapshot", recording)
+    drawn = []
+
+    def poll_now(n):  # one poll at every token: what is drawn vs the snapshot it took
+        window.poll()
+        inspector = window.inspector
+        drawn.append(
+            (
+                taken[-1],
+                inspector.occupancy.image.image.copy(),
+                inspector.frequency.image.image.copy(),
+            )
+        )
+
+    window.tokenShown.connect(poll_now)
+    chat_turn(qtbot, window, PROMPT)
+    window.tokenShown.disconnect(poll_now)
+    window.poll()  # idle now: the engine's state holds still
+    drawn.append(
+        (
+            taken[-1],
+            window.inspector.occupancy.image.image.copy(),
+            window.inspector.frequency.image.image.copy(),
+        )
+    )
+
+    assert len(drawn) > 2
+    n_layers = len(window.info.layers)
+    for snap, states, heat in drawn:
+        assert states.shape == (n_layers, 8 + 2 * 4)
+        np.testing.assert_array_equal(states, expected_states(snap))
+        np.testing.assert_array_equal(heat, np.log10(1 + snap.freq).astype(np.float32))
+    assert any((s == SIDE_READY).any() for _, s, _ in drawn), "prefetch never published"
+    snap, states, _ = drawn[-1]
+    assert (states[:, :8] == RESIDENT).sum() >= n_layers * 4
+
+    # Hovering a cell names its layer, row, expert and frequency.
+    view = window.inspector.occupancy
+    layer, row = (int(i[-1]) for i in np.nonzero(snap.slot_expert >= 0))
+    view.scene().sigMouseMoved.emit(view.image.mapToScene(QPointF(row + 0.5, layer + 0.5)))
+    expert = int(snap.slot_expert[layer, row])
+    assert view.hover_text.startswith(f"MoE layer {layer}  ·  row {row} (real slot {row})")
+    assert f"expert {expert}" in view.hover_text
+    assert f"frequency {snap.freq[layer, expert]:.2f}" in view.hover_text
+    assert window.inspector.hover_label.text() == view.hover_text
+
+
+def test_live_toggles_mid_reply_keep_the_tokens(window, qtbot):
+    n_tokens = 48
+    baseline = chat_turn(qtbot, window, PROMPT, n_tokens)
+    window.new_chat()
+    live = window.controls.live
+    side_gen1_used = []
+    forward_at = {}
+
+    def toggle(n):
+        snap = window.engine.snapshot()
+        if n in (4, 12, 20):
+            forward_at[n] = snap.forward
+        if n == 4:
+            live["side_lfu"].setChecked(False)  # legacy double buffer
+            live["sync"].setChecked(True)
+        elif n == 12:
+            live["sync"].setChecked(False)
+        elif n == 20:
+            live["side_lfu"].setChecked(True)
+        side_gen1_used.append(bool((snap.side_state[:, 4:] != C.ROW_FREE).any()))
+
+    window.tokenShown.connect(toggle)
+    toggled = chat_turn(qtbot, window, PROMPT, n_tokens)
+    window.tokenShown.disconnect(toggle)
+    assert toggled.tokens == baseline.tokens
+    assert any(side_gen1_used), "the double buffer's generation 1 was never filled"
+    # every toggle came with forwards of the reply still to run: mid-reply indeed
+    end = window.engine.snapshot().forward
+    assert all(end - f >= 4 for f in forward_at.values()), (forward_at, end)
+    assert window.conversation.turns == [(USER, PROMPT), (ASSISTANT, baseline.text)]
+
+
+def test_rebuild_waits_for_the_reply_and_errors_keep_the_conversation(window, qtbot, tmp_path):
+    def rebuild_then_stop(n):
+        if n == 2:
+            window.controls.expert_slots.setValue(12)
+            qtbot.mouseClick(window.controls.apply_button, Qt.MouseButton.LeftButton)
+            assert window.pending is not None and window.busy == "generating"
+            assert "Queued" in window.statusBar().currentMessage()
+            qtbot.mouseClick(window.chat.stop_button, Qt.MouseButton.LeftButton)
+
+    window.tokenShown.connect(rebuild_then_stop)
+    with qtbot.waitSignal(window.modelLoaded, timeout=TIMEOUT_MS) as loaded:
+        reply = chat_turn(qtbot, window, PROMPT, 200)
+        window.tokenShown.disconnect(rebuild_then_stop)
+        assert reply.stopped and 2 <= len(reply.tokens) < 200
+    assert loaded.args[0].config.expert_slots == 12
+    assert window.engine.snapshot().slot_expert.shape[1] == 12
+    turns = [(USER, PROMPT), (ASSISTANT, reply.text)]
+    assert window.conversation.turns == turns
+
+    # Opening something that is not a model: the error is shown, the model stays.
+    with qtbot.waitSignal(window.engine.worker.loadFailed, timeout=TIMEOUT_MS):
+        window.open_model(str(tmp_path))
+    qtbot.waitUntil(lambda: window.busy is None)
+    assert "neither an expert store" in window.statusBar().currentMessage()
+    assert "neither an expert store" in window.chat.transcript.toPlainText()
+    assert window.info.config.expert_slots == 12 and window.conversation.turns == turns
+
+    # A failing reply (prompt over the context window) is shown; the app goes on.
+    limit = window.info.context
+    failed = chat_turn(qtbot, window, PROMPT, limit)
+    assert failed is None and "exceeds the model's context" in window.chat.transcript.toPlainText()
+    assert window.conversation.turns == turns
+    again = chat_turn(qtbot, window, " Then", 6)
+    assert again is not None and len(again.tokens) >= 1
+    assert window.conversation.turns == turns + [(USER, " Then"), (ASSISTANT, again.text)]
+
+
+def test_open_model_converts_with_a_progress_bar(window, qtbot, tmp_path):
+    source = tmp_path / "copied-model"  # a new name: converted again, into a new store
+    shutil.copytree(MODEL, source)
+    seen = []
+    window.engine.worker.loadProgress.connect(
+        lambda done, total: seen.append((done, total, window.progress.isVisible()))
+    )
+    with qtbot.waitSignal(window.modelLoaded, timeout=TIMEOUT_MS) as loaded:
+        window.open_model(str(source))
+    assert len(seen) >= 2 and all(visible for _, _, visible in seen)
+    assert seen[-1][0] == seen[-1][1] > 0
+    assert window.progress.value() == 1000 and not window.progress.isVisible()
+    assert loaded.args[0].name == "copied-model"
+    assert chat_turn(qtbot, window, PROMPT, 4) is not None
+
+
+def test_a_read_error_is_shown_and_the_app_goes_on(window, qtbot, tmp_path):
+    chat_turn(qtbot, window, PROMPT, 4)
+    turns = list(window.conversation.turns)
+    # A copy of the store with one byte flipped in every record of the first MoE layer.
+    bad = tmp_path / "store"
+    shutil.copytree(window.info.store_path, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    layer = manifest["layers"][0]
+    with open(bad / layer["file"], "r+b") as f:
+        for e in range(manifest["num_experts"]):
+            f.seek(e * layer["stride"] + 100)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0xFF]))
+    good = window.info.path
+    with qtbot.waitSignal(window.modelLoaded, timeout=TIMEOUT_MS):
+        window.open_model(str(bad))
+
+    assert chat_turn(qtbot, window, " Then", 4) is None
+    assert "checksum mismatch" in window.chat.transcript.toPlainText()
+    assert "Reply failed" in window.statusBar().currentMessage()
+    assert window.conversation.turns == turns and window.busy is None
+
+    with qtbot.waitSignal(window.modelLoaded, timeout=TIMEOUT_MS):
+        window.open_model(good)
+    again = chat_turn(qtbot, window, " Then", 4)
+    assert again is not None and window.conversation.turns[: len(turns)] == turns
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="display check is Linux's")
+def test_without_a_display_it_says_how_to_run_headless():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")
+    }
+    assert not has_display(env)
+    out = subprocess.run(
+        [sys.executable, "-m", "app.main"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2
+    assert "QT_QPA_PLATFORM=offscreen" in out.stderr and "expertstream generate" in out.stderr
+
+
+def test_screenshot_is_taken_mid_reply(tmp_path):
+    png = tmp_path / "shot.png"
+    env = os.environ | {"QT_QPA_PLATFORM": "offscreen"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.main",
+            "--screenshot",
+            str(png),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "24",
+            *CLI_FLAGS,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"saved {png} at reply token 18 of at most 24" in out.stdout
+    image = QImage(str(png))
+    assert image.width() >= 1200 and image.height() >= 800
