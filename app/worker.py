@@ -193,43 +193,39 @@ class Worker(QObject):
         `replyFinished` (also when stopped) or `replyFailed`."""
         text: list[str] = []
         try:
-            import mlx.core as mx
-
-            from engine.generate import cache_delta, stream_generate
+            from engine.generate import generate
 
             sm = self._sm
             if sm is None:
                 raise RuntimeError("no model is loaded")
             conv: Conversation = request["conversation"]
             ids = prompt_ids(sm.tokenizer, conv)
-            mx.reset_peak_memory()
-            before = sm.snapshot().totals()
             t0 = time.monotonic()
-            tokens, last = [], None
-            for r in stream_generate(
-                sm, ids, request["max_tokens"], request["temperature"], request["top_p"]
-            ):
-                tokens.append(int(r.token))
-                text.append(r.text)
-                last = r
-                self.token.emit(r.text, int(r.token))
-                if self._stop.is_set():
-                    break
-            reply = Reply(
-                text="".join(text),
-                tokens=tokens,
-                prompt_tokens=len(ids),
-                prefill_tps=float(last.prompt_tps) if last else 0.0,
-                decode_tps=float(last.generation_tps) if last else 0.0,
-                cache=cache_delta(before, sm.snapshot().totals()),
-                stopped=self._stop.is_set(),
-                seconds=time.monotonic() - t0,
-                peak_memory_bytes=int(mx.get_peak_memory()),
-            )
-            if sm.config.autopin_frac > 0:  # as engine.generate.generate does
-                from engine import autopin
 
-                autopin.update(sm)
+            def on_response(r):
+                text.append(r.text)
+                self.token.emit(r.text, int(r.token))
+
+            result = generate(
+                sm,
+                ids,
+                request["max_tokens"],
+                request["temperature"],
+                request["top_p"],
+                on_response=on_response,
+                stop=self._stop.is_set,
+            )
+            reply = Reply(
+                text=result.text,
+                tokens=[int(t) for t in result.tokens],
+                prompt_tokens=result.prompt_tokens,
+                prefill_tps=float(result.prefill_tps),
+                decode_tps=float(result.decode_tps),
+                cache=result.cache,
+                stopped=result.stopped,
+                seconds=time.monotonic() - t0,
+                peak_memory_bytes=result.peak_memory_bytes,
+            )
             self.replyFinished.emit(reply)
         except Exception as e:  # noqa: BLE001  (shown in the window; the app goes on)
             self.replyFailed.emit(f"{type(e).__name__}: {e}", "".join(text))

@@ -74,7 +74,7 @@ def _generate(args) -> int:
     if not args.chat:
         print(args.prompt, end="", flush=True)
     result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p,
-                      on_text=lambda s: print(s, end="", flush=True))
+                      on_response=lambda r: print(r.text, end="", flush=True))
     s = result.stats()
     print(
         f"\n--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "

@@ -97,6 +97,7 @@ class GenerationResult:
         peak_memory_bytes: MLX peak memory of the process, bytes.
         cache: cache counter totals for this reply (`CacheSnapshot.totals()` deltas;
             hit_rate and prefetch_accuracy recomputed over the reply).
+        stopped: the caller's `stop` ended the reply early.
     """
 
     text: str
@@ -106,6 +107,7 @@ class GenerationResult:
     decode_tps: float
     peak_memory_bytes: int
     cache: dict = field(default_factory=dict)
+    stopped: bool = False
 
     def stats(self) -> dict:
         """The stats object of `expertstream generate --json`."""
@@ -151,18 +153,28 @@ def generate(
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    on_text: Callable[[str], None] | None = None,
+    on_response: Callable[[GenerationResponse], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
-    """Generates a whole reply; `on_text(segment)` is called as text is produced."""
+    """Generates a whole reply and updates autopin afterwards (when enabled).
+
+    Args:
+        on_response: called with each mlx-lm GenerationResponse as it is produced.
+        stop: polled after each token; the reply ends early when it returns True
+            (`GenerationResult.stopped`).
+    """
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
-    text, tokens, last = [], [], None
+    text, tokens, last, stopped = [], [], None, False
     for r in stream_generate(sm, prompt, max_tokens, temperature, top_p):
         tokens.append(r.token)
         text.append(r.text)
-        if on_text and r.text:
-            on_text(r.text)
         last = r
+        if on_response:
+            on_response(r)
+        if stop and stop():
+            stopped = True
+            break
     after = sm.snapshot().totals()
     if sm.config.autopin_frac > 0:
         from engine import autopin
@@ -176,4 +188,5 @@ def generate(
         decode_tps=last.generation_tps if last else 0.0,
         peak_memory_bytes=int(mx.get_peak_memory()),
         cache=cache_delta(before, after),
+        stopped=stopped,
     )
