@@ -127,11 +127,12 @@ void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
   }
 }
 
-void ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
-                              std::vector<uint8_t>& landed) {
+std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
+                                            std::vector<uint8_t>& landed, uint64_t* micros) {
+  const auto t0 = std::chrono::steady_clock::now();
   const size_t n = loads.size();
   landed.assign(n, 0);
-  if (n == 0) return;
+  if (n == 0) return nullptr;
   auto batch = std::make_shared<DemandBatch>(n);
   std::vector<std::function<void()>> tasks;
   tasks.reserve(n);
@@ -208,7 +209,11 @@ void ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& lo
     }
   }
   lk.unlock();
-  if (first) std::rethrow_exception(first);
+  if (micros)
+    *micros += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                         std::chrono::steady_clock::now() - t0)
+                                         .count());
+  return first;
 }
 
 void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
@@ -331,18 +336,11 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   R.end_call();
   if (!loads.empty()) {
     lk.unlock();
-    auto t0 = std::chrono::steady_clock::now();
     std::vector<uint8_t> landed;
-    std::exception_ptr err;
-    try {
-      demand_read(li, loads, landed);
-    } catch (...) {
-      err = std::current_exception();
-    }
-    auto us = std::chrono::duration_cast<std::chrono::microseconds>(
-                  std::chrono::steady_clock::now() - t0).count();
+    uint64_t us = 0;
+    std::exception_ptr err = demand_read(li, loads, landed, &us);
     lk.lock();
-    st.read_seconds_us += static_cast<uint64_t>(us);
+    st.read_seconds_us += us;
     for (size_t i = 0; i < loads.size(); ++i) {
       auto [e, slot] = loads[i];
       loading_[li][slot] = 0;
@@ -378,16 +376,9 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
     rows.push_back(row);
     loads.emplace_back(e, row);
   }
-  auto t0 = std::chrono::steady_clock::now();
   std::vector<uint8_t> landed;
-  std::exception_ptr err;
-  try {
-    demand_read(li, loads, landed);
-  } catch (...) {
-    err = std::current_exception();
-  }
-  auto us = std::chrono::duration_cast<std::chrono::microseconds>(
-                std::chrono::steady_clock::now() - t0).count();
+  uint64_t us = 0;
+  std::exception_ptr err = demand_read(li, loads, landed, &us);
   const auto ok = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
   std::lock_guard<std::mutex> lk(mu_);
   auto& st = stats_[li];
@@ -395,7 +386,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   st.loads += ok;
   st.read_errors += experts.size() - ok;
   st.bytes_read += ok * static_cast<uint64_t>(layers_[li].stride);
-  st.read_seconds_us += static_cast<uint64_t>(us);
+  st.read_seconds_us += us;
   if (err) std::rethrow_exception(err);
   return rows;
 }
@@ -505,12 +496,7 @@ void ExpertCache::pin(int li, int expert) {
     loading_[li][slot] = 1;
     lk.unlock();
     std::vector<uint8_t> landed;
-    std::exception_ptr err;
-    try {
-      demand_read(li, {{expert, slot}}, landed);
-    } catch (...) {
-      err = std::current_exception();
-    }
+    std::exception_ptr err = demand_read(li, {{expert, slot}}, landed);
     lk.lock();
     loading_[li][slot] = 0;
     if (err) {

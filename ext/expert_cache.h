@@ -143,10 +143,11 @@ class ExpertCache {
   int fill_gen() const;
   void copy_record(int li, const uint8_t* buf, int row);
   // Reads each (expert, row) of layer li on the reader threads into its row and waits.
-  // landed[i] tells whether load i's row now holds its expert; on any failure the first
-  // error (in load order) is thrown once every read has landed, failed or been given up.
-  void demand_read(int li, const std::vector<std::pair<int, int>>& loads,
-                   std::vector<uint8_t>& landed);
+  // landed[i] tells whether load i's row now holds its expert. Returns the first error
+  // (in load order) once every read has landed, failed or been given up, else null;
+  // adds the wall time to *micros when given.
+  std::exception_ptr demand_read(int li, const std::vector<std::pair<int, int>>& loads,
+                                 std::vector<uint8_t>& landed, uint64_t* micros = nullptr);
   void fill_task(int li, int gen, int expert, int row, const std::shared_ptr<FillTicket>& t,
                  bool cancelled);
 
