@@ -3,6 +3,7 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.config import StreamConfig, config_from_env
 
@@ -61,11 +62,26 @@ def _convert(args) -> int:
 
 
 def _generate(args) -> int:
-    from engine.generate import generate, prompt_tokens
+    from engine.generate import prompt_tokens
     from engine.model import load
 
     sm = load(args.model, stream_config(args))
     prompt = prompt_tokens(sm, args.prompt, args.chat)
+    if args.record_trace:
+        from engine.trace import record
+
+        with record(sm) as recorder:
+            recorder.begin_segment()
+            code = _generate_with(sm, prompt, args)
+            path = recorder.trace(Path(args.record_trace).stem).save(args.record_trace)
+        print(f"wrote routing trace {path}", file=sys.stderr)
+        return code
+    return _generate_with(sm, prompt, args)
+
+
+def _generate_with(sm, prompt, args) -> int:
+    from engine.generate import generate
+
     if args.json:
         result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -92,7 +108,7 @@ def _bench(args) -> int:
     from engine.bench import run_suite
 
     run_suite(args.suite, args.out, args.model)
-    print(f"wrote {args.out}/results.json and results.md")
+    print(f"wrote {args.out}/results.json, results.md and plots")
     return 0
 
 
@@ -118,13 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--record-trace", metavar="FILE.npz",
+                   help="write the routed expert ids of every MoE layer call (engine.trace)")
     _add_stream_flags(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("bench", help="benchmarks: figures and ratios against resident mlx-lm")
-    p.add_argument("--suite", choices=["quick", "full"], default="quick")
+    p.add_argument("--suite", choices=["quick", "full", "scale"], default="quick",
+                   help="quick: tiny pass (CI); full: decode, cache policies, I/O; scale: "
+                   "Qwen3-30B-A3B-shaped synthetic store under 4 GiB")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--model", help="default: the embedded model")
+    p.add_argument("--model", help="default: the embedded model (scale: the synthetic "
+                   "store, generated on first use)")
     p.set_defaults(func=_bench)
     return parser
 

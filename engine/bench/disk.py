@@ -1,0 +1,327 @@
+"""Suite 3: the engine's reads against the disk's limit, and proof they bypass the cache.
+
+Raw bandwidth: record-sized `pread`s of a store's blob files, sequential (records in file
+order) and random (shuffled over all files), with 1 and N threads, uncached (`O_DIRECT`
+into page-aligned `mmap` buffers, after `posix_fadvise(DONTNEED)` of every file). Then the
+engine's own bandwidth while generating (demand reads only: prefetch off, so
+`read_seconds` covers every byte): bytes_read / read_seconds and bytes_read / wall time.
+Page-cache residency of the blob files (`mincore` on a mapping) before and after each
+run shows whether reads went through the page cache; a buffered control run shows the
+opposite.
+"""
+
+import ctypes
+import mmap
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.bench.common import prompt_ids, timed_generate
+from engine.config import StreamConfig
+from engine.model import load
+from engine.store import ExpertStore
+
+_PAGE = mmap.PAGESIZE
+
+
+def blob_paths(store: ExpertStore) -> list[Path]:
+    return [store.blob_path(spec) for spec in store.manifest.layers]
+
+
+def evict(paths) -> None:
+    """Drops the clean page-cache pages of `paths` (POSIX_FADV_DONTNEED)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    return libc
+
+
+def resident_fraction(paths) -> float | None:
+    """Fraction of the pages of `paths` in the page cache (mincore), None where the
+    platform has no mincore."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = _libc()
+    resident = total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            pages = (size + _PAGE - 1) // _PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            rc = libc.mincore(addr, size, vec)
+            libc.munmap(addr, size)
+            if rc != 0:
+                return None
+            resident += sum(b & 1 for b in bytes(vec))
+            total += pages
+        finally:
+            os.close(fd)
+    return resident / total if total else 0.0
+
+
+_HUGE = 2 << 20
+
+
+def _read_buffer(size: int, huge_pages: bool) -> tuple[mmap.mmap, memoryview]:
+    """A private anonymous mapping and a page-aligned view of `size` bytes in it; with
+    `huge_pages`, 2 MiB-aligned and advised MADV_HUGEPAGE where the platform has it."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not huge_pages:
+        buf = mmap.mmap(-1, size, flags=flags)
+        return buf, memoryview(buf)
+    buf = mmap.mmap(-1, size + _HUGE, flags=flags)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    off = -addr % _HUGE
+    return buf, memoryview(buf)[off : off + size]
+
+
+def raw_pread(
+    paths,
+    stride: int,
+    pattern: str,
+    threads: int,
+    max_bytes: int,
+    direct: bool = True,
+    evict_first: bool = True,
+    seed: int = 0,
+    huge_pages: bool = True,
+) -> dict:
+    """Record-sized preads of `paths` (each a sequence of `stride`-byte records).
+
+    Args:
+        pattern: "seq" (file by file, records in order; threads take contiguous shares)
+            or "rand" (records shuffled over all files).
+        max_bytes: read this many bytes (whole records), going over the files again
+            when they are smaller (only meaningful uncached).
+        direct: O_DIRECT (falls back to buffered if the file system refuses it).
+        huge_pages: read into 2 MiB-aligned buffers advised MADV_HUGEPAGE (on this VM,
+            O_DIRECT into 4 KiB pages runs at about a third of the speed).
+
+    Returns:
+        {"pattern", "threads", "bytes", "seconds", "MBps", "direct"}.
+    """
+    if pattern not in ("seq", "rand"):
+        raise ValueError(f"pattern {pattern!r} not in ('seq', 'rand')")
+    per_file = [os.path.getsize(p) // stride for p in paths]
+    every = [(fi, r) for fi, n in enumerate(per_file) for r in range(n)]
+    budget = max(1, max_bytes // stride)
+    rng = random.Random(seed)
+    tasks = []
+    while len(tasks) < budget:  # files smaller than max_bytes are read again (uncached)
+        tasks += rng.sample(every, len(every)) if pattern == "rand" else every
+    tasks = tasks[:budget]
+    if evict_first:
+        evict(paths)
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    used_direct = direct and hasattr(os, "O_DIRECT")
+    try:
+        fds = [os.open(p, flags) for p in paths]
+    except OSError:
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        used_direct = False
+    if pattern == "seq":
+        share = -(-len(tasks) // threads)
+        parts = [tasks[i * share : (i + 1) * share] for i in range(threads)]
+    else:
+        parts = [tasks[i::threads] for i in range(threads)]
+    errors = []
+
+    def work(part):
+        buf, view = _read_buffer(stride, huge_pages)
+        try:
+            for fi, r in part:
+                if os.preadv(fds[fi], [view], r * stride) != stride:
+                    raise OSError(f"short read in {paths[fi]} record {r}")
+        except OSError as e:
+            errors.append(e)
+        finally:
+            view.release()
+            buf.close()
+
+    workers = [threading.Thread(target=work, args=(p,)) for p in parts]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    nbytes = len(tasks) * stride
+    return {
+        "pattern": pattern,
+        "threads": threads,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "MBps": nbytes / seconds / 1e6 if seconds > 0 else 0.0,
+        "direct": used_direct,
+        "huge_pages": huge_pages,
+    }
+
+
+def raw_sweep(
+    paths, stride: int, thread_counts, max_bytes: int, reps: int = 3, log=print
+) -> list[dict]:
+    """`raw_pread` for each pattern x thread count into huge-page buffers, plus random
+    reads into 4 KiB pages with the most threads, `reps` times each: the median MB/s
+    (`MBps`) and the spread (`MBps_spread`)."""
+    out = []
+    cases = [(pattern, n, True) for pattern in ("seq", "rand") for n in thread_counts]
+    cases.append(("rand", max(thread_counts), False))
+    for pattern, n, huge in cases:
+        runs = [
+            raw_pread(paths, stride, pattern, n, max_bytes, seed=i, huge_pages=huge)
+            for i in range(reps)
+        ]
+        speeds = sorted(r["MBps"] for r in runs)
+        r = dict(
+            runs[0],
+            MBps=speeds[len(speeds) // 2],
+            MBps_spread=[speeds[0], speeds[-1]],
+            reps=reps,
+        )
+        out.append(r)
+        log(
+            f"raw pread {pattern} x{n} threads, {'2 MiB' if huge else '4 KiB'} pages: "
+            f"{r['MBps']:.0f} MB/s "
+            f"({speeds[0]:.0f}..{speeds[-1]:.0f}; {r['bytes'] / 1e6:.0f} MB per pass, "
+            f"O_DIRECT={r['direct']})"
+        )
+    return out
+
+
+def best_random(raw: list[dict]) -> dict:
+    """The fastest random-read case of a `raw_sweep`: the disk's limit for record reads
+    in any order (the engine reads records in routing order)."""
+    return max((r for r in raw if r["pattern"] == "rand"), key=lambda r: r["MBps"])
+
+
+def engine_bandwidth(
+    store: ExpertStore,
+    slots: int,
+    prompt: list[int],
+    max_tokens: int,
+    uncached: bool = True,
+    threads: int = 2,
+) -> dict:
+    """Generates with demand reads only (prefetch off) and reports the engine's read
+    bandwidth and the blob files' page-cache residency before and after."""
+    paths = blob_paths(store)
+    evict(paths)
+    before = resident_fraction(paths)
+    sm = load(
+        store.path, StreamConfig(expert_slots=slots, uncached_io=uncached, reader_threads=threads)
+    )
+    timing = timed_generate(sm.model, prompt, max_tokens)
+    t = sm.snapshot().totals()
+    del sm
+    after = resident_fraction(paths)
+    return {
+        "uncached_io": uncached,
+        "slots": slots,
+        "threads": threads,
+        "tokens": timing.prompt_tokens + len(timing.tokens),
+        "bytes_read": t["bytes_read"],
+        "loads": t["loads"],
+        "read_seconds": t["read_seconds"],
+        "wall_seconds": timing.wall_s,
+        "MBps_while_reading": t["bytes_read"] / t["read_seconds"] / 1e6
+        if t["read_seconds"] > 0
+        else 0.0,
+        "MBps_wall": t["bytes_read"] / timing.wall_s / 1e6 if timing.wall_s > 0 else 0.0,
+        "read_share_of_wall": t["read_seconds"] / timing.wall_s if timing.wall_s else 0.0,
+        "resident_before": before,
+        "resident_after": after,
+    }
+
+
+def io_suite(
+    store: ExpertStore,
+    tokenizer=None,
+    slots: int | None = None,
+    max_tokens: int = 32,
+    max_bytes: int = 1 << 30,
+    thread_counts=(1, 2, 4),
+    reps: int = 3,
+    log=print,
+) -> dict:
+    """Raw pread bandwidths, a second-pass check, and the engine's bandwidth (uncached,
+    and a buffered control); the ratio engine / raw random pread at the engine's reader
+    thread count."""
+    paths = blob_paths(store)
+    stride = store.manifest.layers[0].stride
+    m = store.manifest
+    slots = slots or max(m.top_k, m.num_experts // 8)
+    raw = raw_sweep(paths, stride, thread_counts, max_bytes, reps, log)
+    # The time of a second read: uncached stays as slow, buffered becomes a memory copy.
+    second = {}
+    once = min(max_bytes, sum(os.path.getsize(p) for p in paths))
+    for direct in (True, False):
+        first = raw_pread(paths, stride, "seq", 1, once, direct=direct)
+        again = raw_pread(paths, stride, "seq", 1, once, direct=direct, evict_first=False)
+        second["direct" if direct else "buffered"] = {
+            "first_MBps": first["MBps"],
+            "second_MBps": again["MBps"],
+            "resident_after": resident_fraction(paths),
+        }
+    evict(paths)
+    prompt = prompt_ids(tokenizer, store.config["vocab_size"])
+    engine = engine_bandwidth(store, slots, prompt, max_tokens, uncached=True)
+    log(
+        f"engine (O_DIRECT, {slots} slots, prefetch off): "
+        f"{engine['MBps_while_reading']:.0f} MB/s while reading, {engine['MBps_wall']:.0f} "
+        f"MB/s over wall time; blob residency {engine['resident_before']:.1%} -> "
+        f"{engine['resident_after']:.1%}"
+    )
+    control = engine_bandwidth(store, slots, prompt, max_tokens, uncached=False)
+    log(
+        f"engine control (buffered): residency {control['resident_before']:.1%} -> "
+        f"{control['resident_after']:.1%}"
+    )
+    evict(paths)
+    ref = best_random(raw)
+    return {
+        "raw": raw,
+        "second_read": second,
+        "engine": engine,
+        "engine_buffered": control,
+        "reference": {
+            "pattern": ref["pattern"],
+            "threads": ref["threads"],
+            "huge_pages": ref["huge_pages"],
+            "MBps": ref["MBps"],
+        },
+        "ratio_while_reading": engine["MBps_while_reading"] / ref["MBps"] if ref["MBps"] else 0,
+        "ratio_wall": engine["MBps_wall"] / ref["MBps"] if ref["MBps"] else 0,
+    }

@@ -1,0 +1,186 @@
+"""The benchmark suite runs end to end on a tiny case and its figures are sane; Belady's
+MIN bounds every policy replayed through the native cache; traces and synthetic stores
+round-trip."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.bench import routing_traces_dir, run_suite
+from engine.bench.policy import POLICIES, belady, replay, trace_store
+from engine.config import StreamConfig
+from engine.model import load
+from engine.store import ExpertStore
+from engine.synthetic import QWEN3_30B_A3B, expert_segments, store_bytes, tiny_config, write_store
+from engine.trace import Trace, load_trace, local_trace, random_trace, record, reuse_rate
+
+DEMAND = ("lru", "lfu", "lfu-nodecay", "lfu+autopin")
+
+
+@pytest.fixture(scope="module")
+def quick(model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "quick"
+    results = run_suite("quick", out, model_dirs("qwen3_moe"), log=lambda *_: None)
+    return out, results
+
+
+def test_quick_suite_writes_sane_results(quick):
+    out, results = quick
+    assert (out / "results.md").read_text().startswith("# ExpertStream benchmarks")
+    data = json.loads((out / "results.json").read_text())
+    rows = data["decode"]["rows"]
+    kinds = {r["kind"] for r in rows}
+    assert {"resident", "streamed", "pagecache", "mmap"} <= kinds
+    for r in rows:
+        assert "error" not in r, r
+        assert r["decode_tps"] > 0 and r["prefill_tps"] > 0
+        assert 0.0 <= r["hit_rate"] <= 1.0 and 0.0 <= r["decode_hit_rate"] <= 1.0
+        assert r["bytes_per_token"] >= 0
+    streamed = [r for r in rows if r["kind"] == "streamed"]
+    resident = next(r for r in rows if r["kind"] == "resident")
+    assert all(r["tokens"] == resident["tokens"] for r in streamed)  # same greedy tokens
+    io = data["io"]
+    assert all(r["MBps"] > 0 for r in io["raw"])
+    assert io["engine"]["bytes_read"] > 0 and io["engine"]["MBps_while_reading"] > 0
+    if io["engine"]["resident_after"] is not None:
+        assert io["engine"]["resident_after"] < 0.05  # O_DIRECT: nothing left cached
+        assert io["engine_buffered"]["resident_after"] > io["engine"]["resident_after"]
+    for name in data["plots"]:
+        assert (out / name).stat().st_size > 0
+
+
+def test_quick_suite_belady_bounds_every_policy(quick):
+    _, results = quick
+    assert results["policy"]
+    for t in results["policy"]:
+        for i, cap in enumerate(t["capacities"]):
+            b = t["belady"][i]["hit_rate"]
+            assert 0.0 <= b <= 1.0
+            for p in DEMAND:
+                r = t["curves"][p][i]
+                assert 0.0 <= r["hit_rate"] <= 1.0
+                assert r["fetch_hit_rate"] <= b + 1e-12, (t["name"], cap, p)
+            oracle = t["curves"]["lfu+oracle"][i]
+            assert oracle["fetch_hit_rate"] <= t["belady_plus_k"][i]["hit_rate"] + 1e-12
+
+
+def _brute_force_hits(steps, capacity):
+    """Most hits of any demand policy (each token's experts resident together)."""
+    best = {}
+
+    def go(t, cache):
+        if t == len(steps):
+            return 0
+        key = (t, cache)
+        if key in best:
+            return best[key]
+        step = set(steps[t])
+        hits = len(step & cache)
+        full = cache | step
+        over = len(full) - capacity
+        options = (
+            [frozenset(full)]
+            if over <= 0
+            else [
+                frozenset(full - set(v)) for v in itertools.combinations(sorted(cache - step), over)
+            ]
+        )
+        best[key] = hits + max(go(t + 1, c) for c in options)
+        return best[key]
+
+    return go(0, frozenset())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 2), st.integers(3, 5), st.data())
+def test_belady_is_optimal(k, num_experts, data):
+    tokens = data.draw(st.integers(1, 9))
+    rows = [data.draw(st.permutations(range(num_experts)))[:k] for _ in range(tokens)]
+    trace = Trace("t", np.asarray(rows, np.int32)[:, None, :], num_experts)
+    for cap in range(k, num_experts + 1):
+        assert belady(trace, cap)["hits"] == _brute_force_hits([list(r) for r in rows], cap)
+
+
+@pytest.fixture(scope="module")
+def policy_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace-stores")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10**6), st.floats(0.0, 0.9))
+def test_belady_bounds_native_policies(policy_root, seed, reuse):
+    trace = local_trace(40, 2, 6, 2, reuse=reuse, skew=1.0, seed=seed)
+    store = trace_store(trace, policy_root)
+    for cap in range(2, 6):
+        b = belady(trace, cap)["hit_rate"]
+        for p in POLICIES:
+            r = replay(store, trace, cap, p)
+            assert r["lookups"] == belady(trace, cap)["lookups"]
+            bound = b if p != "lfu+oracle" else belady(trace, min(cap + 2, 6))["hit_rate"]
+            assert r["fetch_hit_rate"] <= bound + 1e-12, (cap, p)
+            if p in ("lru", "lfu", "lfu-nodecay"):
+                assert r["hits"] == r["lookups"] - r["loads"]
+
+
+def test_recorded_trace_round_trips(model_dirs, tmp_path):
+    sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=3))
+    from engine.bench.common import timed_generate
+
+    original = [m._cache for m in sm.model.modules() if hasattr(m, "_cache")]
+    with record(sm) as rec:
+        rec.begin_segment()
+        timed_generate(sm.model, [1, 2, 3, 4, 5], 6)
+        rec.begin_segment()
+        timed_generate(sm.model, [7, 8], 4)
+        trace = rec.trace("rt")
+    assert [m._cache for m in sm.model.modules() if hasattr(m, "_cache")] == original
+    m = sm.store.manifest
+    assert trace.ids.shape[1:] == (len(m.layers), m.top_k)
+    assert trace.num_tokens >= 5 + 2 + 2 and len(trace.segments) == 2
+    assert int(trace.prefill.sum()) >= 4
+    lookups = sm.snapshot().totals()
+    assert lookups["hits"] + lookups["misses"] > 0
+    back = load_trace(trace.save(tmp_path / "rt.npz"))
+    assert np.array_equal(back.ids, trace.ids) and back.num_experts == m.num_experts
+    assert np.array_equal(back.segments, trace.segments)
+
+
+def test_generated_traces():
+    r = random_trace(200, 3, 16, 4, seed=1)
+    assert r.ids.shape == (200, 3, 4)
+    assert all(len(set(row)) == 4 for row in r.ids.reshape(-1, 4).tolist())
+    assert abs(reuse_rate(r) - 4 / 16) < 0.08
+    loc = local_trace(300, 2, 16, 4, reuse=0.6, seed=2)
+    assert all(len(set(row)) == 4 for row in loc.ids.reshape(-1, 4).tolist())
+    assert abs(reuse_rate(loc) - 0.6) < 0.1
+
+
+@pytest.mark.skipif(routing_traces_dir() is None, reason="shared routing traces not present")
+def test_hdmoe_trace_loads():
+    t = load_trace(routing_traces_dir() / "experts_math_mixtral.json")
+    assert t.ids.shape == (10307, 32, 2) and t.num_experts == 8
+    assert len(t.segments) == 10 and t.segments[0] == 0
+
+
+def test_synthetic_store_is_a_valid_store(tmp_path):
+    path = write_store(tmp_path / "syn", tiny_config(3, 8, 2), group_size=32, seed=5)
+    store = ExpertStore(path)
+    assert store.verify() == 3 * 8
+    sm = load(path, StreamConfig(expert_slots=3))
+    from engine.bench.common import timed_generate
+
+    t = timed_generate(sm.model, [3, 1, 4, 1, 5], 4)
+    assert len(t.tokens) == 4
+
+
+def test_qwen3_30b_a3b_shapes():
+    segs = {s.key: s for s in expert_segments(QWEN3_30B_A3B, 64, 4)}
+    assert segs["gate_proj.weight"].shape == (768, 256)
+    assert segs["gate_proj.scales"].shape == (768, 32)
+    assert segs["down_proj.weight"].shape == (2048, 96)
+    assert sum(s.nbytes for s in segs.values()) == 2_949_120
+    assert 16e9 < store_bytes(QWEN3_30B_A3B) < 19e9
