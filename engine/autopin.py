@@ -1,7 +1,7 @@
 """Autopin: keep each layer's most frequently used experts pinned in the real region.
 
-Within a budget of floor(autopin_frac * cap) experts per layer (never all slots: one
-always stays evictable), the experts with the highest LFU frequency are pinned. The pin
+Within a budget of floor(autopin_frac * cap) experts per layer (never more than
+cap - top_k, so one token's experts always fit without going over capacity), the experts with the highest LFU frequency are pinned. The pin
 set is saved as `autopin.json` inside the store, and pinned (pre-loaded) again when the
 store is next loaded with autopin on.
 """
@@ -16,9 +16,9 @@ PIN_FILE = "autopin.json"
 
 
 def budget(sm: StreamedModel) -> int:
-    """Experts autopin may pin per layer."""
+    """Experts autopin may pin per layer: floor(autopin_frac x cap), at most cap - top_k."""
     cap = sm.cache.cap
-    return min(cap - 1, math.floor(sm.config.autopin_frac * cap))
+    return max(0, min(cap - sm.store.manifest.top_k, math.floor(sm.config.autopin_frac * cap)))
 
 
 def choose(freq, k: int) -> list[int]:
