@@ -29,3 +29,23 @@ tsan:
 	$(CMAKE) --build build/tsan --target stress -j 2
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 		build/tsan/stress $(STRESS_SECONDS) $(STRESS_SEED)
+
+# Packaging (issue 7, packaging/README.md):
+#   make package      the wheel and sdist into dist/, then the desktop bundle into dist/bundle/
+#   make wheel        python -m build (the wheel is built from the sdist), in build/package-tools
+#   make bundle       packaging/build_bundle.sh: the PyInstaller bundle of the newest wheel in dist/
+#   make check-wheel  packaging/check_wheel.sh: wheel and sdist installed in fresh venvs, run (CI)
+.PHONY: package wheel bundle check-wheel
+
+package: wheel bundle
+
+wheel:
+	$(PYTHON) -m venv build/package-tools
+	build/package-tools/bin/python -m pip install -q build
+	build/package-tools/bin/python -m build --outdir dist .
+
+bundle:
+	PYTHON=$(PYTHON) packaging/build_bundle.sh
+
+check-wheel:
+	PYTHON=$(PYTHON) packaging/check_wheel.sh
