@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 GROUP_SIZE = 32
@@ -218,3 +218,20 @@ def _rewrite_weights(out_dir: Path, weights: dict) -> None:
     index = json.loads(index_path.read_text())
     index["weight_map"] = {k: "model.safetensors" for k in sorted(weights)}
     index_path.write_text(json.dumps(index, indent=4))
+
+
+def make_mixed_quant_model(out_dir: str | Path) -> Path:
+    """A mixtral model quantized per projection, as mlx-lm's mixed recipes do: layer 1's
+    `up_proj` at 8 bits / group 64, every other quantizable module at 4 bits / group 32."""
+    out_dir = Path(out_dir)
+    model, config = load_model(make_random_model(out_dir / "base", "mixtral", quantized=False))
+
+    def predicate(path, module):
+        if path.endswith("1.block_sparse_moe.switch_mlp.up_proj"):
+            return {"group_size": 64, "bits": 8}
+        return True
+
+    model, config = quantize_model(model, config, GROUP_SIZE, BITS, quant_predicate=predicate)
+    save_model(out_dir / "mixed", model)
+    save_config(config, out_dir / "mixed" / "config.json")
+    return out_dir / "mixed"

@@ -22,8 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import load_model, quantize_model, save_config, save_model
-from rowcheck import RowChecker
+from mlx_lm.utils import load_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine.cache import ExpertReadError, open_cache
@@ -35,7 +34,8 @@ from engine.layouts import NotMoEError, UnsupportedModelError
 from engine.model import load, store_cache_dir
 from engine.store import ExpertStore, StoreError
 
-from factories import make_config, make_random_model
+from factories import make_config, make_mixed_quant_model, make_random_model
+from rowcheck import RowChecker
 
 NOBODY = 65534
 
@@ -143,22 +143,10 @@ def test_segment_shape_that_fits_the_blob_but_not_the_model(store_dir):
 def test_mixed_quantization_store_matches_its_model(tmp_path):
     """The shape check follows each projection's own quantization (8-bit up_proj in one
     layer, 4-bit elsewhere): such a store loads and computes like mlx-lm."""
-    model_dir = make_random_model(tmp_path / "m", "mixtral", quantized=False)
-    model, config = load_model(model_dir)
-
-    def predicate(path, module):
-        return (
-            {"group_size": 64, "bits": 8}
-            if path.endswith("1.block_sparse_moe.switch_mlp.up_proj")
-            else True
-        )
-
-    model, config = quantize_model(model, config, 32, 4, quant_predicate=predicate)
-    save_model(tmp_path / "mixed", model)
-    save_config(config, tmp_path / "mixed" / "config.json")
-    sm = load(convert(tmp_path / "mixed", tmp_path / "s"), StreamConfig(expert_slots=3))
+    mixed = make_mixed_quant_model(tmp_path)
+    sm = load(convert(mixed, tmp_path / "s"), StreamConfig(expert_slots=3))
     tokens = mx.array([[1, 2, 3, 4, 5, 6]])
-    resident, _ = load_model(tmp_path / "mixed")
+    resident, _ = load_model(mixed)
     assert np.array_equal(np.array(resident(tokens)), np.array(sm.model(tokens)))
 
 

@@ -7,13 +7,14 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import MODEL_TYPES, make_config, make_random_model
-from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
+from mlx_lm.utils import _get_classes, load_model
 
 import engine.convert as convert_module
 from engine.convert import convert
 from engine.layouts import LAYOUTS, NotMoEError, UnsupportedModelError, layout_for
 from engine.store import DTYPES, ExpertStore, Manifest
+
+from factories import MODEL_TYPES, make_config, make_mixed_quant_model, make_random_model
 
 CASES = [(t, q) for t in MODEL_TYPES for q in (True, False)]
 IDS = [f"{t}-{'q4' if q else 'f32'}" for t, q in CASES]
@@ -159,20 +160,8 @@ def test_model_rebuilt_from_store_matches_resident(stores, case, tmp_path):
 
 
 def test_mixed_quantization_per_projection(tmp_path):
-    model_dir = make_random_model(tmp_path / "m", "mixtral", quantized=False)
-    model, config = load_model(model_dir)
-
-    def predicate(path, module):
-        return (
-            {"group_size": 64, "bits": 8}
-            if path.endswith("1.block_sparse_moe.switch_mlp.up_proj")
-            else True
-        )
-
-    model, config = quantize_model(model, config, 32, 4, quant_predicate=predicate)
-    out = tmp_path / "mixed"
-    save_model(out, model)
-    save_config(config, out / "config.json")
+    out = make_mixed_quant_model(tmp_path)
+    config = json.loads((out / "config.json").read_text())
     store = ExpertStore(convert(out, tmp_path / "s"))
     assert config["quantization"]["model.layers.1.block_sparse_moe.switch_mlp.up_proj"]
     assert store.layer(1).quantization["up_proj"] == {"group_size": 64, "bits": 8, "mode": "affine"}
