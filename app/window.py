@@ -324,5 +324,6 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802  (Qt override)
         self.timer.stop()
+        self.pending = None  # a load queued behind the reply must not start once closed
         self.engine.shutdown()
         super().closeEvent(event)
