@@ -1,9 +1,9 @@
 """Autopin: keep each layer's most frequently used experts pinned in the real region.
 
 Within a budget of floor(autopin_frac * cap) experts per layer (never more than
-cap - top_k, so one token's experts always fit without going over capacity), the experts with the highest LFU frequency are pinned. The pin
-set is saved as `autopin.json` inside the store, and pinned (pre-loaded) again when the
-store is next loaded with autopin on.
+cap - top_k, so one token's experts always fit without going over capacity), the experts
+with the highest LFU frequency are pinned. The pin set is saved as `autopin.json` inside
+the store, and pinned (pre-loaded) again when the store is next loaded with autopin on.
 """
 
 import json

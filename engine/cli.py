@@ -9,21 +9,36 @@ from engine.config import StreamConfig, config_from_env
 
 
 def _add_stream_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("expert cache (flags win over EXPERT_SLOTS, SIDEREGION_LFU, "
-                             "SIDEREGION_SYNC, AUTOPIN_BUDGET_FRAC, PREFILL_CHUNK)")
-    g.add_argument("--expert-slots", type=int, help="real-region slots per MoE layer "
-                   "(default: all experts)")
+    g = p.add_argument_group(
+        "expert cache (flags win over EXPERT_SLOTS, SIDEREGION_LFU, "
+        "SIDEREGION_SYNC, AUTOPIN_BUDGET_FRAC, PREFILL_CHUNK)"
+    )
+    g.add_argument(
+        "--expert-slots", type=int, help="real-region slots per MoE layer (default: all experts)"
+    )
     g.add_argument("--spec-slots", type=int, help="side-region rows per generation")
-    g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
-                   help="speculative prefetch into the side region")
+    g.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="speculative prefetch into the side region",
+    )
     g.add_argument("--ahead-lo", type=int, help="prefetch distance before --cutoff")
     g.add_argument("--ahead-hi", type=int, help="prefetch distance from --cutoff on")
     g.add_argument("--cutoff", type=int, help="first MoE layer that uses --ahead-hi")
-    g.add_argument("--lfu", dest="side_lfu", action=argparse.BooleanOptionalAction,
-                   default=None, help="persistent LFU side region (--no-lfu: legacy "
-                   "double buffer)")
-    g.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
-                   help="fill the side region synchronously (diagnostic)")
+    g.add_argument(
+        "--lfu",
+        dest="side_lfu",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="persistent LFU side region (--no-lfu: legacy double buffer)",
+    )
+    g.add_argument(
+        "--sync",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fill the side region synchronously (diagnostic)",
+    )
     g.add_argument("--policy", choices=["lfu", "lru"], help="real-region eviction")
     g.add_argument("--autopin-frac", type=float, help="fraction of the slots autopin may pin")
     g.add_argument("--prefill-chunk", type=int, help="scratch rows for over-capacity calls")
@@ -33,9 +48,20 @@ def _add_stream_flags(p: argparse.ArgumentParser) -> None:
 def stream_config(args: argparse.Namespace, environ=None) -> StreamConfig:
     """StreamConfig from the environment (read once, here) overridden by flags."""
     values = config_from_env(environ)
-    for field in ("expert_slots", "spec_slots", "prefetch", "ahead_lo", "ahead_hi", "cutoff",
-                  "side_lfu", "sync", "policy", "autopin_frac", "prefill_chunk",
-                  "reader_threads"):
+    for field in (
+        "expert_slots",
+        "spec_slots",
+        "prefetch",
+        "ahead_lo",
+        "ahead_hi",
+        "cutoff",
+        "side_lfu",
+        "sync",
+        "policy",
+        "autopin_frac",
+        "prefill_chunk",
+        "reader_threads",
+    ):
         if getattr(args, field, None) is not None:
             values[field] = getattr(args, field)
     if values.get("spec_slots") and "prefetch" not in values:
@@ -84,13 +110,18 @@ def _generate_with(sm, prompt, args) -> int:
 
     if args.json:
         result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p)
-        print(json.dumps({"text": result.text, "tokens": result.tokens,
-                          "stats": result.stats()}))
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats()}))
         return 0
     if not args.chat:
         print(args.prompt, end="", flush=True)
-    result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p,
-                      on_response=lambda r: print(r.text, end="", flush=True))
+    result = generate(
+        sm,
+        prompt,
+        args.max_tokens,
+        args.temp,
+        args.top_p,
+        on_response=lambda r: print(r.text, end="", flush=True),
+    )
     s = result.stats()
     print(
         f"\n--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
@@ -126,26 +157,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("generate", help="generate text with streamed experts")
-    p.add_argument("--model", help="expert store or mlx-lm MoE model directory "
-                   "(default: the embedded model)")
+    p.add_argument(
+        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
+    )
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--record-trace", metavar="FILE.npz",
-                   help="write the routed expert ids of every MoE layer call (engine.trace)")
+    p.add_argument(
+        "--record-trace",
+        metavar="FILE.npz",
+        help="write the routed expert ids of every MoE layer call (engine.trace)",
+    )
     _add_stream_flags(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("bench", help="benchmarks: figures and ratios against resident mlx-lm")
-    p.add_argument("--suite", choices=["quick", "full", "scale"], default="quick",
-                   help="quick: tiny pass (CI); full: decode, cache policies, I/O; scale: "
-                   "Qwen3-30B-A3B-shaped synthetic store under 4 GiB")
+    p.add_argument(
+        "--suite",
+        choices=["quick", "full", "scale"],
+        default="quick",
+        help="quick: tiny pass (CI); full: decode, cache policies, I/O; scale: "
+        "Qwen3-30B-A3B-shaped synthetic store under 4 GiB",
+    )
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--model", help="default: the embedded model (scale: the synthetic "
-                   "store, generated on first use)")
+    p.add_argument(
+        "--model",
+        help="default: the embedded model (scale: the synthetic store, generated on first use)",
+    )
     p.set_defaults(func=_bench)
     return parser
 

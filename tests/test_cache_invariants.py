@@ -17,10 +17,11 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from rowcheck import RowChecker, acquire_and_check
 
 from engine.cache import ExpertReadError, open_cache
 from engine.config import StreamConfig
+
+from rowcheck import RowChecker, acquire_and_check
 
 NUM_EXPERTS = 8
 FAULTS = ("eio", "short_read", "corrupt")

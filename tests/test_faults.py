@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
-from rowcheck import RowChecker
 
 from engine.cache import ChecksumError, ExpertReadError, ExpertReadTimeout, open_cache
 from engine.config import StreamConfig
 from engine.model import load
+
+from rowcheck import RowChecker
 
 PROMPT = [3, 17, 42, 5, 99, 64, 1, 8]
 STEPS = 6

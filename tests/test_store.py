@@ -7,7 +7,6 @@ import zlib
 
 import mlx.core as mx
 import pytest
-from factories import make_random_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,8 @@ from engine.store import (
     load_manifest,
     stride_for,
 )
+
+from factories import make_random_model
 
 
 @pytest.fixture(scope="module")
