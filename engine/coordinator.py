@@ -6,10 +6,17 @@ records are read in the background while layers L..T-1 compute. Layer indices he
 MoE indices (position among MoE layers), never decoder indices.
 """
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.config import StreamConfig
+
+
+class GenerationStopped(Exception):
+    """Raised inside a forward pass when the caller's stop request is seen; the forward's
+    KV cache is left partial, so the reply ends there (engine.generate.generate)."""
 
 
 class Coordinator:
@@ -34,6 +41,8 @@ class Coordinator:
         # Predictions run on the CPU stream where there is no GPU kernel for them.
         self._cpu_stream = mx.default_device() != mx.cpu
         self._last_layer = -1
+        # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
+        self.should_stop: Callable[[], bool] | None = None
         self._targets: set[int] = set()  # submitted in the current forward
 
     def target_for(self, layer: int) -> int | None:
@@ -42,6 +51,11 @@ class Coordinator:
         gets at most one submission per forward)."""
         target = layer + (self.ahead_lo if layer < self.cutoff else self.ahead_hi)
         return target if target < self.num_layers else None
+
+    def check_stop(self, layer: int) -> None:
+        """Raises GenerationStopped when the caller asked to stop."""
+        if self.should_stop is not None and self.should_stop():
+            raise GenerationStopped(f"stopped at MoE layer {layer}")
 
     def predict(self, target: int, x: mx.array) -> mx.array:
         """Top-`budget` experts of `target`'s router for the last token of `x`.

@@ -13,6 +13,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from engine.coordinator import GenerationStopped
 from engine.model import StreamedModel
 
 
@@ -160,21 +161,28 @@ def generate(
 
     Args:
         on_response: called with each mlx-lm GenerationResponse as it is produced.
-        stop: polled after each token; the reply ends early when it returns True
+        stop: polled at every MoE layer call (so also during a long prefill) and after
+            each token; the reply ends early when it returns True
             (`GenerationResult.stopped`).
     """
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
-    for r in stream_generate(sm, prompt, max_tokens, temperature, top_p):
-        tokens.append(r.token)
-        text.append(r.text)
-        last = r
-        if on_response:
-            on_response(r)
-        if stop and stop():
-            stopped = True
-            break
+    sm.coordinator.should_stop = stop
+    try:
+        for r in stream_generate(sm, prompt, max_tokens, temperature, top_p):
+            tokens.append(r.token)
+            text.append(r.text)
+            last = r
+            if on_response:
+                on_response(r)
+            if stop and stop():
+                stopped = True
+                break
+    except GenerationStopped:
+        stopped = True
+    finally:
+        sm.coordinator.should_stop = None
     after = sm.snapshot().totals()
     if sm.config.autopin_frac > 0:
         from engine import autopin

@@ -81,7 +81,12 @@ class StreamedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x: (..., D) hidden states; indices: (..., k) routed expert ids.
-        Returns (..., k, D) expert outputs, like `SwitchGLU`."""
+        Returns (..., k, D) expert outputs, like `SwitchGLU`.
+
+        Raises:
+            GenerationStopped: the caller asked to stop (checked before any read).
+        """
+        self._coordinator.check_stop(self._index)
         token = self._coordinator.prefetch_token(self._index, x)
         ids = np.asarray(indices.astype(mx.int32))  # the one host sync of this layer
         rows, missing = self._cache.acquire(self._index, ids)
@@ -104,6 +109,7 @@ class StreamedSwitchGLU(nn.Module):
             outputs.append(self._pairs(tokens, groups[0], flat_rows, k))
         chunk = self._cache.scratch
         for start in range(0, len(missing), chunk):
+            self._coordinator.check_stop(self._index)
             experts = missing[start : start + chunk]
             scratch_rows = self._cache.load_scratch(self._index, experts)
             for e, r in zip(experts, scratch_rows, strict=True):

@@ -138,3 +138,25 @@ def test_prompt_longer_than_context_is_refused():
     with pytest.raises(ValueError, match=f"{limit} tokens"):
         next(stream_generate(sm, [1] * limit, max_tokens=8))
     assert sm.snapshot().totals()["loads"] == 0  # refused before any expert was read
+
+
+def test_stop_lands_during_a_long_prefill(resident):
+    """A stop request is seen at the next MoE layer call, not after the whole prompt;
+    the next reply is unaffected."""
+    from engine.generate import generate
+
+    sm = load(None, StreamConfig(expert_slots=4))
+    prompt = resident[1].encode(PROMPT * 40)  # ~600 tokens: one prefill chunk
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) > 3  # the fourth MoE layer call of the prefill
+
+    result = generate(sm, prompt, max_tokens=8, stop=stop)
+    assert result.stopped and result.tokens == []
+    loads = sm.snapshot().stats["loads"]
+    assert loads[3:].sum() == 0 and loads[:3].sum() > 0  # layers 3..7 never read
+    again = generate(sm, resident[1].encode(PROMPT), max_tokens=8)
+    fresh = generate(load(None, StreamConfig(expert_slots=4)), resident[1].encode(PROMPT), 8)
+    assert again.tokens == fresh.tokens and not again.stopped
