@@ -236,7 +236,7 @@ def _check_layer_segments(where: Path, spec: LayerSpec, switch_mlp: nn.Module) -
             )
 
 
-def _load_tokenizer(store: ExpertStore, cfg: dict) -> TokenizerWrapper | None:
+def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
     """mlx-lm's tokenizer of the store, or None when it has no tokenizer files. Code in
     the store is never run (trust_remote_code=False: an `auto_map` is refused).
 
@@ -248,7 +248,7 @@ def _load_tokenizer(store: ExpertStore, cfg: dict) -> TokenizerWrapper | None:
         return None
     try:
         tokenizer = load_tokenizer(
-            path, {"trust_remote_code": False}, eos_token_ids=cfg.get("eos_token_id")
+            path, {"trust_remote_code": False}, eos_token_ids=store.config.get("eos_token_id")
         )
         empty = not tokenizer.encode("The", add_special_tokens=False)
     except Exception as e:  # transformers and tokenizers raise many kinds
@@ -308,7 +308,7 @@ def load(
         raise StoreError(f"{store.path / 'dense.safetensors'}: {e}") from None
     mx.eval(model.parameters())
 
-    tokenizer = _load_tokenizer(store, cfg)
+    tokenizer = load_store_tokenizer(store)
     model_obj = StreamedModel(model, tokenizer, store, config, cache, coordinator)
     if config.autopin_frac > 0:
         from engine.autopin import restore_pins

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from engine.bench.common import PROMPT, machine_load, prompt_ids
+from engine.model import load_store_tokenizer
 
 SUITES = ("quick", "full", "scale")
 
@@ -39,14 +40,6 @@ def routing_traces_dir() -> Path | None:
         )
     )
     return path if path.is_dir() else None
-
-
-def _tokenizer(store):
-    from mlx_lm.utils import load_tokenizer
-
-    if (store.path / "tokenizer.json").exists() or (store.path / "tokenizer_config.json").exists():
-        return load_tokenizer(store.path, eos_token_ids=store.config.get("eos_token_id"))
-    return None
 
 
 def record_trace(store, prompts: list[list[int]], max_tokens: int, name: str):
@@ -94,7 +87,7 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
         model = model or default_model_path()
         results["model"] = str(model)
         store = resolve_store(model)
-        tok = _tokenizer(store)
+        tok = load_store_tokenizer(store)
         prompt = prompt_ids(tok, store.config["vocab_size"])
         quick = suite == "quick"
         log(f"[1/3] decode vs resident ({len(prompt)}-token prompt)")
