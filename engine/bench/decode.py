@@ -27,7 +27,7 @@ from engine.bench.common import (
     timed_generate,
     vm_hwm_bytes,
 )
-from engine.bench.limits import run_worker
+from engine.bench.limits import run_peer, run_worker
 from engine.bench.peers import PEER_MODES
 from engine.config import StreamConfig
 from engine.generate import cache_delta
@@ -319,15 +319,9 @@ def decode_suite(
         for name, _, _, fields in configs:
             onces[name].append(_streamed_once(store.path, fields, prompt, max_tokens))
         for fraction, mode in peer_cases:
-            spec = {
-                "kind": "peer",
-                "store": str(store.path),
-                "mode": mode,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "reps": 1,
-            }
-            peer_runs[(fraction, mode)].append(run_worker(spec, limit=budgets[fraction]))
+            peer_runs[(fraction, mode)].append(
+                run_peer(store.path, mode, prompt, max_tokens, budgets[fraction])
+            )
     rows = []
     resident_tps = None
     if resident:

@@ -138,3 +138,17 @@ def run_worker(spec: dict, limit: int | None = None, timeout: float = 3600) -> d
     finally:
         if cg is not None:
             cg.close()
+
+
+def run_peer(store_path, mode: str, prompt: list[int], max_tokens: int, limit: int | None) -> dict:
+    """One repetition of a peer approach (`mode`: "pagecache" or "mmap", see
+    engine.bench.peers) in its own process under `limit` bytes; run_worker's result."""
+    spec = {
+        "kind": "peer",
+        "store": str(store_path),
+        "mode": mode,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "reps": 1,
+    }
+    return run_worker(spec, limit=limit)

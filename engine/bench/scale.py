@@ -35,7 +35,7 @@ from engine.bench.disk import (
     raw_sweep,
     resident_fraction,
 )
-from engine.bench.limits import run_worker
+from engine.bench.limits import run_peer, run_worker
 from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig
 from engine.model import store_cache_dir
@@ -222,17 +222,7 @@ def scale_suite(
             _log_run(r, log)
     if peers:
         for mode in ("pagecache", "mmap"):
-            r = run_worker(
-                {
-                    "kind": "peer",
-                    "store": str(store.path),
-                    "mode": mode,
-                    "prompt": prompt,
-                    "max_tokens": max_tokens,
-                    "reps": 1,
-                },
-                limit=budget,
-            )
+            r = run_peer(store.path, mode, prompt, max_tokens, budget)
             r["name"] = f"peer: {mode} (every routed expert read each call)"
             runs.append(r)
             _log_run(r, log)
