@@ -124,5 +124,4 @@ def test_long_prefill_reads_each_expert_once_and_keeps_working_set(model_dirs, r
     assert (snap.stats["overcap_calls"] == 1).all()
     # 8 experts, at most 3 resident (expert 0 pinned): every other expert read once.
     assert (snap.stats["loads"] <= 8).all()
-    assert (snap.slot_expert[:, :] >= 0).sum(axis=1).min() >= 1
     assert all(0 in row for row in snap.slot_expert)
