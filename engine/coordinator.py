@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from engine.config import StreamConfig
 
@@ -38,11 +39,15 @@ class Coordinator:
         self.ahead_lo = config.ahead_lo
         self.ahead_hi = config.ahead_hi
         self.cutoff = self.num_layers // 2 if config.cutoff is None else config.cutoff
-        # Predictions run on the CPU stream where there is no GPU kernel for them.
-        self._cpu_stream = mx.default_device() != mx.cpu
+        # The cache's primitives (acquire, prefetch) have no GPU kernel: on a GPU device
+        # they are created on the CPU stream, which MLX orders with the GPU work.
+        self.cpu_stream = mx.default_device() != mx.cpu
         self._last_layer = -1
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
+        # Sees (MoE layer, int32 ids) of every MoE layer call (trace recording); while set,
+        # every call takes the synchronous path, which has the ids on the host.
+        self.on_acquire: Callable[[int, np.ndarray], None] | None = None
         self._targets: set[int] = set()  # submitted in the current forward
 
     def target_for(self, layer: int) -> int | None:
@@ -84,4 +89,4 @@ class Coordinator:
         if target is None or target in self._targets:
             return None
         self._targets.add(target)
-        return self.cache.prefetch_op(target, self.predict(target, x), self._cpu_stream)
+        return self.cache.prefetch_op(target, self.predict(target, x), self.cpu_stream)

@@ -1,10 +1,19 @@
 """`StreamedSwitchGLU`: mlx-lm's `SwitchGLU` computed on pool rows instead of all experts.
 
 Patched into each MoE block in place of `switch_mlp`, it keeps mlx-lm's router, top-k and
-score mixing untouched. Per call it synchronises once on the router's expert ids, maps
-them to pool rows with the cache's `acquire` (real hit, side hit or demand load), and runs
-the same `gather_qmm` / `gather_mm` calls as `SwitchGLU` with those rows as
-`rhs_indices`, so every (token, expert) product is the one the resident model computes.
+score mixing untouched. The router's expert ids become pool rows through the cache's
+`acquire` (real hit, side hit or demand load), and the layer runs the same `gather_qmm` /
+`gather_mm` calls as `SwitchGLU` with those rows as `rhs_indices`, so every (token,
+expert) product is the one the resident model computes.
+
+Two paths, chosen per call on the host from shapes alone:
+- stream-ordered (every decode step, and any call with at most `evictable` ids): the rows
+  are a lazy `acquire_op` that the cache evaluates on the CPU stream when the ids exist.
+  Nothing waits on the router, so a whole token's graph is built and evaluated without a
+  pipeline drain per layer; a miss costs its read, inside the stream.
+- synchronous (calls that may hold more distinct experts than evictable slots: prefill):
+  the ids are read on the host once, and misses beyond the slots stream through the
+  scratch rows chunk by chunk (`_over_capacity`).
 """
 
 import mlx.core as mx
@@ -88,12 +97,19 @@ class StreamedSwitchGLU(nn.Module):
         """
         self._coordinator.check_stop(self._index)
         token = self._coordinator.prefetch_token(self._index, x)
-        ids = np.asarray(indices.astype(mx.int32))  # the one host sync of this layer
-        rows, missing = self._cache.acquire(self._index, ids)
-        if missing:
-            y = self._over_capacity(x, ids, rows, missing)
+        hook = self._coordinator.on_acquire
+        if hook is None and indices.size <= self._cache.evictable(self._index):
+            rows = self._cache.acquire_op(self._index, indices, self._coordinator.cpu_stream)
+            y = self._glu(mx.expand_dims(x, (-2, -3)), rows)
         else:
-            y = self._glu(mx.expand_dims(x, (-2, -3)), mx.array(rows))
+            ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
+            if hook is not None:
+                hook(self._index, ids.copy())
+            rows, missing = self._cache.acquire(self._index, ids)
+            if missing:
+                y = self._over_capacity(x, ids, rows, missing)
+            else:
+                y = self._glu(mx.expand_dims(x, (-2, -3)), mx.array(rows))
         return y if token is None else mx.depends(y, token)
 
     def _over_capacity(self, x, ids, rows, missing):

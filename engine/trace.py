@@ -3,10 +3,10 @@
 A `Trace` holds expert ids shaped `(tokens, moe_layers, top_k)` and the start token of
 each generate call (`segments`). Traces come from three places:
 
-- recorded from the engine: `record(sm)` wraps the cache handle of each
-  `StreamedSwitchGLU` of a loaded model so that every `acquire` call also stores its ids
-  (`expertstream generate --record-trace FILE.npz`); nothing is wrapped when not
-  recording, so the hot path is untouched;
+- recorded from the engine: `record(sm)` sets the model's acquire hook
+  (`Coordinator.on_acquire`) so that every MoE layer call also stores its ids
+  (`expertstream generate --record-trace FILE.npz`); while recording, every call takes
+  the synchronous path, which has the ids on the host; otherwise nothing changes;
 - published traces: the HD-MoE Mixtral JSON files (`{"0": [[a, b], ...], ...}`, one key per
   MoE layer), read by `load_trace`;
 - generated: `random_trace` (uniform routing) and `local_trace` (temporal locality and
@@ -179,47 +179,23 @@ def local_trace(
     return Trace(label, ids, num_experts)
 
 
-class _RecordingCache:
-    """Stands in for the native cache inside one StreamedSwitchGLU: forwards every call,
-    and hands the ids of each `acquire` to the recorder first."""
-
-    def __init__(self, cache, sink: list):
-        self._inner = cache
-        self._sink = sink
-
-    def acquire(self, layer, ids):
-        self._sink.append((layer, np.array(ids, copy=True)))
-        return self._inner.acquire(layer, ids)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 class TraceRecorder:
     """Records the routed expert ids of every MoE layer call of a `StreamedModel`.
 
-    Use as a context manager (or call `close`): on exit the original cache handles are
-    put back. `begin_segment()` marks the start of a generate call.
+    Use as a context manager (or call `close`): on exit the acquire hook is removed. `begin_segment()` marks the start of a generate call.
     """
 
     def __init__(self, sm):
-        from engine.streamed_layer import StreamedSwitchGLU
-
         self._sm = sm
         self._calls: list[tuple[int, np.ndarray]] = []
         self._segment_calls: list[int] = []
-        self._patched = [m for m in sm.model.modules() if isinstance(m, StreamedSwitchGLU)]
-        for m in self._patched:
-            m._cache = _RecordingCache(m._cache, self._calls)
+        sm.coordinator.on_acquire = lambda layer, ids: self._calls.append((layer, ids))
 
     def begin_segment(self) -> None:
         self._segment_calls.append(len(self._calls))
 
     def close(self) -> None:
-        for m in self._patched:
-            if isinstance(m._cache, _RecordingCache):
-                m._cache = m._cache._inner
-        self._patched = []
+        self._sm.coordinator.on_acquire = None
 
     def __enter__(self) -> "TraceRecorder":
         return self

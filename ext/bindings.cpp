@@ -9,7 +9,7 @@
 
 #include "errors.h"
 #include "expert_cache.h"
-#include "prefetch_primitive.h"
+#include "primitives.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -153,6 +153,19 @@ NB_MODULE(_ext, m) {
             return nb::make_tuple(to_numpy(std::move(local), shape), missing);
           },
           "layer"_a, "ids"_a)
+      .def(
+          "acquire_op",
+          [](Cache& c, int li, const mx::array& ids, bool cpu_stream) {
+            if (cpu_stream) return es::acquire_op(c.impl, li, ids, mx::Device(mx::Device::cpu));
+            return es::acquire_op(c.impl, li, ids);
+          },
+          "layer"_a, "ids"_a, "cpu_stream"_a = false,
+          "Lazy int32 pool rows of `ids` (any shape) for MoE layer `layer`, mapped by the "
+          "cache when evaluated, in stream order, without a host synchronisation; on the "
+          "default stream, or the CPU stream if `cpu_stream`. Precondition: ids.size <= "
+          "evictable(layer). Evaluation raises the cache's read errors.")
+      .def("evictable", [](const Cache& c, int li) { return c.impl->evictable(li); }, "layer"_a,
+           "Slots of MoE layer `layer` that a call may load into (expert_slots - pinned).")
       .def(
           "load_scratch",
           [](Cache& c, int li, const std::vector<int>& experts) {

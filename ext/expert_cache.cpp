@@ -265,6 +265,12 @@ void ExpertCache::drain() {
   drain_locked(lk);
 }
 
+int ExpertCache::evictable(int li) const {
+  check_layer(li, num_layers());
+  std::lock_guard<std::mutex> lk(mu_);
+  return config_.cap - real_[li].pinned_count();
+}
+
 std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
   check_layer(li, num_layers());
   std::unique_lock<std::mutex> lk(mu_);

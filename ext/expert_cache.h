@@ -91,13 +91,20 @@ class ExpertCache {
   const CacheConfig& config() const { return config_; }
   int rows() const { return config_.cap + 2 * config_.spec + config_.scratch; }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
+  // Slots of MoE layer li that a call may load into: cap minus pinned. A call with at most
+  // this many expert ids can never be over capacity (each distinct miss finds a slot
+  // that no other id of the call holds), which is what acquire_op relies on.
+  int evictable(int li) const;
 
   // Maps ids[i] (expert ids of MoE layer li) to pool rows in local[i]: real hit, side hit
   // (read generation), or a demand load into the real region. A call whose misses exceed
   // the evictable slots loads nothing: those entries get -1 and the distinct missing
   // experts are returned, to be streamed through load_scratch(). The caller must have
   // evaluated every earlier use of this layer's pool (it synchronised on ids), which is
-  // also how a new forward is detected (li not above the previous call's).
+  // also how a new forward is detected (li not above the previous call's). Called on the
+  // generation thread (synchronous path) or, through acquire_op, on the thread of the MLX
+  // stream that evaluates the graph; the two never overlap for one model, since a
+  // synchronous call first evaluates everything its ids depend on.
   std::vector<int> acquire(int li, const int32_t* ids, int32_t* local, size_t n);
 
   // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.

@@ -1,0 +1,70 @@
+// MLX primitives that run the expert cache from inside the lazy graph.
+//
+// acquire_op(cache, layer, ids) returns the pool rows of `ids` (the router's expert ids of
+// MoE layer `layer`) as a lazy int32 array of the same shape. When MLX evaluates it, the
+// ids exist: the cache maps them to rows (real hit, side hit or demand read) on the
+// stream's thread, in graph order. The host never waits on the router, so Python builds a
+// whole token's graph without a pipeline drain, and a miss costs the read itself. Every
+// earlier task of the stream has run by then, so no row an earlier layer still reads is
+// reused (the read fence of the synchronous path, now by stream order).
+//
+// prefetch_op(cache, layer, ids) returns a uint8 scalar that depends on `ids` (the expert
+// ids predicted for MoE layer `layer`). When MLX evaluates it, the fills are reserved and
+// queued (or run inline in SYNC mode); tying the scalar into the hidden state with
+// mx.depends orders the reservation before that layer's acquire.
+//
+// Both run on a CPU stream (eval_cpu) on every platform: on a GPU device MLX orders them
+// with the GPU work through its cross-stream events. No eval_gpu is built.
+#pragma once
+
+#include <memory>
+
+#include "expert_cache.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace es {
+
+class AcquirePrimitive : public mx::Primitive {
+ public:
+  AcquirePrimitive(mx::Stream stream, std::shared_ptr<ExpertCache> cache, int layer)
+      : mx::Primitive(stream), cache_(std::move(cache)), layer_(layer) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "ExpertAcquire"; }
+
+ private:
+  std::shared_ptr<ExpertCache> cache_;
+  int layer_;
+};
+
+class PrefetchPrimitive : public mx::Primitive {
+ public:
+  PrefetchPrimitive(mx::Stream stream, std::shared_ptr<ExpertCache> cache, int layer)
+      : mx::Primitive(stream), cache_(std::move(cache)), layer_(layer) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "ExpertPrefetch"; }
+
+ private:
+  std::shared_ptr<ExpertCache> cache_;
+  int layer_;
+};
+
+// ids: any shape, any integer dtype (converted to int32). Returns int32 pool rows of the
+// same shape. The caller guarantees the call cannot be over capacity (ids.size() <=
+// ExpertCache::evictable(layer)); if it is anyway, or a read fails, evaluation raises the
+// cache's error (ExpertReadError, ...) and the rows are all 0, a valid row, so the
+// kernels that consume them never index outside the pool. Throws std::invalid_argument
+// for a non-integer dtype.
+mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
+                     mx::StreamOrDevice s = {});
+
+// ids: any shape, any integer dtype (converted to int32). Throws std::invalid_argument
+// for a non-integer dtype.
+mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
+                      mx::StreamOrDevice s = {});
+
+}  // namespace es
