@@ -73,17 +73,26 @@ def stream_generate(
         prompt: token ids.
         max_tokens: reply length limit, tokens.
         prompt_cache: an mlx-lm KV cache to continue a conversation, or None.
+
+    Raises:
+        engine.cache.ExpertReadError (ChecksumError, ExpertReadTimeout): an expert could
+            not be read; no token computed without it is yielded.
+        GenerationStopped: the caller's stop hook asked to stop mid-forward.
     """
     check_context(sm, len(prompt), max_tokens)
     sampler = make_sampler(temp=temperature, top_p=top_p)
-    yield from mlx_stream_generate(
+    for response in mlx_stream_generate(
         sm.model,
         sm.tokenizer,
         mx.array(prompt),
         max_tokens=max_tokens,
         sampler=sampler,
         prompt_cache=prompt_cache,
-    )
+    ):
+        # A read that failed inside a stream-ordered acquire left row 0 in its place: the
+        # token is wrong, so its error is raised before the token is handed out.
+        sm.cache.raise_stream_error()
+        yield response
 
 
 @dataclass

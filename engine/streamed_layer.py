@@ -6,11 +6,15 @@ score mixing untouched. The router's expert ids become pool rows through the cac
 `gather_mm` calls as `SwitchGLU` with those rows as `rhs_indices`, so every (token,
 expert) product is the one the resident model computes.
 
-Two paths, chosen per call on the host from shapes alone:
-- stream-ordered (every decode step, and any call with at most `evictable` ids): the rows
-  are a lazy `acquire_op` that the cache evaluates on the CPU stream when the ids exist.
-  Nothing waits on the router, so a whole token's graph is built and evaluated without a
-  pipeline drain per layer; a miss costs its read, inside the stream.
+Three paths, chosen per call by the cache's `plan` from shapes and residency alone:
+- table (a decode step of a complete layer: every expert has a real slot, so nothing can
+  miss or be evicted): rows = the layer's device-side expert->slot table indexed by the
+  ids; no host work at all, on any device.
+- stream-ordered (every other decode step, and any call with at most `expert_slots -
+  pinned` ids): the rows are a lazy `acquire_op` that the cache evaluates on the CPU
+  stream when the ids exist. Nothing waits on the router, so a whole token's graph is
+  built and evaluated without a pipeline drain per layer; a miss costs its read, inside
+  the stream.
 - synchronous (calls that may hold more distinct experts than evictable slots: prefill):
   the ids are read on the host once, and misses beyond the slots stream through the
   scratch rows chunk by chunk (`_over_capacity`).
@@ -23,6 +27,9 @@ from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
 from engine.coordinator import Coordinator
 from engine.store import LayerSpec
+
+# ExpertCache.plan codes.
+PLAN_TABLE, PLAN_STREAM, PLAN_SYNC = range(3)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -46,6 +53,7 @@ class StreamedSwitchGLU(nn.Module):
         self._quant = spec.quantization
         keys = [s.key for s in spec.segments]
         self._pool = dict(zip(keys, self._cache.pool(moe_index), strict=True))
+        self._table = self._cache.table(moe_index)
 
     def _project(self, name: str, x: mx.array, rows: mx.array, sorted_rows: bool) -> mx.array:
         pool = self._pool
@@ -98,7 +106,10 @@ class StreamedSwitchGLU(nn.Module):
         self._coordinator.check_stop(self._index)
         token = self._coordinator.prefetch_token(self._index, x)
         hook = self._coordinator.on_acquire
-        if hook is None and indices.size <= self._cache.evictable(self._index):
+        plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
+        if plan == PLAN_TABLE:
+            y = self._glu(mx.expand_dims(x, (-2, -3)), self._table[indices])
+        elif plan == PLAN_STREAM:
             rows = self._cache.acquire_op(self._index, indices, self._coordinator.cpu_stream)
             y = self._glu(mx.expand_dims(x, (-2, -3)), rows)
         else:

@@ -162,10 +162,27 @@ NB_MODULE(_ext, m) {
           "layer"_a, "ids"_a, "cpu_stream"_a = false,
           "Lazy int32 pool rows of `ids` (any shape) for MoE layer `layer`, mapped by the "
           "cache when evaluated, in stream order, without a host synchronisation; on the "
-          "default stream, or the CPU stream if `cpu_stream`. Precondition: ids.size <= "
-          "evictable(layer). Evaluation raises the cache's read errors.")
-      .def("evictable", [](const Cache& c, int li) { return c.impl->evictable(li); }, "layer"_a,
-           "Slots of MoE layer `layer` that a call may load into (expert_slots - pinned).")
+          "default stream, or the CPU stream if `cpu_stream`. Precondition: plan() said "
+          "PLAN_STREAM for this call. A read error while evaluating it leaves row 0 and is "
+          "raised by the next raise_stream_error() or plan().")
+      .def(
+          "raise_stream_error",
+          [](Cache& c) { c.impl->raise_stream_error(); },
+          "Raises (and clears) the first error of a stream-ordered acquire since the last "
+          "call: ExpertReadError, ChecksumError, ExpertReadTimeout or RuntimeError. Call it "
+          "after evaluating a forward that used acquire_op, before using its result.")
+      .def(
+          "plan", [](Cache& c, int li, int64_t n, int top_k) { return int(c.impl->plan(li, n, top_k)); },
+          "layer"_a, "n"_a, "top_k"_a,
+          "How the next call of MoE layer `layer` with `n` expert ids (`top_k` per token) "
+          "gets its pool rows (after raising a pending stream error, see "
+          "raise_stream_error): 0 (PLAN_TABLE) table(layer)[ids] on the device, the layer "
+          "being complete and the call one token (its top_k hits are counted now); 1 "
+          "(PLAN_STREAM) acquire_op, n being at most expert_slots - pinned; 2 (PLAN_SYNC) "
+          "acquire on host ids, with over-capacity chunks.")
+      .def("table", [](const Cache& c, int li) { return c.impl->table(li); }, "layer"_a,
+           "(num_experts,) int32 expert -> real slot of MoE layer `layer`, valid while "
+           "plan() returns PLAN_TABLE.")
       .def(
           "load_scratch",
           [](Cache& c, int li, const std::vector<int>& experts) {

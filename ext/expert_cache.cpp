@@ -104,6 +104,11 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     real_.emplace_back(config_.cap, num_experts_, config_.policy, config_.decay_every);
     side_.push_back({SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)});
     loading_.emplace_back(config_.cap, 0);
+    mx::array table(mx::allocator::malloc(sizeof(int32_t) * num_experts_), {num_experts_},
+                    mx::int32);
+    std::fill_n(table.data<int32_t>(), num_experts_, -1);
+    tables_.push_back(std::move(table));
+    complete_.push_back(0);
     fill_tickets_.emplace_back(2 * static_cast<size_t>(config_.spec));
   }
   stats_.resize(layers_.size());
@@ -265,10 +270,39 @@ void ExpertCache::drain() {
   drain_locked(lk);
 }
 
-int ExpertCache::evictable(int li) const {
-  check_layer(li, num_layers());
+void ExpertCache::set_stream_error(std::exception_ptr e) {
   std::lock_guard<std::mutex> lk(mu_);
-  return config_.cap - real_[li].pinned_count();
+  if (!stream_error_) stream_error_ = std::move(e);
+}
+
+void ExpertCache::raise_stream_error() {
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::swap(e, stream_error_);
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
+  check_layer(li, num_layers());
+  raise_stream_error();
+  std::lock_guard<std::mutex> lk(mu_);
+  auto& R = real_[li];
+  if (!complete_[li] && config_.cap == num_experts_) {
+    bool all = true;
+    for (int e = 0; e < num_experts_ && all; ++e) all = R.slot_of(e) >= 0;
+    if (all) {
+      int32_t* t = tables_[li].data<int32_t>();
+      for (int e = 0; e < num_experts_; ++e) t[e] = R.slot_of(e);
+      complete_[li] = 1;
+    }
+  }
+  if (complete_[li] && n == top_k) {
+    stats_[li].hits += static_cast<uint64_t>(top_k);
+    return kPlanTable;
+  }
+  return n <= config_.cap - R.pinned_count() ? kPlanStream : kPlanSync;
 }
 
 std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
@@ -557,6 +591,7 @@ void ExpertCache::reset() {
   drain_locked(lk);
   for (size_t li = 0; li < real_.size(); ++li) {
     real_[li] = RealRegion(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    complete_[li] = 0;  // plan() refills the table once every expert is resident again
     for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
   }
   last_li_ = -1;

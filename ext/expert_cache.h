@@ -91,10 +91,30 @@ class ExpertCache {
   const CacheConfig& config() const { return config_; }
   int rows() const { return config_.cap + 2 * config_.spec + config_.scratch; }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
-  // Slots of MoE layer li that a call may load into: cap minus pinned. A call with at most
-  // this many expert ids can never be over capacity (each distinct miss finds a slot
-  // that no other id of the call holds), which is what acquire_op relies on.
-  int evictable(int li) const;
+  // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
+  //   kPlanTable  the layer is complete (every expert has a real slot, which it keeps
+  //               until reset: a complete layer never misses, so never evicts) and the
+  //               call is one token: rows = table(li)[ids] on the device, no host work.
+  //               Its top_k lookups are counted as hits here (a token's top-k ids are
+  //               distinct); LFU frequencies are not touched (nothing can be evicted).
+  //   kPlanStream n <= cap - pinned: the call cannot be over capacity (each distinct
+  //               miss finds a slot no other id of the call holds), so acquire_op may map
+  //               it in stream order.
+  //   kPlanSync   otherwise (prefill): read the ids on the host, acquire, stream the
+  //               over-capacity misses through the scratch rows.
+  enum Plan : int { kPlanTable = 0, kPlanStream = 1, kPlanSync = 2 };
+  // Raises the pending stream error (see below) first, so a forward built after a failed
+  // one fails at its first MoE layer.
+  Plan plan(int li, int64_t n, int top_k);
+  // An acquire that failed on the stream's thread (acquire_op) cannot raise there with its
+  // type intact (MLX's scheduler keeps only a message, and a host read of the result does
+  // not look at it), so it stores the error here and the host raises it: the first error
+  // is kept until raise_stream_error() throws it and clears it.
+  void set_stream_error(std::exception_ptr e);
+  void raise_stream_error();
+  // (num_experts,) int32 expert -> real slot of MoE layer li; -1 until the layer is
+  // complete (see plan), then a fixed permutation until reset().
+  mx::array table(int li) const { return tables_.at(li); }
 
   // Maps ids[i] (expert ids of MoE layer li) to pool rows in local[i]: real hit, side hit
   // (read generation), or a demand load into the real region. A call whose misses exceed
@@ -170,8 +190,11 @@ class ExpertCache {
   std::vector<RealRegion> real_;
   std::vector<std::vector<SideLedger>> side_;  // [li][gen]
   std::vector<std::vector<uint8_t>> loading_;  // [li][slot]
+  std::vector<mx::array> tables_;               // [li]: (num_experts,) int32, see plan()
+  std::vector<uint8_t> complete_;               // [li]: tables_[li] is filled
   std::vector<LayerStats> stats_;
   std::vector<std::vector<std::shared_ptr<FillTicket>>> fill_tickets_;  // [li][gen*spec+row]
+  std::exception_ptr stream_error_;  // see set_stream_error
   uint64_t fills_settled_ = 0;  // fills published or released: drain's progress measure
   uint64_t forward_ = 0;
   uint64_t tick_ = 0;

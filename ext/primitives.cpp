@@ -26,8 +26,8 @@ void AcquirePrimitive::eval_cpu(const std::vector<mx::array>& inputs,
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
-  // Runs on the stream's thread once `ids` has been computed. A throw is kept by MLX's
-  // scheduler and raised where the graph is evaluated; the rows are made valid first.
+  // Runs on the stream's thread once `ids` has been computed. An error is handed to the
+  // cache for the host to raise (ExpertCache::set_stream_error), with valid rows.
   encoder.dispatch([ids = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
                     layer = layer_]() mutable {
     int32_t* rows = out.data<int32_t>();
@@ -40,7 +40,7 @@ void AcquirePrimitive::eval_cpu(const std::vector<mx::array>& inputs,
                                "acquire (pinned after the graph was built?)");
     } catch (...) {
       std::fill(rows, rows + n, 0);
-      throw;
+      cache->set_stream_error(std::current_exception());
     }
   });
 }

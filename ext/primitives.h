@@ -54,10 +54,10 @@ class PrefetchPrimitive : public mx::Primitive {
 };
 
 // ids: any shape, any integer dtype (converted to int32). Returns int32 pool rows of the
-// same shape. The caller guarantees the call cannot be over capacity (ids.size() <=
-// ExpertCache::evictable(layer)); if it is anyway, or a read fails, evaluation raises the
-// cache's error (ExpertReadError, ...) and the rows are all 0, a valid row, so the
-// kernels that consume them never index outside the pool. Throws std::invalid_argument
+// same shape. The caller guarantees the call cannot be over capacity (ExpertCache::plan
+// said kPlanStream); if it is anyway, or a read fails, the rows are all 0 (a valid row,
+// so the kernels that consume them never index outside the pool) and the error goes to
+// ExpertCache::set_stream_error, for the host to raise before it uses the result. Throws std::invalid_argument
 // for a non-integer dtype.
 mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
                      mx::StreamOrDevice s = {});

@@ -1,0 +1,149 @@
+"""The decode path needs no host synchronisation on the router's ids (issue 11).
+
+Each MoE layer call takes one of three paths (engine.streamed_layer): the device-side
+table of a complete layer, the stream-ordered acquire primitive, or the synchronous path
+with host ids (prefill over capacity). These tests pin down which path each call takes,
+that building a decode step's graph does no cache work until MLX evaluates it (so no
+host read of the ids happened), and that every path gives the resident logits.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from engine.config import StreamConfig
+from engine.model import load
+from engine.streamed_layer import PLAN_STREAM, PLAN_SYNC, PLAN_TABLE
+
+from test_equality import PROMPT, assert_same, greedy_logits
+
+NUM_EXPERTS, TOP_K = 8, 2  # the factories' models
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs):
+    return model_dirs("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def resident(model_dir):
+    model, _ = load_model(model_dir)
+    return greedy_logits(model)
+
+
+def lookups(sm) -> int:
+    t = sm.snapshot().totals()
+    return t["hits"] + t["misses"]
+
+
+def test_plan_per_call_shape_and_residency(model_dir):
+    sm = load(model_dir, StreamConfig())
+    cache = sm.cache
+    assert cache.plan(0, TOP_K, TOP_K) == PLAN_STREAM  # nothing resident yet
+    assert cache.plan(0, len(PROMPT) * TOP_K, TOP_K) == PLAN_SYNC  # may exceed the slots
+    for e in range(NUM_EXPERTS):
+        cache.acquire(0, np.array([[e]], dtype=np.int32))
+    before = cache.snapshot(0)["stats"]["hits"]
+    assert cache.plan(0, TOP_K, TOP_K) == PLAN_TABLE  # complete: one token uses the table
+    assert cache.snapshot(0)["stats"]["hits"] == before + TOP_K
+    assert cache.plan(0, 2 * TOP_K, TOP_K) == PLAN_STREAM  # two tokens: counted in acquire
+    slots = cache.snapshot(0)["slot_expert"]
+    table = np.array(cache.table(0))
+    assert [int(slots[table[e]]) for e in range(NUM_EXPERTS)] == list(range(NUM_EXPERTS))
+    assert np.array(cache.table(1)).tolist() == [-1] * NUM_EXPERTS  # layer 1 not complete
+
+    cache.reset()
+    assert cache.plan(0, TOP_K, TOP_K) == PLAN_STREAM
+
+
+def test_plan_counts_pinned_slots(model_dir):
+    sm = load(model_dir, StreamConfig(expert_slots=3))
+    assert sm.cache.plan(0, 3, TOP_K) == PLAN_STREAM
+    sm.cache.pin(0, 5)
+    assert sm.cache.plan(0, 3, TOP_K) == PLAN_SYNC  # 2 evictable slots for 3 ids
+    assert sm.cache.plan(0, 2, TOP_K) == PLAN_STREAM
+
+
+@pytest.mark.parametrize("slots", [2, 8], ids=["top_k", "all"])
+def test_decode_step_graph_is_built_without_cache_work(model_dir, slots):
+    """Building a decode step's graph reads no ids on the host: the cache has seen none
+    of the step's lookups until the graph is evaluated."""
+    sm = load(model_dir, StreamConfig(expert_slots=slots))
+    kv = make_prompt_cache(sm.model)
+    logits = sm.model(mx.array([PROMPT]), cache=kv)[:, -1]
+    mx.eval(logits)
+    if slots == NUM_EXPERTS:  # layers 0 and 1 complete, the others as the routing goes
+        for li in (0, 1):
+            sm.cache.acquire(li, np.arange(NUM_EXPERTS, dtype=np.int32))
+    for _ in range(6):
+        token = mx.argmax(logits, axis=-1)
+        before = lookups(sm)
+        logits = sm.model(token[:, None], cache=kv)[:, -1]
+        at_build = lookups(sm) - before
+        # Only table calls count their hits when planned (their layers' tables are
+        # filled); a stream-ordered call does nothing until evaluated.
+        tables = sum(int(np.array(sm.cache.table(li))[0]) >= 0 for li in range(4))
+        assert at_build == tables * TOP_K, "a decode step read the router's ids before eval"
+        mx.eval(logits)
+        assert lookups(sm) - before == sm.cache.num_layers * TOP_K
+        assert tables >= (2 if slots == NUM_EXPERTS else 0)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 8])
+def test_every_path_gives_the_resident_logits(model_dir, resident, slots):
+    """Slots 1 (every decode call synchronous, over capacity), 2 and 3 (stream-ordered),
+    8 (stream-ordered until each layer is complete, then the table)."""
+    sm = load(model_dir, StreamConfig(expert_slots=slots))
+    assert_same(resident, greedy_logits(sm.model))
+    assert sm.cache.check() == ""
+
+
+def test_read_error_in_the_stream_surfaces_on_the_host(model_dir):
+    """A demand read that fails inside the stream-ordered acquire leaves valid rows and
+    its error, with its own type, for the host: raise_stream_error() after the eval, or
+    the next forward's first MoE layer. The cache stays consistent and works on."""
+    from engine.cache import ExpertReadError
+
+    sm = load(model_dir, StreamConfig(expert_slots=2))
+    kv = make_prompt_cache(sm.model)
+    logits = sm.model(mx.array([PROMPT]), cache=kv)[:, -1]
+    mx.eval(logits)
+    sm.cache.raise_stream_error()  # nothing pending
+    sm.cache.inject_fault(1, "eio", count=10**6)
+    match = r"layer01\.blob \(layer 1, expert \d+\): read failed"
+    with pytest.raises(ExpertReadError, match=match):
+        for _ in range(8):  # until layer 1 misses
+            logits = sm.model(mx.argmax(logits, axis=-1)[:, None], cache=kv)[:, -1]
+            mx.eval(logits)
+            sm.cache.raise_stream_error()
+    sm.cache.raise_stream_error()  # raised once, then cleared
+    sm.cache.inject_fault(1, "eio", count=10**6)
+    with pytest.raises(ExpertReadError, match=match):  # raised by the next forward instead
+        for _ in range(8):
+            logits = sm.model(mx.argmax(logits, axis=-1)[:, None], cache=kv)[:, -1]
+            mx.eval(logits)
+    sm.cache.inject_fault(1, "none", count=0)
+    assert sm.cache.check() == ""
+
+
+def test_generation_raises_a_stream_read_error_with_its_type():
+    """The embedded model at top-k slots: the prompt's reads succeed, then layer 2 fails
+    for good mid-reply. The reply ends with ExpertReadError naming the file (not MLX's
+    RuntimeError), and every token yielded before it is the fault-free run's."""
+    from engine.cache import ExpertReadError
+    from engine.generate import prompt_tokens, stream_generate
+
+    ref_sm = load(None, StreamConfig())
+    prompt = prompt_tokens(ref_sm, "Once upon a time", chat=False)
+    ref = [r.token for r in stream_generate(ref_sm, prompt, 24)]
+    sm = load(None, StreamConfig(expert_slots=4))
+    got = []
+    with pytest.raises(ExpertReadError, match=r"layer02\.blob"):
+        for r in stream_generate(sm, prompt, max_tokens=24):
+            got.append(r.token)
+            if len(got) == 2:
+                sm.cache.inject_fault(2, "eio", count=10**6)
+    assert 2 <= len(got) < 24
+    assert got == ref[: len(got)]
