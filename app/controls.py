@@ -27,7 +27,7 @@ LIVE_LABELS = {
         "Side-region LFU",
         "On: one persistent side region, rows reused from the "
         "least-frequently-predicted expert. Off: legacy double buffer (two "
-        "generations, one read while the other fills).",
+        "banks, one read while the other fills).",
     ),
     "sync": (
         "SYNC fills",
@@ -42,7 +42,7 @@ def summary(info: ModelInfo) -> str:
     c = info.config
     return (
         f"{len(info.layers)} MoE layers × {info.num_experts} experts (top-{info.top_k})"
-        f" · {c.expert_slots or info.num_experts} slots + 2 × {c.spec_slots} side rows"
+        f" · {c.expert_slots or info.num_experts} slots + 2 × {c.side_slots} side rows"
         f" · pool {info.pool_bytes / 2**20:.1f} MiB"
     )
 
@@ -68,9 +68,9 @@ class ControlsPanel(QWidget):
         live_row.addStretch(1)
 
         self.expert_slots = QSpinBox(minimum=1, maximum=1)
-        self.expert_slots.setToolTip("Real-region slots per MoE layer (cap).")
-        self.spec_slots = QSpinBox(minimum=0, maximum=1)
-        self.spec_slots.setToolTip("Side-region rows per generation (0: no prefetch).")
+        self.expert_slots.setToolTip("Real-region slots per MoE layer.")
+        self.side_slots = QSpinBox(minimum=0, maximum=1)
+        self.side_slots.setToolTip("Side-region rows per bank (0: no prefetch).")
         self.ahead_lo = QSpinBox(minimum=1, maximum=1)
         self.ahead_lo.setToolTip("Prefetch distance, in MoE layers, before the cutoff.")
         self.ahead_hi = QSpinBox(minimum=1, maximum=1)
@@ -92,7 +92,7 @@ class ControlsPanel(QWidget):
         pool_box = QGroupBox("Pool · rebuilt between replies")
         form = QFormLayout()
         form.addRow("expert slots", self.expert_slots)
-        form.addRow("side rows", self.spec_slots)
+        form.addRow("side rows", self.side_slots)
         form.addRow("autopin budget", self.autopin)
         form2 = QFormLayout()
         form2.addRow("ahead lo", self.ahead_lo)
@@ -127,8 +127,8 @@ class ControlsPanel(QWidget):
         n = len(info.layers)
         self.expert_slots.setMaximum(info.num_experts)
         self.expert_slots.setValue(c.expert_slots or info.num_experts)
-        self.spec_slots.setMaximum(info.num_experts)
-        self.spec_slots.setValue(c.spec_slots)
+        self.side_slots.setMaximum(info.num_experts)
+        self.side_slots.setValue(c.side_slots)
         for box in (self.ahead_lo, self.ahead_hi):
             box.setMaximum(max(1, n - 1))
         self.ahead_lo.setValue(c.ahead_lo)
@@ -140,7 +140,7 @@ class ControlsPanel(QWidget):
             box.blockSignals(True)
             box.setChecked(bool(getattr(c, name)))
             box.blockSignals(False)
-        self.live["prefetch"].setEnabled(c.spec_slots > 0)
+        self.live["prefetch"].setEnabled(c.side_slots > 0)
         self.model_label.setText(f"<b>{info.name}</b> · {summary(info)}")
         self.model_label.setToolTip(f"model: {info.path}\nstore: {info.store_path}")
 
@@ -152,7 +152,7 @@ class ControlsPanel(QWidget):
         """StreamConfig fields of the pool settings and the live toggles."""
         return {
             "expert_slots": self.expert_slots.value(),
-            "spec_slots": self.spec_slots.value(),
+            "side_slots": self.side_slots.value(),
             "ahead_lo": self.ahead_lo.value(),
             "ahead_hi": self.ahead_hi.value(),
             "cutoff": self.cutoff.value(),

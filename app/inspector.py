@@ -64,7 +64,7 @@ def _heat_plot(widget: pg.GraphicsLayoutWidget, xlabel: str) -> tuple[pg.PlotIte
 
 class OccupancyView(pg.GraphicsLayoutWidget):
     """One row per MoE layer, one column per pool row: real slots, then the side rows of
-    generation 0 and 1, coloured by state. Hovering shows the row's facts."""
+    bank 0 and 1, coloured by state. Hovering shows the row's facts."""
 
     def __init__(self):
         super().__init__()
@@ -103,7 +103,7 @@ class OccupancyView(pg.GraphicsLayoutWidget):
         self.plot.getAxis("left").setTicks([[(r + 0.5, str(r)) for r in range(layers)], []])
 
     def set_side_lfu(self, lfu: bool) -> None:
-        """Notes that generation 1 is unused in persistent LFU mode."""
+        """Notes that bank 1 is unused in persistent LFU mode."""
         self._lfu = lfu
         self._region_labels()
 
@@ -111,8 +111,8 @@ class OccupancyView(pg.GraphicsLayoutWidget):
         _, cap, spec = self._shape
         top = [(cap / 2, "real slots")]
         if spec:
-            gen1 = "gen 1 (unused: LFU)" if self._lfu else "side gen 1"
-            top += [(cap + spec / 2, "side gen 0"), (cap + 1.5 * spec, gen1)]
+            bank1 = "bank 1 (unused: LFU)" if self._lfu else "side bank 1"
+            top += [(cap + spec / 2, "side bank 0"), (cap + 1.5 * spec, bank1)]
         self.plot.getAxis("top").setTicks([top, []])
 
     def draw(self, snap) -> np.ndarray:
@@ -340,7 +340,7 @@ class InspectorPanel(QWidget):
         """Shapes the plots for `info` and restarts the time series."""
         c = info.config
         n = len(info.layers)
-        self.occupancy.set_shape(n, c.expert_slots or info.num_experts, c.spec_slots)
+        self.occupancy.set_shape(n, c.expert_slots or info.num_experts, c.side_slots)
         self.frequency.set_shape(n, info.num_experts)
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()

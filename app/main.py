@@ -1,6 +1,6 @@
 """`expertstream-gui`: the desktop app's entry point.
 
-    expertstream-gui [--model PATH] [--expert-slots N] [--spec-slots N] [...]
+    expertstream-gui [--model PATH] [--expert-slots N] [--side-slots N] [...]
     expertstream-gui --screenshot PNG --prompt TEXT [--model PATH] [--max-tokens N]
 
 The second form runs one chat turn, saves a PNG of the whole window while tokens are
@@ -11,7 +11,14 @@ import argparse
 import os
 import sys
 
-from engine.config import config_from_env
+from engine.flags import add_cache_flags, config_overrides
+
+# What the app fills in when a flag is not given (app.worker.app_defaults), as --help says.
+APP_DEFAULTS = {
+    "expert_slots": "half the experts, at least top-k",
+    "side_slots": "top-k",
+    "prefetch": "on",
+}
 
 NO_DISPLAY = """expertstream-gui: no display found (DISPLAY and WAYLAND_DISPLAY are unset).
   To run without a display, render offscreen:
@@ -19,24 +26,6 @@ NO_DISPLAY = """expertstream-gui: no display found (DISPLAY and WAYLAND_DISPLAY 
   or use the command line:
       expertstream generate --prompt "Once upon a time"
 """
-
-# Cache flags: (flag, StreamConfig field, type or None for on/off, help).
-CACHE_FLAGS = (
-    (
-        "--expert-slots",
-        "expert_slots",
-        int,
-        "real-region slots per MoE layer (default: half the experts, at least top-k)",
-    ),
-    ("--spec-slots", "spec_slots", int, "side-region rows per generation (default: top-k)"),
-    ("--prefetch", "prefetch", None, "speculative prefetch into the side region (default: on)"),
-    ("--ahead-lo", "ahead_lo", int, "prefetch distance before --cutoff"),
-    ("--ahead-hi", "ahead_hi", int, "prefetch distance from --cutoff on"),
-    ("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),
-    ("--lfu", "side_lfu", None, "persistent LFU side region (--no-lfu: legacy double buffer)"),
-    ("--sync", "sync", None, "fill the side region synchronously (diagnostic)"),
-    ("--autopin-frac", "autopin_frac", float, "fraction of the slots autopin may pin"),
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,26 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="grab after this many reply tokens (default: three quarters of --max-tokens)",
     )
-    g = p.add_argument_group(
-        "expert cache (flags win over EXPERT_SLOTS, SIDEREGION_LFU, SIDEREGION_SYNC, "
-        "AUTOPIN_BUDGET_FRAC, PREFILL_CHUNK); all can be changed in the window"
-    )
-    for flag, field, kind, text in CACHE_FLAGS:
-        if kind is None:
-            g.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, help=text)
-        else:
-            g.add_argument(flag, dest=field, type=kind, help=text)
+    add_cache_flags(p, APP_DEFAULTS).description = "All can be changed in the window."
     return p
-
-
-def overrides_from(args: argparse.Namespace, environ=None) -> dict:
-    """StreamConfig fields given by the environment (the seed's variables) or flags;
-    the rest take the app's defaults once the model's size is known."""
-    values = config_from_env(environ)
-    for _, field, _, _ in CACHE_FLAGS:
-        if getattr(args, field, None) is not None:
-            values[field] = getattr(args, field)
-    return values
 
 
 def has_display(environ=None) -> bool:
@@ -141,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_DISPLAY, file=sys.stderr, end="")
         return 2
     try:
-        overrides = overrides_from(args)
+        overrides = config_overrides(args)
     except ValueError as e:
         print(f"expertstream-gui: error: {e}", file=sys.stderr)
         return 2

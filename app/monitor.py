@@ -47,9 +47,9 @@ def occupancy(snap: CacheSnapshot) -> tuple[np.ndarray, np.ndarray]:
     """The occupancy heat map of `snap`.
 
     Returns:
-        (states, experts), both (MoE layers, cap + 2 * spec): the display state (EMPTY ...
-        JUST_LOADED) and the expert id (-1: none) of every pool row, real slots first,
-        then the side rows of generation 0 and of generation 1.
+        (states, experts), both (MoE layers, expert_slots + 2 * side_slots): the display
+        state (EMPTY ... JUST_LOADED) and the expert id (-1: none) of every pool row, real
+        slots first, then the side rows of bank 0 and of bank 1.
     """
     states = np.concatenate([_SLOT_DISPLAY[snap.slot_state], _ROW_DISPLAY[snap.side_state]], axis=1)
     experts = np.concatenate([snap.slot_expert, snap.side_expert], axis=1).astype(np.int32)
@@ -107,8 +107,8 @@ def row_info(snap: CacheSnapshot, layer: int, row: int) -> RowInfo:
     if row < cap:
         region = f"real slot {row}"
     else:
-        gen, idx = divmod(row - cap, spec)
-        region = f"side gen {gen}, row {idx}"
+        bank, idx = divmod(row - cap, spec)
+        region = f"side bank {bank}, row {idx}"
     expert = int(experts[layer, row])
     freq = float(snap.freq[layer, expert]) if expert >= 0 else None
     return RowInfo(layer, row, region, expert, STATE_NAMES[states[layer, row]], freq)

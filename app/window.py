@@ -26,7 +26,7 @@ from app.chat import ChatPanel
 from app.controls import LIVE_LABELS, ControlsPanel, summary
 from app.conversation import ASSISTANT, USER, Conversation
 from app.inspector import InspectorPanel
-from app.worker import Engine, ModelInfo, Reply
+from app.worker import EngineClient, ModelInfo, Reply
 from engine.resources import resources_dir
 
 POLL_HZ = 10.0
@@ -74,7 +74,7 @@ class MainWindow(QMainWindow):
         self.tokens_received = 0
         self._clear_after_reply = False
 
-        self.engine = Engine()
+        self.engine = EngineClient()
         w = self.engine.worker
         w.loadProgress.connect(self._on_progress)
         w.loaded.connect(self._on_loaded)
@@ -246,7 +246,7 @@ class MainWindow(QMainWindow):
             return
         cap = info.config.expert_slots or info.num_experts
         if snap.slot_expert.shape[1] != cap or snap.side_expert.shape[1] != (
-            2 * info.config.spec_slots
+            2 * info.config.side_slots
         ):
             return  # a reload swapped the model; its `loaded` signal is on its way
         self.inspector.show_snapshot(snap, time.monotonic(), self.tokens_received, full)

@@ -38,7 +38,7 @@ class _Cancelled(Exception):
 def app_defaults(num_experts: int, top_k: int) -> dict:
     """StreamConfig fields the app uses when none are given: half the experts as real
     slots (at least top_k), top_k side rows, prefetch on, so streaming is visible."""
-    return {"expert_slots": max(top_k, num_experts // 2), "spec_slots": top_k, "prefetch": True}
+    return {"expert_slots": max(top_k, num_experts // 2), "side_slots": top_k, "prefetch": True}
 
 
 @dataclass
@@ -170,7 +170,7 @@ class Worker(QObject):
             self._sm = sm
         del old  # freed here, on the engine thread
         cap = config.expert_slots or m.num_experts
-        rows = cap + 2 * config.spec_slots + (config.prefill_chunk or m.top_k)
+        rows = cap + 2 * config.side_slots + (config.scratch_slots or m.top_k)
         self.loaded.emit(
             ModelInfo(
                 name=source.name,
@@ -247,7 +247,7 @@ def _settle_random_state() -> None:
     mx.eval(mx.random.state)
 
 
-class Engine:
+class EngineClient:
     """The GUI side of the engine thread. Signals of the worker are `self.worker.*`."""
 
     def __init__(self):

@@ -17,7 +17,7 @@ PIN_FILE = "autopin.json"
 
 def budget(sm: StreamedModel) -> int:
     """Experts autopin may pin per layer: floor(autopin_frac x cap), at most cap - top_k."""
-    cap = sm.cache.cap
+    cap = sm.cache.expert_slots
     return max(0, min(cap - sm.store.manifest.top_k, math.floor(sm.config.autopin_frac * cap)))
 
 

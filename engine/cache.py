@@ -43,7 +43,7 @@ STAT_KEYS = (
 def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
     """Allocates the pools of every MoE layer of `store` and opens its blob files.
 
-    Pool rows per layer: cap + 2 * spec_slots + prefill_chunk, each one record
+    Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots, each one record
     (`stride` bytes at most) spread over the segment arrays.
 
     Raises:
@@ -51,10 +51,10 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
         ValueError: expert_slots exceeds the store's expert count.
     """
     m = store.manifest
-    cap = m.num_experts if config.expert_slots is None else config.expert_slots
-    if cap > m.num_experts:
+    slots = m.num_experts if config.expert_slots is None else config.expert_slots
+    if slots > m.num_experts:
         raise ValueError(
-            f"expert_slots = {cap} exceeds the {m.num_experts} experts per layer of {store.path}"
+            f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of {store.path}"
         )
     layers = [
         {
@@ -79,9 +79,9 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
     return _ext.ExpertCache(
         layers,
         m.num_experts,
-        cap=cap,
-        spec=config.spec_slots,
-        scratch=config.prefill_chunk or m.top_k,
+        expert_slots=slots,
+        side_slots=config.side_slots,
+        scratch_slots=config.scratch_slots or m.top_k,
         policy=config.policy,
         decay_every=config.decay_every,
         side_lfu=config.side_lfu,
@@ -98,10 +98,10 @@ class CacheSnapshot:
     """The cache's state at one instant, stacked over MoE layers (n = MoE layers).
 
     Attributes:
-        slot_expert: (n, cap) int32, expert in each real-region slot, -1 when empty.
-        slot_state: (n, cap) uint8, SLOT_* codes.
-        side_expert: (n, 2 * spec) int32, expert of each side row (generation 0 then 1).
-        side_state: (n, 2 * spec) uint8, ROW_* codes.
+        slot_expert: (n, expert_slots) int32, expert in each real-region slot, -1 when empty.
+        slot_state: (n, expert_slots) uint8, SLOT_* codes.
+        side_expert: (n, 2 * side_slots) int32, expert of each side row (bank 0 then 1).
+        side_state: (n, 2 * side_slots) uint8, ROW_* codes.
         freq: (n, num_experts) float32, LFU frequency per expert.
         stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds in
             seconds, bytes_read in bytes, the rest counts; read_errors: reads that failed

@@ -5,68 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.config import StreamConfig, config_from_env
-
-
-def _add_stream_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "expert cache (flags win over EXPERT_SLOTS, SIDEREGION_LFU, "
-        "SIDEREGION_SYNC, AUTOPIN_BUDGET_FRAC, PREFILL_CHUNK)"
-    )
-    g.add_argument(
-        "--expert-slots", type=int, help="real-region slots per MoE layer (default: all experts)"
-    )
-    g.add_argument("--spec-slots", type=int, help="side-region rows per generation")
-    g.add_argument(
-        "--prefetch",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="speculative prefetch into the side region",
-    )
-    g.add_argument("--ahead-lo", type=int, help="prefetch distance before --cutoff")
-    g.add_argument("--ahead-hi", type=int, help="prefetch distance from --cutoff on")
-    g.add_argument("--cutoff", type=int, help="first MoE layer that uses --ahead-hi")
-    g.add_argument(
-        "--lfu",
-        dest="side_lfu",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="persistent LFU side region (--no-lfu: legacy double buffer)",
-    )
-    g.add_argument(
-        "--sync",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="fill the side region synchronously (diagnostic)",
-    )
-    g.add_argument("--policy", choices=["lfu", "lru"], help="real-region eviction")
-    g.add_argument("--autopin-frac", type=float, help="fraction of the slots autopin may pin")
-    g.add_argument("--prefill-chunk", type=int, help="scratch rows for over-capacity calls")
-    g.add_argument("--reader-threads", type=int, help="background reader threads")
-
-
-def stream_config(args: argparse.Namespace, environ=None) -> StreamConfig:
-    """StreamConfig from the environment (read once, here) overridden by flags."""
-    values = config_from_env(environ)
-    for field in (
-        "expert_slots",
-        "spec_slots",
-        "prefetch",
-        "ahead_lo",
-        "ahead_hi",
-        "cutoff",
-        "side_lfu",
-        "sync",
-        "policy",
-        "autopin_frac",
-        "prefill_chunk",
-        "reader_threads",
-    ):
-        if getattr(args, field, None) is not None:
-            values[field] = getattr(args, field)
-    if values.get("spec_slots") and "prefetch" not in values:
-        values["prefetch"] = True
-    return StreamConfig(**values)
+from engine.flags import add_cache_flags, stream_config
 
 
 def _convert(args) -> int:
@@ -171,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.npz",
         help="write the routed expert ids of every MoE layer call (engine.trace)",
     )
-    _add_stream_flags(p)
+    add_cache_flags(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("bench", help="benchmarks: figures and ratios against resident mlx-lm")

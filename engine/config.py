@@ -1,23 +1,12 @@
 """The one configuration object of a streamed model.
 
-Every knob of the expert cache lives in `StreamConfig`. Environment variables (the seed's
-names) are read once, at start-up, by `config_from_env`; CLI flags override them. Nothing
-below the CLI reads the environment.
+Every knob of the expert cache lives in `StreamConfig`. Front ends build it from their
+flags and the seed's environment variables with `engine.flags`; nothing else reads the
+environment.
 """
 
 import dataclasses
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-
-# The seed's environment variables and the StreamConfig field each one sets.
-ENV_FIELDS = {
-    "EXPERT_SLOTS": "expert_slots",
-    "SIDEREGION_LFU": "side_lfu",
-    "SIDEREGION_SYNC": "sync",
-    "AUTOPIN_BUDGET_FRAC": "autopin_frac",
-    "PREFILL_CHUNK": "prefill_chunk",
-}
 
 
 @dataclass(frozen=True)
@@ -25,9 +14,11 @@ class StreamConfig:
     """How experts are cached and prefetched.
 
     Attributes:
-        expert_slots: real-region slots per MoE layer (`cap`); None means every expert
-            (fully cached after first use). Memory: cap x record stride bytes per layer.
-        spec_slots: side-region rows per generation (`spec`); 0 disables the side region.
+        expert_slots: real-region slots per MoE layer; None means every expert (fully
+            cached after first use). Memory: expert_slots x record stride bytes per layer.
+        side_slots: side-region rows per bank (two banks: the persistent LFU mode uses
+            bank 0, the legacy double buffer reads one while the other fills); 0 disables
+            the side region.
         prefetch: run the predictor and fill the side region.
         ahead_lo: target distance (in MoE layers) for source layers before `cutoff`.
         ahead_hi: target distance from `cutoff` on.
@@ -36,9 +27,10 @@ class StreamConfig:
         sync: fill the side region synchronously where the prefetch is submitted.
         policy: real-region eviction, "lfu" (frequency with periodic halving) or "lru".
         decay_every: acquire calls per layer between LFU halvings (0: never).
-        autopin_frac: fraction of `cap` that autopin may pin (0 disables autopin).
-        prefill_chunk: scratch rows that stream an over-capacity call's misses, chunk by
-            chunk (None: top-k).
+        autopin_frac: fraction of `expert_slots` that autopin may pin (0 disables autopin).
+        scratch_slots: experts per over-capacity chunk: a call whose misses exceed the
+            evictable slots streams them through this many scratch rows, chunk by chunk
+            (None: top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk).
         reader_threads: background reader threads.
         verify_checksums: check each record's crc32 on every read.
         uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
@@ -50,7 +42,7 @@ class StreamConfig:
     """
 
     expert_slots: int | None = None
-    spec_slots: int = 0
+    side_slots: int = 0
     prefetch: bool = False
     ahead_lo: int = 1
     ahead_hi: int = 2
@@ -60,7 +52,7 @@ class StreamConfig:
     policy: str = "lfu"
     decay_every: int = 256
     autopin_frac: float = 0.0
-    prefill_chunk: int | None = None
+    scratch_slots: int | None = None
     reader_threads: int = 2
     verify_checksums: bool = True
     uncached_io: bool = True
@@ -77,7 +69,7 @@ class StreamConfig:
             self.expert_slots,
             "must be >= 1",
         )
-        need(self.spec_slots >= 0, "spec_slots", self.spec_slots, "must be >= 0")
+        need(self.side_slots >= 0, "side_slots", self.side_slots, "must be >= 0")
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
         need(self.cutoff is None or self.cutoff >= 0, "cutoff", self.cutoff, "must be >= 0")
@@ -85,9 +77,9 @@ class StreamConfig:
         need(self.decay_every >= 0, "decay_every", self.decay_every, "must be >= 0")
         need(0.0 <= self.autopin_frac < 1.0, "autopin_frac", self.autopin_frac, "must be in [0, 1)")
         need(
-            self.prefill_chunk is None or self.prefill_chunk >= 1,
-            "prefill_chunk",
-            self.prefill_chunk,
+            self.scratch_slots is None or self.scratch_slots >= 1,
+            "scratch_slots",
+            self.scratch_slots,
             "must be >= 1",
         )
         need(self.reader_threads >= 1, "reader_threads", self.reader_threads, "must be >= 1")
@@ -101,37 +93,3 @@ class StreamConfig:
     def replace(self, **changes) -> "StreamConfig":
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-def _parse(field: str, text: str):
-    kind = {f.name: f.type for f in dataclasses.fields(StreamConfig)}[field]
-    if "bool" in str(kind):
-        if text.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected 0 or 1, got {text!r}")
-    if "float" in str(kind):
-        return float(text)
-    return int(text)
-
-
-def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
-    """The StreamConfig fields set by the seed's environment variables.
-
-    Returns:
-        {field: value} for each variable of `ENV_FIELDS` present in `environ`
-        (default `os.environ`).
-
-    Raises:
-        ValueError: a variable's value does not parse; the message names the variable.
-    """
-    environ = os.environ if environ is None else environ
-    out = {}
-    for var, field in ENV_FIELDS.items():
-        if var in environ:
-            try:
-                out[field] = _parse(field, environ[var])
-            except ValueError as e:
-                raise ValueError(f"environment variable {var}={environ[var]!r}: {e}") from None
-    return out

@@ -13,8 +13,8 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from engine.coordinator import GenerationStopped
 from engine.model import StreamedModel
+from engine.predictor import GenerationStopped
 
 
 def prompt_tokens(sm: StreamedModel, prompt: str, chat: bool) -> list[int]:
@@ -177,7 +177,7 @@ def generate(
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
-    sm.coordinator.should_stop = stop
+    sm.predictor.should_stop = stop
     try:
         for r in stream_generate(sm, prompt, max_tokens, temperature, top_p):
             tokens.append(r.token)
@@ -191,7 +191,7 @@ def generate(
     except GenerationStopped:
         stopped = True
     finally:
-        sm.coordinator.should_stop = None
+        sm.predictor.should_stop = None
     after = sm.snapshot().totals()
     if sm.config.autopin_frac > 0:
         from engine import autopin

@@ -21,8 +21,8 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 from engine import cache as cache_mod
 from engine.config import StreamConfig
 from engine.convert import convert
-from engine.coordinator import Coordinator
 from engine.layouts import Layout, layout_for
+from engine.predictor import Predictor
 from engine.store import (
     DTYPES,
     MANIFEST_FILE,
@@ -100,7 +100,7 @@ class StreamedModel:
         store: the ExpertStore.
         config: the StreamConfig it was built with.
         cache: the native `ExpertCache`.
-        coordinator: the prefetch `Coordinator`.
+        predictor: the prefetch `Predictor`.
     """
 
     model: nn.Module
@@ -108,15 +108,15 @@ class StreamedModel:
     store: ExpertStore
     config: StreamConfig
     cache: object
-    coordinator: Coordinator
+    predictor: Predictor
 
     def snapshot(self) -> cache_mod.CacheSnapshot:
         """The cache's current state (thread-safe)."""
         return cache_mod.snapshot(self.cache)
 
     def set_prefetch(self, on: bool) -> None:
-        """Turns prediction on or off from the next MoE layer call (needs spec_slots > 0)."""
-        self.coordinator.enabled = bool(on) and self.cache.spec > 0
+        """Turns prediction on or off from the next MoE layer call (needs side_slots > 0)."""
+        self.predictor.enabled = bool(on) and self.cache.side_slots > 0
 
     def set_side_lfu(self, on: bool) -> None:
         """Persistent LFU (True) or legacy double-buffer side region, from the next
@@ -291,10 +291,10 @@ def load(
     specs = store.manifest.layers
     _check_store_matches_model(store, layout, cfg, blocks)
     cache = cache_mod.open_cache(store, config)
-    coordinator = Coordinator(cache, [b.gate for _, b in blocks], config)
+    predictor = Predictor(cache, [b.gate for _, b in blocks], config)
     for moe_index, ((_, block), spec) in enumerate(zip(blocks, specs, strict=True)):
         block.switch_mlp = StreamedSwitchGLU(
-            coordinator, moe_index, spec, block.switch_mlp.activation
+            predictor, moe_index, spec, block.switch_mlp.activation
         )
 
     weights = store.dense_weights()
@@ -309,7 +309,7 @@ def load(
     mx.eval(model.parameters())
 
     tokenizer = load_store_tokenizer(store)
-    model_obj = StreamedModel(model, tokenizer, store, config, cache, coordinator)
+    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor)
     if config.autopin_frac > 0:
         from engine.autopin import restore_pins
 

@@ -25,7 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
-from engine.coordinator import Coordinator
+from engine.predictor import Predictor
 from engine.store import LayerSpec
 
 # ExpertCache.plan codes.
@@ -38,17 +38,17 @@ class StreamedSwitchGLU(nn.Module):
     """One MoE layer's experts, streamed.
 
     Args:
-        coordinator: the model's `Coordinator` (owns the cache).
+        predictor: the model's `Predictor` (owns the cache).
         moe_index: this layer's position among MoE layers.
         spec: the store's `LayerSpec` of this layer (segments, quantization).
         activation: the replaced `SwitchGLU.activation` (SwiGLU for every supported layout).
     """
 
-    def __init__(self, coordinator: Coordinator, moe_index: int, spec: LayerSpec, activation):
+    def __init__(self, predictor: Predictor, moe_index: int, spec: LayerSpec, activation):
         super().__init__()
         self.activation = activation
-        self._coordinator = coordinator
-        self._cache = coordinator.cache
+        self._predictor = predictor
+        self._cache = predictor.cache
         self._index = moe_index
         self._quant = spec.quantization
         keys = [s.key for s in spec.segments]
@@ -103,14 +103,14 @@ class StreamedSwitchGLU(nn.Module):
         Raises:
             GenerationStopped: the caller asked to stop (checked before any read).
         """
-        self._coordinator.check_stop(self._index)
-        token = self._coordinator.prefetch_token(self._index, x)
-        hook = self._coordinator.on_acquire
+        self._predictor.check_stop(self._index)
+        token = self._predictor.prefetch_token(self._index, x)
+        hook = self._predictor.on_acquire
         plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
         if plan == PLAN_TABLE:
             y = self._glu(mx.expand_dims(x, (-2, -3)), self._table[indices])
         elif plan == PLAN_STREAM:
-            rows = self._cache.acquire_op(self._index, indices, self._coordinator.cpu_stream)
+            rows = self._cache.acquire_op(self._index, indices, self._predictor.cpu_stream)
             y = self._glu(mx.expand_dims(x, (-2, -3)), rows)
         else:
             ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
@@ -125,7 +125,7 @@ class StreamedSwitchGLU(nn.Module):
 
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,
-        misses stream through the scratch rows `scratch` experts at a time, each read
+        misses stream through the scratch rows `scratch_slots` experts at a time, each read
         once, each chunk evaluated before the next overwrites the scratch rows."""
         k = ids.shape[-1]
         tokens = x.reshape(-1, 1, 1, x.shape[-1])
@@ -134,9 +134,9 @@ class StreamedSwitchGLU(nn.Module):
         outputs = []
         if groups[0].size:
             outputs.append(self._pairs(tokens, groups[0], flat_rows, k))
-        chunk = self._cache.scratch
+        chunk = self._cache.scratch_slots
         for start in range(0, len(missing), chunk):
-            self._coordinator.check_stop(self._index)
+            self._predictor.check_stop(self._index)
             experts = missing[start : start + chunk]
             scratch_rows = self._cache.load_scratch(self._index, experts)
             for e, r in zip(experts, scratch_rows, strict=True):

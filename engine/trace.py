@@ -4,7 +4,7 @@ A `Trace` holds expert ids shaped `(tokens, moe_layers, top_k)` and the start to
 each generate call (`segments`). Traces come from three places:
 
 - recorded from the engine: `record(sm)` sets the model's acquire hook
-  (`Coordinator.on_acquire`) so that every MoE layer call also stores its ids
+  (`Predictor.on_acquire`) so that every MoE layer call also stores its ids
   (`expertstream generate --record-trace FILE.npz`); while recording, every call takes
   the synchronous path, which has the ids on the host; otherwise nothing changes;
 - published traces: the HD-MoE Mixtral JSON files (`{"0": [[a, b], ...], ...}`, one key per
@@ -189,13 +189,13 @@ class TraceRecorder:
         self._sm = sm
         self._calls: list[tuple[int, np.ndarray]] = []
         self._segment_calls: list[int] = []
-        sm.coordinator.on_acquire = lambda layer, ids: self._calls.append((layer, ids))
+        sm.predictor.on_acquire = lambda layer, ids: self._calls.append((layer, ids))
 
     def begin_segment(self) -> None:
         self._segment_calls.append(len(self._calls))
 
     def close(self) -> None:
-        self._sm.coordinator.on_acquire = None
+        self._sm.predictor.on_acquire = None
 
     def __enter__(self) -> "TraceRecorder":
         return self

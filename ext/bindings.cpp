@@ -104,15 +104,16 @@ NB_MODULE(_ext, m) {
   nb::class_<Cache>(m, "ExpertCache")
       .def(
           "__init__",
-          [](Cache* self, nb::list layers, int num_experts, int cap, int spec, int scratch,
+          [](Cache* self, nb::list layers, int num_experts, int expert_slots, int side_slots,
+             int scratch_slots,
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
              bool uncached, int threads, double read_timeout) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
-            c.cap = cap;
-            c.spec = spec;
-            c.scratch = scratch;
+            c.cap = expert_slots;
+            c.spec = side_slots;
+            c.scratch = scratch_slots;
             if (policy != "lfu" && policy != "lru")
               throw std::invalid_argument("policy must be 'lfu' or 'lru', got '" + policy + "'");
             c.policy = policy == "lfu" ? es::Policy::kLFU : es::Policy::kLRU;
@@ -129,16 +130,16 @@ NB_MODULE(_ext, m) {
             if (read_timeout > 0 && c.read_timeout_ms == 0) c.read_timeout_ms = 1;
             new (self) Cache{std::make_shared<es::ExpertCache>(std::move(specs), num_experts, c)};
           },
-          "layers"_a, "num_experts"_a, "cap"_a, "spec"_a = 0, "scratch"_a = 1,
+          "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = 0, "scratch_slots"_a = 1,
           "policy"_a = "lfu", "decay_every"_a = 256, "side_lfu"_a = true, "sync"_a = false,
           "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
           "read_timeout"_a = 30.0)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); })
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); })
       .def_prop_ro("rows", [](const Cache& c) { return c.impl->rows(); })
-      .def_prop_ro("cap", [](const Cache& c) { return c.impl->config().cap; })
-      .def_prop_ro("spec", [](const Cache& c) { return c.impl->config().spec; })
-      .def_prop_ro("scratch", [](const Cache& c) { return c.impl->config().scratch; })
+      .def_prop_ro("expert_slots", [](const Cache& c) { return c.impl->config().cap; })
+      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; })
+      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; })
       .def("pool", [](const Cache& c, int li) { return c.impl->pool(li); }, "layer"_a)
       .def(
           "acquire",

@@ -1,4 +1,4 @@
-// The side-region ledger of one (MoE layer, generation): `spec` rows filled by prefetch.
+// The side-region ledger of one (MoE layer, bank): `spec` rows filled by prefetch.
 //
 // A row is free, in flight (reserved, bytes being read) or published (bytes landed).
 // An expert owns at most one row: re-predicting an expert whose fill is still in flight

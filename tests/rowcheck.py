@@ -33,7 +33,7 @@ class RowChecker:
     def assert_all_published(self):
         """Every mapped real slot and every published side row holds its expert.
         Returns how many rows were checked."""
-        cap = self.cache.cap
+        cap = self.cache.expert_slots
         checked = 0
         for li in range(self.cache.num_layers):
             s = self.cache.snapshot(li)
@@ -45,7 +45,7 @@ class RowChecker:
                 if state == ROW_PUBLISHED:
                     self.assert_row(li, cap + i, int(e))
                     checked += 1
-            assert len(s["side_expert"]) == 2 * self.cache.spec
+            assert len(s["side_expert"]) == 2 * self.cache.side_slots
         return checked
 
 
@@ -61,7 +61,7 @@ def acquire_and_check(checker, cache, li, ids):
             assert e in missing
     placed = {e: int(r) for e, r in zip(ids, rows, strict=True) if r >= 0}
     assert len(set(placed.values())) == len(placed), "two experts share a row"
-    for start in range(0, len(missing), cache.scratch):
-        chunk = missing[start : start + cache.scratch]
+    for start in range(0, len(missing), cache.scratch_slots):
+        chunk = missing[start : start + cache.scratch_slots]
         for e, r in zip(chunk, cache.load_scratch(li, chunk), strict=True):
             checker.assert_row(li, r, e)

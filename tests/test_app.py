@@ -38,8 +38,8 @@ MODEL = str(default_model_path())
 PROMPT = "Once upon a time"
 MAX_TOKENS = 20
 # Fewer slots than the embedded model's 32 experts, so replies stream and evict.
-SETTINGS = {"expert_slots": 8, "spec_slots": 4, "prefetch": True}
-CLI_FLAGS = ["--expert-slots", "8", "--spec-slots", "4", "--prefetch"]
+SETTINGS = {"expert_slots": 8, "side_slots": 4, "prefetch": True}
+CLI_FLAGS = ["--expert-slots", "8", "--side-slots", "4", "--prefetch"]
 TIMEOUT_MS = 180_000
 
 # The display state of each engine code, written out independently of app.monitor.
@@ -224,7 +224,7 @@ def test_live_toggles_mid_reply_keep_the_tokens(window, qtbot):
     baseline = chat_turn(qtbot, window, PROMPT, n_tokens)
     window.new_chat()
     live = window.controls.live
-    side_gen1_used = []
+    side_bank1_used = []
     forward_at = {}
 
     def toggle(n):
@@ -238,13 +238,13 @@ def test_live_toggles_mid_reply_keep_the_tokens(window, qtbot):
             live["sync"].setChecked(False)
         elif n == 20:
             live["side_lfu"].setChecked(True)
-        side_gen1_used.append(bool((snap.side_state[:, 4:] != C.ROW_FREE).any()))
+        side_bank1_used.append(bool((snap.side_state[:, 4:] != C.ROW_FREE).any()))
 
     window.tokenShown.connect(toggle)
     toggled = chat_turn(qtbot, window, PROMPT, n_tokens)
     window.tokenShown.disconnect(toggle)
     assert toggled.tokens == baseline.tokens
-    assert any(side_gen1_used), "the double buffer's generation 1 was never filled"
+    assert any(side_bank1_used), "the double buffer's bank 1 was never filled"
     # every toggle came with forwards of the reply still to run: mid-reply indeed
     end = window.engine.snapshot().forward
     assert all(end - f >= 4 for f in forward_at.values()), (forward_at, end)

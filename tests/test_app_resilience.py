@@ -197,7 +197,7 @@ def test_rapid_live_toggles_keep_the_tokens(window, qtbot):
     # 30 flips of 3 boxes: each flipped 10 times, back where it started; the engine too.
     assert {name: live[name].isChecked() for name in names} == start
     sm = window.engine.worker._sm
-    assert (sm.coordinator.enabled, sm.cache.side_lfu, sm.cache.sync) == (
+    assert (sm.predictor.enabled, sm.cache.side_lfu, sm.cache.sync) == (
         start["prefetch"],
         start["side_lfu"],
         start["sync"],

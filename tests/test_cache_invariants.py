@@ -1,7 +1,7 @@
 """Invariants of the native cache under random operation sequences and concurrency.
 
 After every step: each real region's slot<->expert maps agree, pinned experts are
-resident, and per (layer, generation) free + in flight + published == side rows with no
+resident, and per (layer, bank) free + in flight + published == side rows with no
 row owned twice (ExpertCache.check()). Every row a caller is handed, and every published
 side row, holds exactly its expert's record bytes from the blob. Read faults are injected
 too: a transient one (one bad read) must be invisible; a persistent one may fail a call,
@@ -44,12 +44,12 @@ class CacheMachine(RuleBasedStateMachine):
             store,
             StreamConfig(
                 expert_slots=cap,
-                spec_slots=spec,
+                side_slots=spec,
                 side_lfu=side_lfu,
                 sync=sync,
                 policy=policy,
                 decay_every=3,
-                prefill_chunk=2,
+                scratch_slots=2,
             ),
         )
         self.checker = RowChecker(store, self.cache)
@@ -166,7 +166,7 @@ def test_concurrent_soak(qwen_store):
     must stay invisible), drains and resets on the generation thread while two threads
     poll snapshots; bounded at ~3 s."""
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=3, spec_slots=3, prefill_chunk=2, decay_every=5)
+        qwen_store, StreamConfig(expert_slots=3, side_slots=3, scratch_slots=2, decay_every=5)
     )
     checker = RowChecker(qwen_store, cache)
     stop = threading.Event()
@@ -180,7 +180,7 @@ def test_concurrent_soak(qwen_store):
             for li in range(cache.num_layers):
                 s = cache.snapshot(li)
                 free = int((s["side_state"] == 0).sum())
-                if free + int((s["side_state"] != 0).sum()) != 2 * cache.spec:
+                if free + int((s["side_state"] != 0).sum()) != 2 * cache.side_slots:
                     violations.append("side rows do not add up")
             polls[0] += 1
 

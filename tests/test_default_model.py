@@ -50,7 +50,7 @@ def test_streamed_default_model_equals_resident(resident_logits, resident, slots
 def test_streamed_default_model_with_prefetch_equals_resident(resident_logits, resident):
     for side_lfu in (True, False):
         sm = load(
-            None, StreamConfig(expert_slots=8, spec_slots=8, prefetch=True, side_lfu=side_lfu)
+            None, StreamConfig(expert_slots=8, side_slots=8, prefetch=True, side_lfu=side_lfu)
         )
         assert_same(resident_logits, greedy_logits(sm.model, resident[1].encode(PROMPT)))
         assert sm.snapshot().totals()["prefetch_issued"] > 0
@@ -107,14 +107,15 @@ def test_cli_generate_json(resident):
 
 
 def test_cli_reads_env_once_and_flags_win(tmp_path):
-    from engine.cli import build_parser, stream_config
+    from engine.cli import build_parser
+    from engine.flags import stream_config
 
     args = build_parser().parse_args(["generate", "--expert-slots", "3", "--no-lfu"])
     cfg = stream_config(
         args,
         {"EXPERT_SLOTS": "5", "SIDEREGION_SYNC": "1", "SIDEREGION_LFU": "1", "PREFILL_CHUNK": "6"},
     )
-    assert (cfg.expert_slots, cfg.sync, cfg.side_lfu, cfg.prefill_chunk) == (3, True, False, 6)
+    assert (cfg.expert_slots, cfg.sync, cfg.side_lfu, cfg.scratch_slots) == (3, True, False, 6)
     with pytest.raises(ValueError, match="EXPERT_SLOTS"):
         stream_config(build_parser().parse_args(["generate"]), {"EXPERT_SLOTS": "many"})
 

@@ -76,7 +76,7 @@ def test_prefetch_modes_equal_resident(
 ):
     cfg = StreamConfig(
         expert_slots=slots,
-        spec_slots=spec,
+        side_slots=spec,
         prefetch=True,
         side_lfu=side_lfu,
         sync=sync,
@@ -104,7 +104,7 @@ def test_dense_layers_and_expert_bias(model_dirs, resident):
     ]:
         sm = load(
             model_dirs(model_type, **options),
-            StreamConfig(expert_slots=2, spec_slots=2, prefetch=True),
+            StreamConfig(expert_slots=2, side_slots=2, prefetch=True),
         )
         assert_same(resident(model_type, **options), greedy_logits(sm.model))
 
@@ -112,7 +112,7 @@ def test_dense_layers_and_expert_bias(model_dirs, resident):
 def test_long_prefill_reads_each_expert_once_and_keeps_working_set(model_dirs, resident):
     """An over-capacity prefill streams each missing expert once per layer through the
     scratch rows and leaves the real region's pinned working set in place."""
-    sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=3, prefill_chunk=2))
+    sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=3, scratch_slots=2))
     for li in range(sm.cache.num_layers):
         sm.cache.pin(li, 0)
     prompt = list(range(1, 100))

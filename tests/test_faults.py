@@ -87,7 +87,7 @@ def settle(cache, seconds=5.0):
 
 def stream_config(prefetch, **kw):
     if prefetch:
-        kw |= {"spec_slots": 3, "prefetch": True, "ahead_lo": 1, "ahead_hi": 1}
+        kw |= {"side_slots": 3, "prefetch": True, "ahead_lo": 1, "ahead_hi": 1}
     return StreamConfig(expert_slots=2, **kw)
 
 
@@ -154,7 +154,7 @@ def test_partial_batch_failure_maps_only_the_good_loads(qwen_store):
 def test_failed_prefetch_becomes_a_demand_read(qwen_store, kind, sync):
     """Both attempts of a fill fail: the row is released, nothing is published, the
     counters drain, and the expert is demand-read later with the right bytes."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=sync))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=sync))
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(2, kind, expert=6, count=2)
     cache.prefetch(2, np.array([6, 7], dtype=np.int32))
@@ -168,7 +168,7 @@ def test_failed_prefetch_becomes_a_demand_read(qwen_store, kind, sync):
     rows, missing = cache.acquire(2, np.array([[6], [7]], dtype=np.int32))
     assert missing == []
     r6, r7 = rows.reshape(-1).tolist()
-    assert r6 < cache.cap and r7 >= cache.cap  # 6 demand-loaded, 7 a side hit
+    assert r6 < cache.expert_slots and r7 >= cache.expert_slots  # 6 demand-loaded, 7 a side hit
     checker.assert_row(2, r6, 6)
     checker.assert_row(2, r7, 7)
     assert cache.snapshot(2)["stats"]["side_hits"] == 1
@@ -232,7 +232,7 @@ def test_hung_demand_read_times_out_and_never_writes_late(qwen_store):
 
 def test_hung_scratch_read_times_out_and_never_writes_late(qwen_store):
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=1, prefill_chunk=2, read_timeout_s=TIMEOUT_S)
+        qwen_store, StreamConfig(expert_slots=1, scratch_slots=2, read_timeout_s=TIMEOUT_S)
     )
     checker = RowChecker(qwen_store, cache)
     rows, missing = cache.acquire(0, np.array([[1], [2], [3]], dtype=np.int32))
@@ -251,7 +251,7 @@ def test_hung_fill_is_given_up_by_drain_and_never_writes_late(qwen_store):
     freezing the next forward), frees its row, and the row's next owner keeps its bytes
     when the hung read returns."""
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=1, spec_slots=1, read_timeout_s=TIMEOUT_S)
+        qwen_store, StreamConfig(expert_slots=1, side_slots=1, read_timeout_s=TIMEOUT_S)
     )
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(0, "delay", expert=5, count=1, delay_ms=HANG_MS)
@@ -269,7 +269,7 @@ def test_hung_fill_is_given_up_by_drain_and_never_writes_late(qwen_store):
     settle(cache)
     assert cache.snapshot(0)["side_expert"].tolist()[0] == 6
     time.sleep(HANG_MS / 1000 + 0.3)
-    checker.assert_row(0, cache.cap, 6)
+    checker.assert_row(0, cache.expert_slots, 6)
     rows, _ = cache.acquire(0, np.array([[5]], dtype=np.int32))  # later demand read
     checker.assert_row(0, int(rows[0, 0]), 5)
     assert cache.check() == ""

@@ -16,9 +16,9 @@ def ids(*experts):
 
 
 def side(cache, layer=0):
-    """{expert: state} of generation 0's rows, and the count of free rows."""
+    """{expert: state} of bank 0's rows, and the count of free rows."""
     s = cache.snapshot(layer)
-    spec = cache.spec
+    spec = cache.side_slots
     experts, states = s["side_expert"][:spec], s["side_state"][:spec]
     owned = {int(e): int(st) for e, st in zip(experts, states, strict=True) if st != ROW_FREE}
     return owned, int((states == ROW_FREE).sum())
@@ -32,7 +32,7 @@ def acquire(cache, layer, *experts):
 
 def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
     """Defect 1: the seed gave a re-predicted in-flight expert a second row and leaked one."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=3))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=3))
     cache.inject_fault(0, "delay", expert=5, count=1, delay_ms=300)
     cache.prefetch(0, ids(5))
     cache.prefetch(0, ids(5, 5))
@@ -52,10 +52,10 @@ def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
 
 def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
     """Defect 4: a fill must not overwrite a row that this forward's gather still reads."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=1, sync=True))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=1, sync=True))
     cache.prefetch(0, ids(3))
     rows = acquire(cache, 0, 3)  # side hit, read by the current forward
-    assert rows == [cache.cap + 0]
+    assert rows == [cache.expert_slots + 0]
     cache.prefetch(0, ids(4))  # ledger full, the only row is fenced
     assert side(cache)[0] == {3: ROW_PUBLISHED}
     acquire(cache, 1, 0)
@@ -67,8 +67,8 @@ def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
 
 def test_each_store_has_its_own_state(qwen_store):
     """Defect 3: the seed kept cache state in process globals keyed by layer."""
-    a = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True))
-    b = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True))
+    a = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
+    b = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
     a.prefetch(0, ids(6))
     acquire(a, 0, 1)
     assert side(a)[0] == {6: ROW_PUBLISHED} and side(b)[0] == {}
@@ -76,7 +76,7 @@ def test_each_store_has_its_own_state(qwen_store):
 
 
 def test_lfu_reuses_the_least_frequently_predicted_row(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=2, sync=True))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=2, sync=True))
     cache.prefetch(0, ids(2, 5))
     cache.prefetch(0, ids(5))  # 5 predicted again: frequency 2, 2 stays at 1
     cache.prefetch(0, ids(7))
@@ -88,16 +88,16 @@ def test_lfu_reuses_the_least_frequently_predicted_row(qwen_store):
 
 
 def test_resident_experts_are_not_prefetched(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
     acquire(cache, 0, 4)
     cache.prefetch(0, ids(4, 6))
     assert side(cache)[0] == {6: ROW_PUBLISHED}
 
 
-def gen_rows(cache, layer, gen):
+def bank_rows(cache, layer, bank):
     s = cache.snapshot(layer)
-    spec = cache.spec
-    part = slice(gen * spec, (gen + 1) * spec)
+    spec = cache.side_slots
+    part = slice(bank * spec, (bank + 1) * spec)
     return {
         int(e): int(st)
         for e, st in zip(s["side_expert"][part], s["side_state"][part], strict=True)
@@ -105,31 +105,31 @@ def gen_rows(cache, layer, gen):
     }
 
 
-def test_legacy_mode_reads_the_generation_filled_by_the_previous_forward(qwen_store):
+def test_legacy_mode_reads_the_bank_filled_by_the_previous_forward(qwen_store):
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=2, spec_slots=2, sync=True, side_lfu=False)
+        qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True, side_lfu=False)
     )
-    # Forward 0 fills generation 0 and reads generation 1.
+    # Forward 0 fills bank 0 and reads bank 1.
     acquire(cache, 0, 0)
     cache.prefetch(1, ids(6))
-    assert gen_rows(cache, 1, 0) == {6: ROW_PUBLISHED}
+    assert bank_rows(cache, 1, 0) == {6: ROW_PUBLISHED}
     assert acquire(cache, 1, 6) == [0]  # not readable by the forward that filled it
     acquire(cache, 1, 1)  # the second slot was free
     acquire(cache, 1, 2)  # evicts 6: LFU tie with 1, 6 was used less recently
     assert sorted(cache.snapshot(1)["slot_expert"].tolist()) == [1, 2]
-    # Forward 1 reads generation 0 and fills generation 1.
+    # Forward 1 reads bank 0 and fills bank 1.
     acquire(cache, 0, 0)
-    assert acquire(cache, 1, 6) == [cache.cap + 0]  # side hit: generation 0, row 0
+    assert acquire(cache, 1, 6) == [cache.expert_slots + 0]  # side hit: bank 0, row 0
     assert cache.snapshot(1)["stats"]["side_hits"] == 1
-    # Forward 2 fills generation 0 again: rows outside the new prediction are released.
+    # Forward 2 fills bank 0 again: rows outside the new prediction are released.
     acquire(cache, 0, 0)
     cache.prefetch(1, ids(3))
-    assert gen_rows(cache, 1, 0) == {3: ROW_PUBLISHED}
+    assert bank_rows(cache, 1, 0) == {3: ROW_PUBLISHED}
     assert cache.check() == ""
 
 
 def test_mode_switch_applies_at_the_forward_boundary(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=2, sync=True))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=2, sync=True))
     cache.prefetch(0, ids(6))
     cache.side_lfu = False
     assert side(cache)[0] == {6: ROW_PUBLISHED}  # nothing changes mid-forward
@@ -139,7 +139,7 @@ def test_mode_switch_applies_at_the_forward_boundary(qwen_store):
 
 
 def test_drain_cancels_queued_fills_and_waits_for_started_ones(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, spec_slots=4, reader_threads=1))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=4, reader_threads=1))
     cache.inject_fault(0, "delay", expert=-1, count=1, delay_ms=200)
     cache.prefetch(0, ids(2, 3, 4, 5))
     time.sleep(0.05)  # the first fill has started and sleeps; three are queued

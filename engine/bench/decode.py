@@ -34,7 +34,7 @@ from engine.generate import cache_delta
 from engine.model import load, resolve_store
 from engine.store import is_store
 
-# Prefetch modes: name -> StreamConfig fields (spec_slots is set per run: 2 x top_k).
+# Prefetch modes: name -> StreamConfig fields (side_slots is set per run: 2 x top_k).
 MODES = {
     "off": {"prefetch": False},
     "legacy": {"prefetch": True, "side_lfu": False},
@@ -48,7 +48,7 @@ def stream_fields(mode: str, fraction: float, num_experts: int, top_k: int) -> d
     """StreamConfig fields of the streamed run `mode` at `fraction` of the experts."""
     fields = dict(MODES[mode])
     fields["expert_slots"] = max(1, round(fraction * num_experts))
-    fields["spec_slots"] = 2 * top_k if fields["prefetch"] else 0
+    fields["side_slots"] = 2 * top_k if fields["prefetch"] else 0
     return fields
 
 

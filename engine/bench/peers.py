@@ -107,7 +107,7 @@ def load_peer(store_path, mode: str) -> tuple[StreamedModel, FetchCounters]:
     """The model of the store at `store_path` with every MoE layer replaced by a
     `PeerSwitchGLU` of `mode`. The engine's own cache is opened with one slot and one
     scratch row per layer and never used."""
-    sm = load(store_path, StreamConfig(expert_slots=1, prefill_chunk=1))
+    sm = load(store_path, StreamConfig(expert_slots=1, scratch_slots=1))
     counters = FetchCounters()
     blocks = layout_for(sm.store.config).moe_blocks(sm.model)
     for (_, block), spec in zip(blocks, sm.store.manifest.layers, strict=True):

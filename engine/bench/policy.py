@@ -80,7 +80,7 @@ def replay(store: ExpertStore, trace: Trace, capacity: int, policy: str) -> dict
         expert_slots=capacity,
         policy="lru" if policy == "lru" else "lfu",
         decay_every=0 if policy == "lfu-nodecay" else 256,
-        spec_slots=k if oracle else 0,
+        side_slots=k if oracle else 0,
         side_lfu=True,
         sync=True,
         uncached_io=False,
@@ -105,8 +105,8 @@ def replay(store: ExpertStore, trace: Trace, capacity: int, policy: str) -> dict
         row = ids[t]
         for li in range(layers):
             _, missing = cache.acquire(li, row[li])
-            for start in range(0, len(missing), cache.scratch):
-                cache.load_scratch(li, missing[start : start + cache.scratch])
+            for start in range(0, len(missing), cache.scratch_slots):
+                cache.load_scratch(li, missing[start : start + cache.scratch_slots])
             if oracle and li + 1 < layers:
                 cache.prefetch(li + 1, row[li + 1])
     cache.drain()

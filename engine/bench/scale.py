@@ -173,7 +173,7 @@ def scale_suite(
     m = store.manifest
     scratch = 2
     slots = slots_for_budget(store, budget, scratch)
-    fields = {"expert_slots": slots, "prefill_chunk": scratch}
+    fields = {"expert_slots": slots, "scratch_slots": scratch}
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(1, store.config["vocab_size"], prompt_len)]
     pool_bytes = (slots + scratch) * sum(spec.stride for spec in m.layers)

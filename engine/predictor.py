@@ -20,22 +20,22 @@ class GenerationStopped(Exception):
     KV cache is left partial, so the reply ends there (engine.generate.generate)."""
 
 
-class Coordinator:
+class Predictor:
     """Decides which layer each MoE layer prefetches for, and submits the prediction.
 
     Args:
         cache: the store's `engine._ext.ExpertCache`.
         routers: the router (`gate`, a Linear or QuantizedLinear: hidden -> num_experts
             logits) of each MoE layer, in MoE order.
-        config: prefetch settings (prefetch, spec_slots, ahead_lo, ahead_hi, cutoff).
+        config: prefetch settings (prefetch, side_slots, ahead_lo, ahead_hi, cutoff).
     """
 
     def __init__(self, cache, routers: list[nn.Module], config: StreamConfig):
         self.cache = cache
         self.routers = routers
         self.num_layers = len(routers)
-        self.enabled = config.prefetch and config.spec_slots > 0
-        self.budget = min(config.spec_slots, cache.num_experts)
+        self.enabled = config.prefetch and config.side_slots > 0
+        self.budget = min(config.side_slots, cache.num_experts)
         self.ahead_lo = config.ahead_lo
         self.ahead_hi = config.ahead_hi
         self.cutoff = self.num_layers // 2 if config.cutoff is None else config.cutoff

@@ -1,0 +1,193 @@
+"""The expert-cache flags of every front end (the CLI, the server, the app), defined once.
+
+`add_cache_flags(parser)` adds one argparse group whose help shows each flag's default;
+`stream_config(args)` builds the `StreamConfig`: its defaults, then the seed's environment
+variables (`ENV_FIELDS`, read here and nowhere else), then the flags given. The renamed
+flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.config import StreamConfig
+
+# The seed's environment variables and the StreamConfig field each one sets.
+ENV_FIELDS = {
+    "EXPERT_SLOTS": "expert_slots",
+    "SIDEREGION_LFU": "side_lfu",
+    "SIDEREGION_SYNC": "sync",
+    "AUTOPIN_BUDGET_FRAC": "autopin_frac",
+    "PREFILL_CHUNK": "scratch_slots",
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One cache flag: `name` sets StreamConfig `field`; `kind` parses its value (None:
+    an on/off pair `--x/--no-x`); `choices` limits it; `deprecated` are old spellings."""
+
+    name: str
+    field: str
+    kind: type | None
+    help: str
+    choices: tuple = ()
+    deprecated: tuple = ()
+
+
+FLAGS = (
+    Flag("--expert-slots", "expert_slots", int, "real-region slots per MoE layer"),
+    Flag(
+        "--side-slots",
+        "side_slots",
+        int,
+        "side-region rows per bank (2 banks); a value > 0 turns --prefetch on unless given",
+        deprecated=("--spec-slots",),
+    ),
+    Flag("--prefetch", "prefetch", None, "predict the next layers' experts into the side region"),
+    Flag("--ahead-lo", "ahead_lo", int, "prefetch distance (MoE layers) before --cutoff"),
+    Flag("--ahead-hi", "ahead_hi", int, "prefetch distance (MoE layers) from --cutoff on"),
+    Flag("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),
+    Flag("--lfu", "side_lfu", None, "persistent LFU side region (--no-lfu: double buffer)"),
+    Flag("--sync", "sync", None, "fill the side region synchronously (diagnostic)"),
+    Flag("--policy", "policy", str, "real-region eviction", choices=("lfu", "lru")),
+    Flag("--autopin-frac", "autopin_frac", float, "fraction of the expert slots autopin pins"),
+    Flag(
+        "--scratch-slots",
+        "scratch_slots",
+        int,
+        "experts per chunk of a call with more misses than evictable slots",
+        deprecated=("--prefill-chunk",),
+    ),
+    Flag("--reader-threads", "reader_threads", int, "background reader threads"),
+)
+
+# How a default of None reads in --help.
+_NONE_MEANS = {
+    "expert_slots": "all experts",
+    "cutoff": "half the MoE layers",
+    "scratch_slots": "top-k",
+}
+
+
+def default_text(field: str) -> str:
+    """StreamConfig's default of `field` as --help shows it."""
+    value = StreamConfig.__dataclass_fields__[field].default
+    if value is None:
+        return _NONE_MEANS[field]
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+class _Deprecated(argparse.Action):
+    """A renamed flag: stores like the new one, and says so on stderr."""
+
+    def __init__(self, option_strings, dest, new_name: str, **kw):
+        self.new_name = new_name
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated, use {self.new_name}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_cache_flags(
+    parser: argparse.ArgumentParser, defaults: Mapping[str, str] | None = None
+) -> argparse._ArgumentGroup:
+    """Adds the cache flags as one group of `parser`. Each flag defaults to None (not
+    given); its help shows the default it then takes: StreamConfig's, or
+    `defaults[field]` (text) where a front end fills the field itself."""
+    defaults = defaults or {}
+    g = parser.add_argument_group(
+        "expert cache (flags win over the environment variables "
+        + ", ".join(f"{var} ({field})" for var, field in ENV_FIELDS.items())
+        + ")"
+    )
+    for f in FLAGS:
+        text = f"{f.help} (default: {defaults.get(f.field) or default_text(f.field)})"
+        if f.kind is None:
+            g.add_argument(f.name, dest=f.field, action=argparse.BooleanOptionalAction, help=text)
+            continue
+        g.add_argument(f.name, dest=f.field, type=f.kind, choices=f.choices or None, help=text)
+        for old in f.deprecated:
+            g.add_argument(
+                old,
+                dest=f.field,
+                type=f.kind,
+                action=_Deprecated,
+                new_name=f.name,
+                help=argparse.SUPPRESS,
+            )
+    return g
+
+
+def _parse(field: str, text: str):
+    kind = {f.name: f.type for f in dataclasses.fields(StreamConfig)}[field]
+    if "bool" in str(kind):
+        if text.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected 0 or 1, got {text!r}")
+    if "float" in str(kind):
+        return float(text)
+    return int(text)
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
+    """The StreamConfig fields set by the seed's environment variables.
+
+    Returns:
+        {field: value} for each variable of `ENV_FIELDS` present in `environ`
+        (default `os.environ`).
+
+    Raises:
+        ValueError: a variable's value does not parse; the message names the variable.
+    """
+    environ = os.environ if environ is None else environ
+    out = {}
+    for var, field in ENV_FIELDS.items():
+        if var in environ:
+            try:
+                out[field] = _parse(field, environ[var])
+            except ValueError as e:
+                raise ValueError(f"environment variable {var}={environ[var]!r}: {e}") from None
+    return out
+
+
+def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
+    """The StreamConfig fields the user set: the environment's, then the flags given
+    (`add_cache_flags`); side_slots > 0 turns prefetch on unless it was set too.
+
+    Raises:
+        ValueError: an environment variable does not parse (named in the message).
+    """
+    values = config_from_env(environ)
+    for f in FLAGS:
+        if getattr(args, f.field, None) is not None:
+            values[f.field] = getattr(args, f.field)
+    if values.get("side_slots") and "prefetch" not in values:
+        values["prefetch"] = True
+    return values
+
+
+def stream_config(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    defaults: Mapping | None = None,
+) -> StreamConfig:
+    """StreamConfig of `defaults` (fields; StreamConfig's own for the rest) overridden
+    by `config_overrides(args, environ)`.
+
+    Raises:
+        ValueError: an environment variable does not parse, or a value is out of range
+            (the message names the variable or the field).
+    """
+    return StreamConfig(**({**(defaults or {}), **config_overrides(args, environ)}))

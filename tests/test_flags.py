@@ -1,0 +1,61 @@
+"""The cache flags: one definition for the CLI and the app, defaults shown, old names kept."""
+
+import argparse
+
+import pytest
+
+from engine.config import StreamConfig
+from engine.flags import FLAGS, add_cache_flags, config_overrides, stream_config
+
+
+def parser(defaults=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="t")
+    add_cache_flags(p, defaults)
+    return p
+
+
+def test_renamed_flags_still_parse_and_warn(capsys):
+    args = parser().parse_args(["--spec-slots", "3", "--prefill-chunk", "5"])
+    assert (args.side_slots, args.scratch_slots) == (3, 5)
+    err = capsys.readouterr().err
+    assert "--spec-slots is deprecated, use --side-slots" in err
+    assert "--prefill-chunk is deprecated, use --scratch-slots" in err
+    help_text = parser().format_help()
+    assert "--spec-slots" not in help_text and "--side-slots" in help_text
+
+
+def test_help_shows_streamconfig_defaults_or_the_front_ends():
+    text = " ".join(parser().format_help().split())
+    assert "real-region slots per MoE layer (default: all experts)" in text
+    assert "real-region eviction (default: lfu)" in text
+    assert f"background reader threads (default: {StreamConfig().reader_threads})" in text
+    text = " ".join(parser({"expert_slots": "half"}).format_help().split())
+    assert "real-region slots per MoE layer (default: half)" in text
+
+
+def test_environment_then_flags_then_prefetch_follows_side_slots():
+    args = parser().parse_args(["--side-slots", "2", "--policy", "lru"])
+    cfg = stream_config(args, {"PREFILL_CHUNK": "4", "EXPERT_SLOTS": "6"})
+    assert (cfg.side_slots, cfg.prefetch, cfg.policy) == (2, True, "lru")
+    assert (cfg.scratch_slots, cfg.expert_slots) == (4, 6)
+    args = parser().parse_args(["--side-slots", "2", "--no-prefetch", "--expert-slots", "3"])
+    assert config_overrides(args, {"EXPERT_SLOTS": "6"}) == {
+        "side_slots": 2,
+        "prefetch": False,
+        "expert_slots": 3,
+    }
+    with pytest.raises(ValueError, match="SIDEREGION_LFU"):
+        stream_config(parser().parse_args([]), {"SIDEREGION_LFU": "maybe"})
+
+
+def test_cli_and_app_take_the_same_flags():
+    from app.main import build_parser as app_parser
+    from engine.cli import build_parser as cli_parser
+
+    def flags(p):
+        sub = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        p = sub[0].choices["generate"] if sub else p
+        return {s for a in p._actions for s in a.option_strings}
+
+    names = {f.name for f in FLAGS}
+    assert names <= flags(cli_parser()) and names <= flags(app_parser())
