@@ -37,6 +37,7 @@ STAT_KEYS = (
     "overcap_calls",
     "read_seconds",
     "read_errors",
+    "acquire_seconds",
 )
 
 
@@ -103,9 +104,11 @@ class CacheSnapshot:
         side_expert: (n, 2 * side_slots) int32, expert of each side row (bank 0 then 1).
         side_state: (n, 2 * side_slots) uint8, ROW_* codes.
         freq: (n, num_experts) float32, LFU frequency per expert.
-        stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds in
-            seconds, bytes_read in bytes, the rest counts; read_errors: reads that failed
-            or timed out after their retry, demand and prefetch).
+        stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds and
+            acquire_seconds in seconds: time reading records, and time inside acquire
+            calls with their demand reads; bytes_read in bytes; the rest counts;
+            read_errors: reads that failed or timed out after their retry, demand and
+            prefetch).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
     """
@@ -123,7 +126,7 @@ class CacheSnapshot:
         """Counters summed over layers, plus `hit_rate` (hits / lookups) and
         `prefetch_accuracy` (used / issued), 0 when undefined."""
         t = {
-            k: float(v.sum()) if k == "read_seconds" else int(v.sum())
+            k: float(v.sum()) if k.endswith("_seconds") else int(v.sum())
             for k, v in self.stats.items()
         }
         lookups = t["hits"] + t["misses"]

@@ -307,7 +307,18 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
 
 std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
   check_layer(li, num_layers());
+  const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lk(mu_);
+  // Charged on every exit, the lock held (lk is declared first, so it is released after).
+  struct Timer {
+    uint64_t& us;
+    std::chrono::steady_clock::time_point t0;
+    ~Timer() {
+      us += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                      std::chrono::steady_clock::now() - t0)
+                                      .count());
+    }
+  } timer{stats_[li].acquire_seconds_us, t0};
   if (li <= last_li_) begin_forward_locked(lk);
   last_li_ = li;
   auto& R = real_[li];
@@ -427,6 +438,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   st.read_errors += experts.size() - ok;
   st.bytes_read += ok * static_cast<uint64_t>(layers_[li].stride);
   st.read_seconds_us += us;
+  st.acquire_seconds_us += us;  // the over-capacity path's share of the cache's time
   if (err) std::rethrow_exception(err);
   return rows;
 }

@@ -70,6 +70,7 @@ struct LayerStats {
   uint64_t prefetch_issued = 0, prefetch_used = 0, prefetch_wasted = 0, prefetch_cancelled = 0;
   uint64_t evictions = 0, overcap_calls = 0, read_seconds_us = 0;
   uint64_t read_errors = 0;  // reads failed or given up on (demand and prefetch)
+  uint64_t acquire_seconds_us = 0;  // wall time in acquire and load_scratch, reads included
 };
 
 struct LayerSnapshot {

@@ -1,0 +1,234 @@
+"""Decode on an accelerator: the engine against its baselines, in one run (issue 11).
+
+Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
+
+    python -m engine.bench.device --out DIR [--synthetic STORE] [--tokens N]
+
+For the embedded model: mlx-lm resident, then the engine at 100/50/25/12.5% of the
+experts, prefetch off and on, and at 100% and 25% also the synchronous path (every MoE
+call reads the router's ids on the host: the decode path before issue 11), tokens checked
+against resident. For a synthetic Qwen3-30B-A3B-shaped store (`python -m engine.synthetic`,
+no resident reference fits the comparison): the same fractions from a dropped page cache,
+and at 100% a bare device table (the pools indexed by `table[ids]` with no cache call
+at all: the ceiling of any expert cache on these pools). Each row splits a decode token's
+time into the cache's acquire calls (demand reads included), the reads alone, and the
+rest (compute, graph building and any wait); `dd` gives the disk's own O_DIRECT rate.
+
+Figures go to stdout and DIR/device.json.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+from engine.cache import snapshot
+from engine.config import StreamConfig
+from engine.model import load
+from engine.streamed_layer import StreamedSwitchGLU
+
+FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+
+
+def decode(model, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
+    """mlx-lm's own pipelined decode loop (greedy). Returns the tokens, the seconds from
+    the first token to the last, and the prefill seconds."""
+    out, t0, t_first = [], time.perf_counter(), None
+    for y, _ in generate_step(mx.array(prompt), model, max_tokens=tokens):
+        out.append(int(y))
+        if t_first is None:
+            t_first = time.perf_counter()
+    return out, time.perf_counter() - t_first, t_first - t0
+
+
+def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
+    """One decode run through the engine; cache figures per decode token."""
+    sm.predictor.on_acquire = (lambda layer, ids: None) if sync_path else None
+    out, t0, t_first, before = [], time.perf_counter(), None, None
+    for y, _ in generate_step(mx.array(prompt), sm.model, max_tokens=tokens):
+        out.append(int(y))
+        if t_first is None:  # the prompt is done: count decode from here
+            t_first = time.perf_counter()
+            before = snapshot(sm.cache).totals()
+    dt = time.perf_counter() - t_first
+    sm.cache.raise_stream_error()
+    sm.predictor.on_acquire = None
+    after = snapshot(sm.cache).totals()
+    n = max(len(out) - 1, 1)
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read")}
+    lookups = d["hits"] + d["misses"]
+    acq = after["acquire_seconds"] - before["acquire_seconds"]
+    rd = after["read_seconds"] - before["read_seconds"]
+    return {
+        "tokens": out,
+        "decode_tps": n / dt,
+        "prefill_s": t_first - t0,
+        "hit_rate": d["hits"] / lookups if lookups else 0.0,
+        "ms_per_token": 1e3 * dt / n,
+        "acquire_ms_per_token": 1e3 * acq / n,
+        "read_ms_per_token": 1e3 * rd / n,
+        "other_ms_per_token": 1e3 * (dt - acq) / n,
+        "MB_read_per_token": d["bytes_read"] / n / 1e6,
+        "MBps_while_reading": d["bytes_read"] / rd / 1e6 if rd else 0.0,
+    }
+
+
+def fill_every_slot(sm) -> None:
+    """Loads every expert of every layer (100% of the experts cacheable)."""
+    e = sm.cache.num_experts
+    for li in range(sm.cache.num_layers):
+        sm.cache.acquire(li, np.arange(e, dtype=np.int32))
+
+
+def bare_table_call(self, x, indices):
+    """The ceiling: this layer's pools indexed by the device table, no cache call."""
+    return self._glu(mx.expand_dims(x, (-2, -3)), self._table[indices])
+
+
+def drop_page_cache() -> None:
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass  # not root: uncached (O_DIRECT) reads make it matter little
+
+
+def dd_rate(path: Path) -> float:
+    """MB/s of one O_DIRECT sequential read of `path` with 2 MiB blocks (dd's figure)."""
+    r = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=2M", "iflag=direct"],
+        capture_output=True,
+        text=True,
+    )
+    last = r.stderr.strip().splitlines()[-1]  # "... bytes ... copied, 1.2 s, 1.3 GB/s"
+    value, unit = last.rsplit(",", 1)[1].split()
+    return float(value) * {"GB/s": 1e3, "MB/s": 1.0, "kB/s": 1e-3}[unit]
+
+
+def row(label: str, r: dict, base: float) -> str:
+    return (
+        f"| {label} | {r['decode_tps']:.1f} | {r['decode_tps'] / base:.2f} | "
+        f"{r['hit_rate']:.1%} | {r['ms_per_token']:.2f} | {r['acquire_ms_per_token']:.2f} | "
+        f"{r['read_ms_per_token']:.2f} | {r['other_ms_per_token']:.2f} | "
+        f"{r['MB_read_per_token']:.1f} | {r.get('same_tokens', '')} |"
+    )
+
+
+HEADER = (
+    "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
+    "| rest ms | MB read/token | tokens = resident |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def embedded(tokens: int, log) -> dict:
+    from mlx_lm import load as mlx_load
+
+    from engine.resources import default_model_path
+
+    path = default_model_path()
+    model, tok = mlx_load(str(path))
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
+    decode(model, prompt, 8)  # first use of each kernel compiles it
+    ref, dt, _ = decode(model, prompt, tokens)
+    base = (len(ref) - 1) / dt
+    res = {"resident": {"decode_tps": base}, "runs": {}}
+    log(f"\n### Embedded model, {tokens} tokens: mlx-lm resident {base:.1f} tok/s\n\n{HEADER}")
+    probe = load(None, StreamConfig())
+    e, k = probe.cache.num_experts, probe.store.manifest.top_k
+    del probe
+    for frac in FRACTIONS:
+        slots = max(1, round(e * frac))
+        for prefetch in (False, True):
+            side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
+            sm = load(None, StreamConfig(expert_slots=slots, **side))
+            run_streamed(sm, prompt, 8)  # warm the kernels and the cache
+            paths = [False] + ([True] if frac in (1.0, 0.25) and not prefetch else [])
+            for sync_path in paths:
+                r = run_streamed(sm, prompt, tokens, sync_path)
+                r["same_tokens"] = r.pop("tokens") == ref
+                label = f"{frac:.1%} ({slots} slots), prefetch {'on' if prefetch else 'off'}"
+                label += ", sync path (before)" if sync_path else ""
+                res["runs"][label] = r
+                log(row(label, r, base))
+    return res
+
+
+def synthetic(store: Path, tokens: int, log) -> dict:
+    rng = np.random.default_rng(0)
+    probe = load(store, StreamConfig(expert_slots=1))
+    e, k = probe.cache.num_experts, probe.store.manifest.top_k
+    vocab = probe.store.config["vocab_size"]
+    del probe
+    prompt = rng.integers(0, vocab, 16).tolist()
+    res = {"dd_MBps": dd_rate(store / "layer00.blob"), "runs": {}}
+
+    sm = load(store, StreamConfig())
+    fill_every_slot(sm)
+    run_streamed(sm, prompt, 8)
+    original = StreamedSwitchGLU.__call__
+    StreamedSwitchGLU.__call__ = bare_table_call
+    try:
+        decode(sm.model, prompt, 8)
+        bare_tokens, dt, _ = decode(sm.model, prompt, tokens)
+    finally:
+        StreamedSwitchGLU.__call__ = original
+    base = (len(bare_tokens) - 1) / dt
+    res["bare_table_tps"] = base
+    log(
+        f"\n### Synthetic Qwen3-30B-A3B shapes ({e} experts, top-{k}), {tokens} tokens: "
+        f"bare device table {base:.1f} tok/s; dd O_DIRECT {res['dd_MBps']:.0f} MB/s\n\n{HEADER}"
+    )
+    for sync_path in (False, True):
+        r = run_streamed(sm, prompt, tokens, sync_path)
+        r["same_tokens"] = r.pop("tokens") == bare_tokens
+        label = f"100% ({e} slots)" + (", sync path (before)" if sync_path else "")
+        res["runs"][label] = r
+        log(row(label, r, base))
+    del sm
+    for frac in FRACTIONS[1:]:
+        slots = round(e * frac)
+        for prefetch in (False, True):
+            side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
+            drop_page_cache()
+            sm = load(store, StreamConfig(expert_slots=slots, **side))
+            r = run_streamed(sm, prompt, tokens)
+            r["same_tokens"] = r.pop("tokens") == bare_tokens
+            label = f"{frac:.1%} ({slots} slots), prefetch {'on' if prefetch else 'off'}"
+            res["runs"][label] = r
+            log(row(label, r, base))
+            del sm
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for device.json")
+    p.add_argument("--synthetic", type=Path, help="a synthetic 30B-A3B-shaped store")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
+    p.add_argument("--skip-embedded", action="store_true", help="only the synthetic store")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
+    results = {}
+    if not args.skip_embedded:
+        results["embedded"] = embedded(args.tokens, log)
+    if args.synthetic:
+        results["synthetic"] = synthetic(args.synthetic, args.tokens, log)
+    (args.out / "device.json").write_text(json.dumps(results, indent=1))
+    (args.out / "device.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
