@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.autopin import choose
-from engine.cache import open_cache, snapshot
+from engine.cache import SLOT_PINNED, open_cache, snapshot
 from engine.config import StreamConfig
 from engine.store import ExpertStore
 from engine.synthetic import ensure_store, tiny_config
@@ -61,7 +61,7 @@ def _repin(cache, budget: int) -> None:
     snap = snapshot(cache)
     for li in range(cache.num_layers):
         want = choose(snap.freq[li], budget)
-        pinned = set(snap.slot_expert[li][snap.slot_state[li] == 2].tolist())
+        pinned = set(snap.slot_expert[li][snap.slot_state[li] == SLOT_PINNED].tolist())
         for e in pinned - set(want):
             cache.unpin(li, e)
         for e in want:

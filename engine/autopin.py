@@ -10,6 +10,7 @@ import json
 import math
 import os
 
+from engine.cache import SLOT_PINNED
 from engine.model import StreamedModel
 
 PIN_FILE = "autopin.json"
@@ -31,7 +32,7 @@ def choose(freq, k: int) -> list[int]:
 def _apply(sm: StreamedModel, pins: list[list[int]]) -> None:
     snap = sm.snapshot()
     for li, want in enumerate(pins):
-        pinned = set(snap.slot_expert[li][snap.slot_state[li] == 2].tolist())
+        pinned = set(snap.slot_expert[li][snap.slot_state[li] == SLOT_PINNED].tolist())
         for e in pinned - set(want):
             sm.cache.unpin(li, e)
         for e in want:
