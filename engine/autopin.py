@@ -1,24 +1,28 @@
-"""Autopin: keep each layer's most frequently used experts pinned in the real region.
+"""Autopin: a cache policy that keeps each layer's most frequently used experts pinned.
 
-Within a budget of floor(autopin_frac * cap) experts per layer (never more than
-cap - top_k, so one token's experts always fit without going over capacity), the experts
-with the highest LFU frequency are pinned. The pin set is saved as `autopin.json` inside
-the store, and pinned (pre-loaded) again when the store is next loaded with autopin on.
+It works on the native cache alone (no model object): `repin(cache, k)` pins the `k`
+experts of highest LFU frequency in every layer and unpins the rest; `budget` is the `k`
+the engine and the policy benchmark both use, floor(frac x expert_slots) and never more
+than expert_slots - top_k, so one token's experts always fit without going over capacity.
+A pin set can be saved (`save`) and read back (`load`) to pre-load it at the next start.
+The caller decides when: `engine.model.load` restores, `engine.generate.generate`
+updates between replies.
 """
 
 import json
 import math
 import os
+from pathlib import Path
 
-from engine.model import StreamedModel
+from engine.cache import SLOT_PINNED, snapshot
 
 PIN_FILE = "autopin.json"
 
 
-def budget(sm: StreamedModel) -> int:
-    """Experts autopin may pin per layer: floor(autopin_frac x cap), at most cap - top_k."""
-    cap = sm.cache.expert_slots
-    return max(0, min(cap - sm.store.manifest.top_k, math.floor(sm.config.autopin_frac * cap)))
+def budget(expert_slots: int, top_k: int, frac: float) -> int:
+    """Experts autopin may pin per layer: floor(frac x expert_slots), at most
+    expert_slots - top_k, never below 0."""
+    return max(0, min(expert_slots - top_k, math.floor(frac * expert_slots)))
 
 
 def choose(freq, k: int) -> list[int]:
@@ -28,48 +32,51 @@ def choose(freq, k: int) -> list[int]:
     return sorted(e for e in order[:k] if freq[e] > 0)
 
 
-def _apply(sm: StreamedModel, pins: list[list[int]]) -> None:
-    snap = sm.snapshot()
+def apply(cache, pins: list[list[int]]) -> None:
+    """Makes the pinned experts of each layer of `cache` exactly `pins[layer]` (pinning
+    loads an expert that is not resident).
+
+    Raises:
+        engine.cache.ExpertReadError: a pinned expert could not be read.
+    """
+    snap = snapshot(cache)
     for li, want in enumerate(pins):
-        pinned = set(snap.slot_expert[li][snap.slot_state[li] == 2].tolist())
+        pinned = set(snap.slot_expert[li][snap.slot_state[li] == SLOT_PINNED].tolist())
         for e in pinned - set(want):
-            sm.cache.unpin(li, e)
+            cache.unpin(li, e)
         for e in want:
             if e not in pinned:
-                sm.cache.pin(li, e)
+                cache.pin(li, e)
 
 
-def update(sm: StreamedModel) -> list[list[int]]:
-    """Re-pins every layer's top experts by frequency and saves the pin set; call it
-    between replies. Returns the pin set, one sorted list per MoE layer."""
-    k = budget(sm)
-    freq = sm.snapshot().freq
+def repin(cache, k: int) -> list[list[int]]:
+    """Pins every layer's `k` most frequent experts (`choose`), unpinning the others.
+    Returns the pin set, one sorted list per MoE layer."""
+    freq = snapshot(cache).freq
     pins = [choose(freq[li], k) if k > 0 else [] for li in range(len(freq))]
-    _apply(sm, pins)
-    path = sm.store.path / PIN_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"num_experts": sm.store.manifest.num_experts, "pins": pins}))
-    os.replace(tmp, path)
+    apply(cache, pins)
     return pins
 
 
-def restore_pins(sm: StreamedModel) -> list[list[int]]:
-    """Pins (and so pre-loads) the saved pin set, cut to the current budget; a missing or
-    unreadable file pins nothing. Returns the pin set applied."""
-    path = sm.store.path / PIN_FILE
+def save(path: str | Path, pins: list[list[int]], num_experts: int) -> None:
+    """Writes the pin set to `path` (JSON, replaced atomically)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"num_experts": num_experts, "pins": pins}))
+    os.replace(tmp, path)
+
+
+def load(path: str | Path, num_experts: int, num_layers: int, k: int) -> list[list[int]]:
+    """The pin set saved at `path`, each layer's cut to `k` experts; [] when the file is
+    missing, unreadable, or of another model (expert or layer count)."""
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(Path(path).read_text())
         pins = saved["pins"]
         ok = (
-            saved["num_experts"] == sm.store.manifest.num_experts
-            and len(pins) == sm.cache.num_layers
-            and all(0 <= e < saved["num_experts"] for layer in pins for e in layer)
+            saved["num_experts"] == num_experts
+            and len(pins) == num_layers
+            and all(0 <= e < num_experts for layer in pins for e in layer)
         )
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    if not ok:
-        return []
-    k = budget(sm)
-    pins = [sorted(layer)[:k] for layer in pins]
-    _apply(sm, pins)
-    return pins
+    return [sorted(layer)[:k] for layer in pins] if ok else []

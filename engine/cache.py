@@ -19,9 +19,15 @@ ExpertReadError = _ext.ExpertReadError
 ChecksumError = _ext.ChecksumError
 ExpertReadTimeout = _ext.ExpertReadTimeout
 
-# slot_state / side_state codes of a snapshot.
-SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED = range(5)
-ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED = range(3)
+# slot_state / side_state codes of a snapshot, as the native cache defines them.
+SLOT_EMPTY = _ext.SLOT_EMPTY
+SLOT_RESIDENT = _ext.SLOT_RESIDENT
+SLOT_PINNED = _ext.SLOT_PINNED
+SLOT_LOADING = _ext.SLOT_LOADING
+SLOT_JUST_LOADED = _ext.SLOT_JUST_LOADED
+ROW_FREE = _ext.ROW_FREE
+ROW_IN_FLIGHT = _ext.ROW_IN_FLIGHT
+ROW_PUBLISHED = _ext.ROW_PUBLISHED
 
 STAT_KEYS = (
     "hits",

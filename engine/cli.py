@@ -75,7 +75,20 @@ def _generate_with(sm, prompt, args) -> int:
 
 
 def _bench(args) -> int:
-    from engine.bench import run_suite
+    # The benchmarks are the source checkout's top-level `bench` package, never shipped:
+    # found next to this engine package when it runs from a checkout (editable install).
+    root = Path(__file__).resolve().parents[1]
+    if not ((root / "pyproject.toml").is_file() and (root / "bench" / "__init__.py").is_file()):
+        print(
+            "expertstream: error: the benchmarks are not installed with the package; run "
+            "`expertstream bench` from a source checkout (git clone, then "
+            "pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench import run_suite
 
     run_suite(args.suite, args.out, args.model)
     print(f"wrote {args.out}/results.json, results.md and plots")
@@ -113,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_flags(p)
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("bench", help="benchmarks: figures and ratios against resident mlx-lm")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: figures and ratios against resident mlx-lm (from a source checkout)",
+    )
     p.add_argument(
         "--suite",
         choices=["quick", "full", "scale"],

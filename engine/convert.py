@@ -2,16 +2,14 @@
 
 The store format is specified in `docs/store-format.md`. Conversion reads the
 checkpoint lazily and writes one MoE layer at a time, so memory stays bounded by
-the dense weights plus one layer's experts. It is atomic: everything goes into a
+the dense weights plus one layer's experts. It is atomic: `StoreWriter` writes into a
 temporary sibling directory that is renamed into place only when complete.
 """
 
 import errno
 import json
-import os
 import re
 import shutil
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +22,15 @@ from mlx_lm.utils import _get_classes, infer_quant_config
 from .layouts import Layout, NotMoEError, layout_for
 from .store import (
     CONFIG_FILE,
-    DENSE_FILE,
     MANIFEST_FILE,
     PROJECTIONS,
     SEGMENT_KEYS,
-    LayerSpec,
-    Manifest,
     Segment,
-    blob_name,
     dtype_name,
     is_store,
-    stride_for,
+    layout_segments,
 )
+from .store_writer import StoreWriter, fsync_path
 
 _SWITCH_KEY = re.compile(r"model\.layers\.(\d+)\.([^.]+)\.switch_mlp\.(.+)")
 # Other weight formats (pickle-based and others): never opened nor copied into a store;
@@ -114,15 +109,13 @@ def convert(
         for key in [k for k in weights if k.startswith("lm_head.")]:
             del weights[key]
 
-    tmp = store_dir.parent / f".{store_dir.name}.tmp-{os.getpid()}"
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        _write_store(tmp, model_dir, config, layout, plans, weights, progress)
-        _install(tmp, store_dir, force)
+        with StoreWriter(store_dir, layout.num_experts(config)) as writer:
+            _write_store(writer, model_dir, plans, weights, progress)
+            writer.finish(
+                layout.model_type, layout.top_k(config), int(config["num_hidden_layers"]), force
+            )
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         renamed = _naming_store(e, model_dir, store_dir)
         if renamed is e:
             raise
@@ -258,8 +251,7 @@ def _plan_layers(
                     "but the checkpoint does not match"
                 )
         arrays = {}
-        segments = []
-        offset = 0
+        parts = []
         for seg_key in SEGMENT_KEYS:
             if seg_key not in keys:
                 continue
@@ -269,18 +261,15 @@ def _plan_layers(
                     f"{module}.{seg_key} has shape {tuple(a.shape)}, expected "
                     f"{num_experts} experts on axis 0"
                 )
-            shape = tuple(a.shape[1:])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * a.dtype.size
-            segments.append(Segment(seg_key, dtype_name(a.dtype), shape, nbytes, offset))
+            parts.append((seg_key, dtype_name(a.dtype), tuple(a.shape[1:])))
             arrays[seg_key] = a
-            offset += nbytes
+        segments = layout_segments(parts)
+        record_bytes = sum(seg.nbytes for seg in segments)
         quantization = {
             proj: _quantization(config, module, proj, block.switch_mlp[proj], keys, arrays)
             for proj in PROJECTIONS
         }
-        plans.append(
-            _LayerPlan(i, moe_index, module, arrays, tuple(segments), offset, quantization)
-        )
+        plans.append(_LayerPlan(i, moe_index, module, arrays, segments, record_bytes, quantization))
     return plans
 
 
@@ -318,79 +307,31 @@ def _quantization(
 
 
 def _write_store(
-    tmp: Path,
+    writer: StoreWriter,
     model_dir: Path,
-    config: dict,
-    layout: Layout,
     plans: list[_LayerPlan],
     dense: dict[str, mx.array],
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    num_experts = layout.num_experts(config)
-    try:
-        mx.save_safetensors(str(tmp / DENSE_FILE), dense, metadata={"format": "mlx"})
-    except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
-        raise OSError(f"cannot write {DENSE_FILE} ({e}); is the disk full?") from e
-    dense.clear()
-    _fsync(tmp / DENSE_FILE)
-
+    """Writes the dense weights, every planned layer's blob (one layer's experts
+    evaluated at a time) and the auxiliary files; `progress(done, total)` counts
+    record bytes, once before the first layer and after each."""
+    num_experts = writer.num_experts
+    writer.write_dense(dense)
     total = sum(p.record_bytes for p in plans) * num_experts
     done = 0
     if progress is not None:
         progress(done, total)
-    specs = []
     for plan in plans:
         parts = _record_parts(plan.arrays, num_experts)
         plan.arrays.clear()
-        file = blob_name(plan.layer)
-        checksums = _write_blob(tmp / file, parts, stride_for(plan.record_bytes))
-        del parts
-        specs.append(
-            LayerSpec(
-                layer=plan.layer,
-                moe_index=plan.moe_index,
-                module=plan.module,
-                file=file,
-                record_bytes=plan.record_bytes,
-                stride=stride_for(plan.record_bytes),
-                segments=plan.segments,
-                quantization=plan.quantization,
-                checksums=tuple(checksums),
-            )
-        )
+        records = ([p[e] for p in parts] for e in range(num_experts))
+        writer.write_layer(plan.layer, plan.module, plan.segments, plan.quantization, records)
+        del parts, records
         done += plan.record_bytes * num_experts
         if progress is not None:
             progress(done, total)
-
-    _copy_aux_files(model_dir, tmp)
-    manifest = Manifest(
-        model_type=layout.model_type,
-        num_experts=num_experts,
-        top_k=layout.top_k(config),
-        num_hidden_layers=int(config["num_hidden_layers"]),
-        layers=tuple(specs),
-    )
-    with open(tmp / MANIFEST_FILE, "w") as f:
-        f.write(_json_text(manifest.to_json()) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-
-
-def _json_text(obj, depth: int = 0) -> str:
-    """JSON with one line per small object or list of scalars (one line per
-    segment, checksums on one line), indented otherwise."""
-    compact = json.dumps(obj)
-    if not isinstance(obj, (dict, list)) or len(compact) <= 100:
-        return compact
-    if isinstance(obj, list) and not any(isinstance(x, (dict, list)) for x in obj):
-        return compact
-    pad = "  " * (depth + 1)
-    if isinstance(obj, dict):
-        items = [f"{pad}{json.dumps(k)}: {_json_text(v, depth + 1)}" for k, v in obj.items()]
-        return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
-    items = [pad + _json_text(v, depth + 1) for v in obj]
-    return "[\n" + ",\n".join(items) + "\n" + "  " * depth + "]"
+    _copy_aux_files(model_dir, writer.path)
 
 
 def _record_parts(arrays: dict[str, mx.array], num_experts: int) -> list[np.ndarray]:
@@ -404,38 +345,6 @@ def _record_parts(arrays: dict[str, mx.array], num_experts: int) -> list[np.ndar
     views = [mx.contiguous(a).view(mx.uint8).reshape(num_experts, -1) for a in arrays.values()]
     mx.eval(views)
     return [np.asarray(v) for v in views]
-
-
-def _write_blob(path: Path, parts: list[np.ndarray], stride: int) -> list[int]:
-    """Write `num_experts` records of `stride` bytes to a new file and fsync it.
-
-    Args:
-        path: blob file to create.
-        parts: per segment, uint8 `(num_experts, nbytes)` (see `_record_parts`).
-        stride: record size with zero padding, >= the sum of segment sizes.
-
-    Returns:
-        crc32 of each record's unpadded bytes.
-
-    Raises:
-        OSError: on any write failure (e.g. ENOSPC).
-    """
-    num_experts = parts[0].shape[0]
-    record_bytes = sum(p.shape[1] for p in parts)
-    padding = bytes(stride - record_bytes)
-    checksums = []
-    with open(path, "wb") as f:
-        for e in range(num_experts):
-            crc = 0
-            for p in parts:
-                row = p[e].data
-                crc = zlib.crc32(row, crc)
-                f.write(row)
-            f.write(padding)
-            checksums.append(crc)
-        f.flush()
-        os.fsync(f.fileno())
-    return checksums
 
 
 def _copy_aux_files(model_dir: Path, dest: Path) -> None:
@@ -452,45 +361,7 @@ def _copy_aux_files(model_dir: Path, dest: Path) -> None:
         if skip:
             continue
         shutil.copyfile(entry, dest / name)
-        _fsync(dest / name)
-
-
-def _install(tmp: Path, store_dir: Path, force: bool) -> None:
-    """Rename the complete `tmp` to `store_dir`, replacing an old store only
-    when `force` (the old one is moved aside first and restored on failure)."""
-    if not (store_dir.exists() or store_dir.is_symlink()):
-        os.rename(tmp, store_dir)
-    elif not force:
-        raise FileExistsError(errno.EEXIST, "appeared during conversion", str(store_dir))
-    else:
-        old = store_dir.parent / f".{store_dir.name}.old-{os.getpid()}"
-        os.rename(store_dir, old)
-        try:
-            os.rename(tmp, store_dir)
-        except BaseException:
-            os.rename(old, store_dir)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(store_dir.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable; a no-op where directories cannot be fsynced."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(dest / name)
 
 
 def _naming_store(e: BaseException, model_dir: Path, store_dir: Path) -> BaseException:

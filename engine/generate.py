@@ -13,6 +13,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from engine import autopin
 from engine.model import StreamedModel
 from engine.predictor import GenerationStopped
 
@@ -193,10 +194,9 @@ def generate(
     finally:
         sm.predictor.should_stop = None
     after = sm.snapshot().totals()
-    if sm.config.autopin_frac > 0:
-        from engine import autopin
-
-        autopin.update(sm)
+    if sm.config.autopin_frac > 0:  # re-pin between replies, and keep the set for next time
+        pins = autopin.repin(sm.cache, sm.autopin_budget())
+        autopin.save(sm.store.path / autopin.PIN_FILE, pins, sm.store.manifest.num_experts)
     return GenerationResult(
         text="".join(text),
         tokens=tokens,

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
+from engine import autopin
 from engine import cache as cache_mod
 from engine.config import StreamConfig
 from engine.convert import convert
@@ -117,6 +118,13 @@ class StreamedModel:
     def set_prefetch(self, on: bool) -> None:
         """Turns prediction on or off from the next MoE layer call (needs side_slots > 0)."""
         self.predictor.enabled = bool(on) and self.cache.side_slots > 0
+
+    def autopin_budget(self) -> int:
+        """Experts autopin pins per MoE layer under this model's config
+        (`engine.autopin.budget` of expert_slots, top_k and autopin_frac)."""
+        return autopin.budget(
+            self.cache.expert_slots, self.store.manifest.top_k, self.config.autopin_frac
+        )
 
     def set_side_lfu(self, on: bool) -> None:
         """Persistent LFU (True) or legacy double-buffer side region, from the next
@@ -310,8 +318,8 @@ def load(
 
     tokenizer = load_store_tokenizer(store)
     model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor)
-    if config.autopin_frac > 0:
-        from engine.autopin import restore_pins
-
-        restore_pins(model_obj)
+    if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
+        path = store.path / autopin.PIN_FILE
+        n = store.manifest.num_experts
+        autopin.apply(cache, autopin.load(path, n, cache.num_layers, model_obj.autopin_budget()))
     return model_obj

@@ -1,11 +1,13 @@
-"""The expert store on disk: manifest, validation and a reference reader.
+"""The expert store format: its constants, manifest schema, validation and a reference reader.
 
-An expert store is a directory written by `engine.convert.convert`; its format
-is specified in `docs/store-format.md`. This module mirrors the manifest in
-frozen dataclasses (`Segment`, `LayerSpec`, `Manifest`), validates a store
-completely before anything reads it, and offers `ExpertStore`, whose
-`read_record` is the plain-Python reference reader that tests and `verify`
-use. Only JSON and safetensors are ever read from a store.
+An expert store is a directory written by `engine.store_writer.StoreWriter` (for
+`engine.convert` and `engine.synthetic`); its format is specified in
+`docs/store-format.md`. This module is the one definition of that format: the file
+names, segment keys, projections and dtypes (the native cache's own table,
+`engine._ext.DTYPE_NAMES`), the record layout (`layout_segments`), the manifest in
+frozen dataclasses (`Segment`, `LayerSpec`, `Manifest`) with its validation, and
+`ExpertStore`, whose `read_record` is the plain-Python reference reader that tests and
+`verify` use. Only JSON and safetensors are ever read from a store.
 """
 
 import json
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+
+from engine import _ext
 
 FORMAT = "expertstream-store"
 VERSION = 1
@@ -29,22 +33,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PARAMS = ("weight", "scales", "biases", "bias")
 SEGMENT_KEYS = tuple(f"{proj}.{param}" for proj in PROJECTIONS for param in PARAMS)
 
-DTYPES = {
-    "bool": mx.bool_,
-    "uint8": mx.uint8,
-    "uint16": mx.uint16,
-    "uint32": mx.uint32,
-    "uint64": mx.uint64,
-    "int8": mx.int8,
-    "int16": mx.int16,
-    "int32": mx.int32,
-    "int64": mx.int64,
-    "float16": mx.float16,
-    "bfloat16": mx.bfloat16,
-    "float32": mx.float32,
-    "float64": mx.float64,
-    "complex64": mx.complex64,
-}
+# Manifest dtype name -> MLX dtype, for exactly the dtypes the native pools can hold.
+DTYPES = {name: getattr(mx, "bool_" if name == "bool" else name) for name in _ext.DTYPE_NAMES}
 
 
 class StoreError(ValueError):
@@ -64,6 +54,23 @@ def dtype_name(dtype: mx.Dtype) -> str:
         if dt == dtype:
             return name
     raise StoreError(f"dtype {dtype} cannot be stored")
+
+
+def layout_segments(parts) -> tuple["Segment", ...]:
+    """The record layout of `parts`, an iterable of (key, dtype name, per-expert shape) in
+    record order: contiguous segments from offset 0, each `prod(shape) x itemsize` bytes.
+
+    Raises:
+        StoreError: a dtype is not one of `DTYPES`.
+    """
+    segments, offset = [], 0
+    for key, dtype, shape in parts:
+        if dtype not in DTYPES:
+            raise StoreError(f"segment {key}: dtype {dtype} cannot be stored")
+        nbytes = math.prod(shape) * DTYPES[dtype].size
+        segments.append(Segment(key, dtype, tuple(shape), nbytes, offset))
+        offset += nbytes
+    return tuple(segments)
 
 
 def blob_name(layer: int) -> str:
@@ -347,7 +354,11 @@ def _parse_layer(
         )
         last_rank = rank
         dtype = seg.get("dtype")
-        _expect(dtype in DTYPES, where, f"{sctx}.dtype {dtype!r} is not an MLX dtype")
+        _expect(
+            dtype in DTYPES,
+            where,
+            f"{sctx}.dtype {dtype!r} is not a storable dtype ({', '.join(DTYPES)})",
+        )
         shape = seg.get("shape")
         _expect(
             isinstance(shape, list)

@@ -1,12 +1,12 @@
 """Synthetic expert stores: real shapes, random weights, written directly as a store.
 
 `write_store(out, config)` writes `dense.safetensors`, one `layerNN.blob` per MoE layer,
-`config.json` and `manifest.json` (the format of docs/store-format.md) for a `qwen3_moe`
-config, without ever holding more than one expert record in memory: the dense weights
-come from mlx-lm's own model class (random init, quantized by mlx-lm's `quantize_model`
-with the experts left out), each expert record is random 4-bit codes with scales and
-biases that give the dequantized weights the spread of a default `nn.Linear` init. There
-is no tokenizer: feed token ids.
+`config.json` and `manifest.json` (through `engine.store_writer`, the format of
+docs/store-format.md) for a `qwen3_moe` config, without ever holding more than one
+expert record in memory: the dense weights come from mlx-lm's own model class (random
+init, quantized by mlx-lm's `quantize_model` with the experts left out), each expert
+record is random 4-bit codes with scales and biases that give the dequantized weights the
+spread of a default `nn.Linear` init. There is no tokenizer: feed token ids.
 
 Presets: `QWEN3_30B_A3B` (the public Qwen3-30B-A3B config.json: 48 layers, 128 experts,
 top-8, hidden 2048, expert intermediate 768, 32 heads, 4 KV heads, head_dim 128, vocab
@@ -21,10 +21,7 @@ import contextlib
 import io
 import json
 import math
-import os
-import shutil
 import sys
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,17 +31,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model
 
-from engine.store import (
-    CONFIG_FILE,
-    DENSE_FILE,
-    MANIFEST_FILE,
-    LayerSpec,
-    Manifest,
-    Segment,
-    blob_name,
-    is_store,
-    stride_for,
-)
+from engine.store import CONFIG_FILE, Segment, is_store, layout_segments, stride_for
+from engine.store_writer import StoreWriter, fsync_path
 
 # The public config.json of Qwen/Qwen3-30B-A3B (fields mlx-lm reads).
 QWEN3_30B_A3B = {
@@ -108,22 +96,19 @@ def expert_segments(config: dict, group_size: int, bits: int) -> tuple[Segment, 
     packed as mlx's affine quantization packs them (uint32 codes, float32 scales)."""
     d, f = config["hidden_size"], config["moe_intermediate_size"]
     shapes = {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
-    segments, offset = [], 0
+    parts = []
     for proj, (rows, cols) in shapes.items():
         if cols % group_size or (cols * bits) % 32:
             raise ValueError(
                 f"{proj}: input size {cols} is not a multiple of group size "
                 f"{group_size} (and of 32 / bits)"
             )
-        for param, dtype, shape in (
-            ("weight", "uint32", (rows, cols * bits // 32)),
-            ("scales", "float32", (rows, cols // group_size)),
-            ("biases", "float32", (rows, cols // group_size)),
-        ):
-            nbytes = math.prod(shape) * 4
-            segments.append(Segment(f"{proj}.{param}", dtype, shape, nbytes, offset))
-            offset += nbytes
-    return tuple(segments)
+        parts += [
+            (f"{proj}.weight", "uint32", (rows, cols * bits // 32)),
+            (f"{proj}.scales", "float32", (rows, cols // group_size)),
+            (f"{proj}.biases", "float32", (rows, cols // group_size)),
+        ]
+    return layout_segments(parts)
 
 
 def store_bytes(config: dict, group_size: int = 64, bits: int = 4) -> int:
@@ -201,69 +186,44 @@ def write_store(
         raise ValueError(f"synthetic stores are qwen3_moe, got {config.get('model_type')!r}")
     if out.exists():
         raise FileExistsError(f"{out} exists")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    segments = expert_segments(config, group_size, bits)
+    record_bytes = sum(s.nbytes for s in segments)
+    num_experts, layers = config["num_experts"], config["num_hidden_layers"]
+    fan_in = {
+        "gate_proj": config["hidden_size"],
+        "up_proj": config["hidden_size"],
+        "down_proj": config["moe_intermediate_size"],
+    }
+    quant = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    rng = np.random.default_rng(seed)
+    record = np.zeros(record_bytes, np.uint8)
+    stride = stride_for(record_bytes)
+    total = stride * num_experts * layers
+
+    def records(li: int):
+        """The layer's random records, one buffer at a time (reported as written)."""
+        for e in range(num_experts):
+            _random_record(rng, segments, fan_in, bits, record)
+            yield (record,)
+            if progress is not None:
+                progress((li * num_experts + e + 1) * stride, total)
+
+    with StoreWriter(out, num_experts) as writer:
         dense, qconfig = _dense_weights(config, group_size, bits)
-        mx.save_safetensors(str(tmp / DENSE_FILE), dense, metadata={"format": "mlx"})
+        writer.write_dense(dense)
         del dense
         qconfig.pop("quantization_config", None)
-        (tmp / CONFIG_FILE).write_text(json.dumps(qconfig, indent=2) + "\n")
-
-        segments = expert_segments(config, group_size, bits)
-        record_bytes = sum(s.nbytes for s in segments)
-        stride = stride_for(record_bytes)
-        num_experts = config["num_experts"]
-        layers = config["num_hidden_layers"]
-        fan_in = {
-            "gate_proj": config["hidden_size"],
-            "up_proj": config["hidden_size"],
-            "down_proj": config["moe_intermediate_size"],
-        }
-        quant = {"group_size": group_size, "bits": bits, "mode": "affine"}
-        rng = np.random.default_rng(seed)
-        record = np.zeros(stride, np.uint8)
-        total, done = stride * num_experts * layers, 0
-        specs = []
+        (writer.path / CONFIG_FILE).write_text(json.dumps(qconfig, indent=2) + "\n")
+        fsync_path(writer.path / CONFIG_FILE)
         for li in range(layers):
-            checksums = []
-            with open(tmp / blob_name(li), "wb") as f:
-                for _ in range(num_experts):
-                    _random_record(rng, segments, fan_in, bits, record[:record_bytes])
-                    checksums.append(zlib.crc32(record[:record_bytes]))
-                    f.write(record.data)
-                    done += stride
-                    if progress is not None:
-                        progress(done, total)
-                f.flush()
-                os.fsync(f.fileno())
-            specs.append(
-                LayerSpec(
-                    layer=li,
-                    moe_index=li,
-                    module=f"model.layers.{li}.mlp.switch_mlp",
-                    file=blob_name(li),
-                    record_bytes=record_bytes,
-                    stride=stride,
-                    segments=segments,
-                    quantization={p: dict(quant) for p in ("gate_proj", "up_proj", "down_proj")},
-                    checksums=tuple(checksums),
-                )
+            writer.write_layer(
+                li,
+                f"model.layers.{li}.mlp.switch_mlp",
+                segments,
+                {proj: dict(quant) for proj in fan_in},
+                records(li),
             )
-        manifest = Manifest(
-            model_type="qwen3_moe",
-            num_experts=num_experts,
-            top_k=config["num_experts_per_tok"],
-            num_hidden_layers=layers,
-            layers=tuple(specs),
-        )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest.to_json()) + "\n")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        return writer.finish("qwen3_moe", config["num_experts_per_tok"], layers)
 
 
 def ensure_store(out: str | Path, config: dict, **kwargs) -> Path:

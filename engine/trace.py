@@ -182,7 +182,8 @@ def local_trace(
 class TraceRecorder:
     """Records the routed expert ids of every MoE layer call of a `StreamedModel`.
 
-    Use as a context manager (or call `close`): on exit the acquire hook is removed. `begin_segment()` marks the start of a generate call.
+    Use as a context manager (or call `close`): on exit the acquire hook is removed.
+    `begin_segment()` marks the start of a generate call.
     """
 
     def __init__(self, sm):

@@ -5,11 +5,12 @@
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
-#include <unordered_map>
+#include <utility>
 
 #include "errors.h"
 #include "expert_cache.h"
 #include "primitives.h"
+#include "slot_state.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -17,16 +18,22 @@ namespace mx = mlx::core;
 
 namespace {
 
-mx::Dtype dtype_from_name(const std::string& name) {
-  static const std::unordered_map<std::string, mx::Dtype> table = {
-      {"bool", mx::bool_},       {"uint8", mx::uint8},     {"uint16", mx::uint16},
-      {"uint32", mx::uint32},    {"uint64", mx::uint64},   {"int8", mx::int8},
-      {"int16", mx::int16},      {"int32", mx::int32},     {"int64", mx::int64},
-      {"float16", mx::float16},  {"bfloat16", mx::bfloat16}, {"float32", mx::float32},
+// The segment dtypes a pool can hold, by manifest name: the one table, exported to Python
+// as DTYPE_NAMES (engine.store builds its dtype map from it).
+const std::vector<std::pair<std::string, mx::Dtype>>& dtype_table() {
+  static const std::vector<std::pair<std::string, mx::Dtype>> table = {
+      {"bool", mx::bool_},     {"uint8", mx::uint8},     {"uint16", mx::uint16},
+      {"uint32", mx::uint32},  {"uint64", mx::uint64},   {"int8", mx::int8},
+      {"int16", mx::int16},    {"int32", mx::int32},     {"int64", mx::int64},
+      {"float16", mx::float16}, {"bfloat16", mx::bfloat16}, {"float32", mx::float32},
   };
-  auto it = table.find(name);
-  if (it == table.end()) throw std::invalid_argument("unsupported segment dtype '" + name + "'");
-  return it->second;
+  return table;
+}
+
+mx::Dtype dtype_from_name(const std::string& name) {
+  for (const auto& [n, dtype] : dtype_table())
+    if (n == name) return dtype;
+  throw std::invalid_argument("unsupported segment dtype '" + name + "'");
 }
 
 es::LayerSpec layer_from_dict(const nb::dict& d) {
@@ -97,6 +104,19 @@ using Ids = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
 
 NB_MODULE(_ext, m) {
   m.doc() = "ExpertStream native core: blob I/O, reader pool, real region, side region.";
+
+  nb::list dtype_names;
+  for (const auto& [name, dtype] : dtype_table()) dtype_names.append(name);
+  m.attr("DTYPE_NAMES") = nb::tuple(dtype_names);
+  // Snapshot state codes: slot_state (es::SlotState) and side_state (es::RowState).
+  m.attr("SLOT_EMPTY") = static_cast<int>(es::SlotState::kEmpty);
+  m.attr("SLOT_RESIDENT") = static_cast<int>(es::SlotState::kResident);
+  m.attr("SLOT_PINNED") = static_cast<int>(es::SlotState::kPinned);
+  m.attr("SLOT_LOADING") = static_cast<int>(es::SlotState::kLoading);
+  m.attr("SLOT_JUST_LOADED") = static_cast<int>(es::SlotState::kJustLoaded);
+  m.attr("ROW_FREE") = static_cast<int>(es::RowState::kFree);
+  m.attr("ROW_IN_FLIGHT") = static_cast<int>(es::RowState::kInFlight);
+  m.attr("ROW_PUBLISHED") = static_cast<int>(es::RowState::kPublished);
 
   auto read_error = nb::exception<es::ReadError>(m, "ExpertReadError", PyExc_OSError);
   nb::exception<es::ChecksumError>(m, "ChecksumError", read_error);

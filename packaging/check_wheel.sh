@@ -5,7 +5,8 @@
 #  2. the contents of both (packaging/check_wheel_contents.py);
 #  3. a fresh virtual environment with the wheel and its `app` extra, from which it runs
 #     one streamed generation (`expertstream generate`) and one offscreen screenshot
-#     (`expertstream-gui --screenshot`), and checks the PNG;
+#     (`expertstream-gui --screenshot`), and checks the PNG and that `expertstream bench`
+#     says it needs a source checkout (the benchmarks are not shipped);
 #  4. a second fresh virtual environment that pip-installs the sdist (pip builds it again)
 #     and runs one generation.
 # Needs python3 (>= 3.11), a C++ compiler and the zlib headers, and the network for PyPI.
@@ -46,6 +47,12 @@ EOF
 
 step "expertstream generate"
 wheel-venv/bin/expertstream generate --max-tokens 16 --expert-slots 8
+
+step "expertstream bench: not in the wheel, and says so"
+if wheel-venv/bin/expertstream bench --suite quick 2>bench.err; then
+  echo "expertstream bench ran from the wheel"; exit 1
+fi
+grep -q "source checkout" bench.err || { cat bench.err; exit 1; }
 
 step "expertstream-gui --screenshot"
 QT_QPA_PLATFORM=offscreen wheel-venv/bin/expertstream-gui --screenshot shot.png \

@@ -40,7 +40,7 @@ SDIST_REQUIRED = (
     f"{MODEL}/tokenizer.json",
 )
 JUNK = ("__pycache__/*", "*.pyc", ".*", "*.o", "*.a", "*~", "*.orig", "*.rej", "CMakeFiles/*")
-WHEEL_JUNK = (*JUNK, "build/*", "dist/*", "tests/*", "ext/*")
+WHEEL_JUNK = (*JUNK, "build/*", "dist/*", "tests/*", "ext/*", "bench/*")
 # Dot files git keeps, and the build and virtual-environment folders that must not ship.
 SDIST_KEPT = (".gitignore", ".ci/*")
 SDIST_JUNK = (*JUNK, "build/*", "dist/*", ".venv/*", "*.so", "*.egg-info/*")

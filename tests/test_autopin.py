@@ -17,8 +17,9 @@ def test_autopin_pins_top_experts_and_restores_them(model_dirs):
     sm = load(model_dirs("qwen3_moe"), cfg)
     sm.model(mx.array([[5, 9, 13, 2, 77, 31, 4, 8]]))
     freq = sm.snapshot().freq
-    pins = autopin.update(sm)
-    assert autopin.budget(sm) == 2
+    pins = autopin.repin(sm.cache, sm.autopin_budget())
+    autopin.save(sm.store.path / autopin.PIN_FILE, pins, sm.store.manifest.num_experts)
+    assert sm.autopin_budget() == 2
     for li, layer_pins in enumerate(pins):
         want = sorted(np.argsort(-freq[li], kind="stable")[:2].tolist())
         assert layer_pins == want
@@ -43,6 +44,31 @@ def test_restore_ignores_a_pin_file_of_another_model(model_dirs):
     path = sm.store.path / autopin.PIN_FILE
     path.write_text(json.dumps({"num_experts": 64, "pins": [[60]] * 4}))
     try:
-        assert autopin.restore_pins(sm) == []
+        assert autopin.load(path, sm.store.manifest.num_experts, sm.cache.num_layers, 2) == []
     finally:
         path.unlink()
+
+
+def test_budget_leaves_room_for_one_token():
+    assert autopin.budget(expert_slots=8, top_k=2, frac=0.5) == 4
+    assert autopin.budget(expert_slots=4, top_k=2, frac=0.9) == 2  # not 3: top_k must fit
+    assert autopin.budget(expert_slots=2, top_k=2, frac=0.5) == 0
+    assert autopin.budget(expert_slots=16, top_k=1, frac=0.0) == 0
+
+
+def test_generate_updates_the_pin_file_the_next_load_restores():
+    from engine.generate import generate
+
+    cfg = StreamConfig(expert_slots=8, autopin_frac=0.5)
+    sm = load(None, cfg)  # the embedded model (generate needs its tokenizer)
+    path = sm.store.path / autopin.PIN_FILE
+    try:
+        generate(sm, [5, 9, 13, 2], max_tokens=4)
+        saved = json.loads(path.read_text())["pins"]
+        assert all(len(layer) == sm.autopin_budget() == 4 for layer in saved)
+        snap = load(None, cfg).snapshot()
+        for li, layer_pins in enumerate(saved):
+            pinned = sorted(snap.slot_expert[li][snap.slot_state[li] == SLOT_PINNED].tolist())
+            assert pinned == layer_pins
+    finally:
+        path.unlink(missing_ok=True)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.bench import routing_traces_dir, run_suite
-from engine.bench.policy import POLICIES, belady, replay, trace_store
+from bench import routing_traces_dir, run_suite
+from bench.policy import POLICIES, belady, replay, trace_store
 from engine.config import StreamConfig
 from engine.model import load
 from engine.store import ExpertStore
@@ -128,7 +128,7 @@ def test_belady_bounds_native_policies(policy_root, seed, reuse):
 
 def test_recorded_trace_round_trips(model_dirs, tmp_path):
     sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=3))
-    from engine.bench.common import timed_generate
+    from bench.common import timed_generate
 
     original = [m._cache for m in sm.model.modules() if hasattr(m, "_cache")]
     with record(sm) as rec:
@@ -171,7 +171,7 @@ def test_synthetic_store_is_a_valid_store(tmp_path):
     store = ExpertStore(path)
     assert store.verify() == 3 * 8
     sm = load(path, StreamConfig(expert_slots=3))
-    from engine.bench.common import timed_generate
+    from bench.common import timed_generate
 
     t = timed_generate(sm.model, [3, 1, 4, 1, 5], 4)
     assert len(t.tokens) == 4
@@ -184,3 +184,13 @@ def test_qwen3_30b_a3b_shapes():
     assert segs["down_proj.weight"].shape == (2048, 96)
     assert sum(s.nbytes for s in segs.values()) == 2_949_120
     assert 16e9 < store_bytes(QWEN3_30B_A3B) < 19e9
+
+
+def test_bench_outside_a_checkout_says_it_needs_one(tmp_path, monkeypatch, capsys):
+    import engine.cli
+
+    # An installed wheel: engine/ sits in site-packages, with no bench/ next to it.
+    monkeypatch.setattr(engine.cli, "__file__", str(tmp_path / "engine" / "cli.py"))
+    assert engine.cli.main(["bench", "--suite", "quick", "--out", str(tmp_path / "o")]) == 2
+    assert "source checkout" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

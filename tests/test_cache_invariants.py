@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.cache import ExpertReadError, open_cache
+from engine.cache import ROW_FREE, ExpertReadError, open_cache
 from engine.config import StreamConfig
 
 from rowcheck import RowChecker, acquire_and_check
@@ -180,7 +180,7 @@ def test_concurrent_soak(qwen_store):
             for li in range(cache.num_layers):
                 s = cache.snapshot(li)
                 free = int((s["side_state"] == 0).sum())
-                if free + int((s["side_state"] != 0).sum()) != 2 * cache.side_slots:
+                if free + int((s["side_state"] != ROW_FREE).sum()) != 2 * cache.side_slots:
                     violations.append("side rows do not add up")
             polls[0] += 1
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes, load_model
 
-import engine.convert as convert_module
+import engine.store_writer as store_writer
 from engine.convert import convert
 from engine.layouts import LAYOUTS, NotMoEError, UnsupportedModelError, layout_for
 from engine.store import DTYPES, ExpertStore, Manifest
@@ -352,20 +352,20 @@ def test_existing_store_needs_force(tmp_path):
 
 
 def enospc_on(layer_file):
-    real = convert_module._write_blob
+    real = store_writer.write_blob
 
-    def write_blob(path, parts, stride):
+    def write_blob(path, records, record_bytes, stride):
         if path.name == layer_file:
             path.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, parts, stride)
+        return real(path, records, record_bytes, stride)
 
     return write_blob
 
 
 def test_interrupted_convert_leaves_nothing(tmp_path, monkeypatch):
     model_dir = make_random_model(tmp_path / "m", "qwen3_moe")
-    monkeypatch.setattr(convert_module, "_write_blob", enospc_on("layer02.blob"))
+    monkeypatch.setattr(store_writer, "write_blob", enospc_on("layer02.blob"))
     parent = tmp_path / "out"
     parent.mkdir()
     with pytest.raises(OSError) as info:
@@ -379,7 +379,7 @@ def test_interrupted_convert_leaves_nothing(tmp_path, monkeypatch):
 def test_interrupted_forced_convert_keeps_old_store(tmp_path, monkeypatch):
     old = convert(make_random_model(tmp_path / "a", "mixtral", seed=1), tmp_path / "s")
     manifest = ExpertStore(old).manifest
-    monkeypatch.setattr(convert_module, "_write_blob", enospc_on("layer02.blob"))
+    monkeypatch.setattr(store_writer, "write_blob", enospc_on("layer02.blob"))
     with pytest.raises(OSError, match="No space left"):
         convert(make_random_model(tmp_path / "b", "mixtral", seed=2), old, force=True)
     assert ExpertStore(old).manifest == manifest

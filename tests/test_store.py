@@ -16,9 +16,11 @@ from engine.store import (
     Manifest,
     StoreError,
     is_store,
+    layout_segments,
     load_manifest,
     stride_for,
 )
+from engine.store_writer import StoreWriter
 
 from factories import make_random_model
 
@@ -122,7 +124,9 @@ MUTATIONS = [
     (("layers", 0, "record_bytes"), 4609, "segments sum to 4608 bytes but record_bytes is 4609"),
     (("layers", 0, "segments", 1, "nbytes"), 100, r"segments\[1\]\.nbytes is 100, expected"),
     (("layers", 0, "segments", 2, "offset"), 1, r"segments\[2\]\.offset is 1, expected"),
-    (("layers", 0, "segments", 0, "dtype"), "float8", "'float8' is not an MLX dtype"),
+    (("layers", 0, "segments", 0, "dtype"), "float8", "'float8' is not a storable dtype"),
+    # MLX has float64, but the native pools cannot hold it: refused here, not at open.
+    (("layers", 0, "segments", 0, "dtype"), "float64", "'float64' is not a storable dtype"),
     (("layers", 0, "segments", 0, "key"), "gate_proj.qweight", "is not a segment key"),
     (("layers", 0, "segments", 3, "key"), "gate_proj.weight", "out of order or repeated"),
     (("layers", 0, "segments", 0, "shape"), [-1, 8], "not a list of non-negative integers"),
@@ -260,3 +264,36 @@ def test_any_layout_integer_change_is_refused(pristine, layer, field, delta):
     target[last] += delta
     with pytest.raises(StoreError, match=r"manifest\.json|\.blob"):
         Manifest.from_json(data, pristine)
+
+
+def write_tiny(out, records_of_layer):
+    """A two-expert store with one uint8 (3,) segment per record, through StoreWriter."""
+    with StoreWriter(out, num_experts=2) as writer:
+        writer.write_dense({"norm.weight": mx.ones((3,))})
+        (writer.path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+        segments = layout_segments([("gate_proj.weight", "uint8", (3,))])
+        for layer in (1, 4):
+            module = f"model.layers.{layer}.mlp.switch_mlp"
+            quantization = {"gate_proj": None}
+            writer.write_layer(layer, module, segments, quantization, records_of_layer(layer))
+        return writer.finish("qwen3_moe", top_k=1, num_hidden_layers=5)
+
+
+def test_store_writer_writes_a_valid_store(tmp_path):
+    out = write_tiny(tmp_path / "s", lambda li: [[bytes([li, e, 7])] for e in range(2)])
+    store = ExpertStore(out)
+    assert [(s.layer, s.moe_index, s.stride) for s in store.manifest.layers] == [
+        (1, 0, 4096),
+        (4, 1, 4096),
+    ]
+    assert store.read_record(store.layer(4), 1) == bytes([4, 1, 7])
+    assert store.verify() == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]
+
+
+def test_store_writer_leaves_nothing_on_a_bad_record(tmp_path):
+    with pytest.raises(ValueError, match="record 1 has 2 bytes, expected 3"):
+        write_tiny(tmp_path / "s", lambda li: [[b"abc"], [b"ab"]])
+    with pytest.raises(ValueError, match="layer 1: 1 records, expected 2"):
+        write_tiny(tmp_path / "s", lambda li: [[b"abc"]])
+    assert list(tmp_path.iterdir()) == []

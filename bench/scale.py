@@ -13,9 +13,9 @@ disk. Every run is a child process in a memory cgroup of the budget:
   random, and "Mixtral-like": the reuse rate measured on the HD-MoE Mixtral traces),
   without any matmul: the I/O path's own ceiling in tokens/s; with checksums on (the
   engine's default) and off;
-- the peers (engine.bench.peers: every routed expert read through the page cache, or
+- the peers (bench.peers: every routed expert read through the page cache, or
   gathered from an mmap) at the same budget;
-- and the raw uncached pread bandwidth of the store's blobs (engine.bench.disk), plus
+- and the raw uncached pread bandwidth of the store's blobs (bench.disk), plus
   raw and engine reads alternated in one process (`paired_bandwidth`) for a ratio that
   holds under changing load.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench.common import vm_hwm_bytes
-from engine.bench.disk import (
+from bench.common import vm_hwm_bytes
+from bench.disk import (
     best_random,
     blob_paths,
     evict,
@@ -35,7 +35,7 @@ from engine.bench.disk import (
     raw_sweep,
     resident_fraction,
 )
-from engine.bench.limits import run_peer, run_worker
+from bench.limits import run_peer, run_worker
 from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig
 from engine.model import store_cache_dir

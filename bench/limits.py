@@ -1,6 +1,6 @@
 """Memory budgets for benchmark workers: a child memory cgroup, where the OS allows one.
 
-`run_worker(spec, limit_bytes)` runs `python -m engine.bench.worker SPEC` in a fresh
+`run_worker(spec, limit_bytes)` runs `python -m bench.worker SPEC` in a fresh
 child process. With a limit it first creates a memory cgroup (cgroup v1
 `memory.limit_in_bytes` under this process's own memory cgroup, or cgroup v2
 `memory.max`), moves the child into it before it execs, and removes the cgroup after.
@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+_CHECKOUT = Path(__file__).resolve().parents[1]
 _V1_ROOT = Path("/sys/fs/cgroup/memory")
 _V2_ROOT = Path("/sys/fs/cgroup")
 
@@ -108,15 +109,17 @@ def make_cgroup(limit: int, name: str = "expertstream-bench") -> tuple[MemoryCgr
 
 
 def run_worker(spec: dict, limit: int | None = None, timeout: float = 3600) -> dict:
-    """Runs one benchmark worker (see engine.bench.worker) and returns its result dict,
+    """Runs one benchmark worker (see bench.worker) and returns its result dict,
     plus `bound` (the mechanism, or None), `limit_bytes`, `cgroup_peak_bytes` and
     `reason` (why unbounded), or `error` when the worker failed or was OOM-killed."""
-    argv = [sys.executable, "-m", "engine.bench.worker", json.dumps(spec)]
+    argv = [sys.executable, "-m", "bench.worker", json.dumps(spec)]
     cg, reason = (None, "no budget requested") if limit is None else make_cgroup(limit)
     try:
         cmd = cg.wrap(argv) if cg else argv
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # `bench` is no installed package: the child finds it in this checkout.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_CHECKOUT), env.get("PYTHONPATH")]))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         result = {}
         for line in proc.stdout.splitlines():
@@ -142,7 +145,7 @@ def run_worker(spec: dict, limit: int | None = None, timeout: float = 3600) -> d
 
 def run_peer(store_path, mode: str, prompt: list[int], max_tokens: int, limit: int | None) -> dict:
     """One repetition of a peer approach (`mode`: "pagecache" or "mmap", see
-    engine.bench.peers) in its own process under `limit` bytes; run_worker's result."""
+    bench.peers) in its own process under `limit` bytes; run_worker's result."""
     spec = {
         "kind": "peer",
         "store": str(store_path),

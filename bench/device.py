@@ -2,7 +2,7 @@
 
 Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
 
-    python -m engine.bench.device --out DIR [--synthetic STORE] [--tokens N]
+    python -m bench.device --out DIR [--synthetic STORE] [--tokens N]
 
 For the embedded model: mlx-lm resident, then the engine at 100/50/25/12.5% of the
 experts, prefetch off and on, and at 100% and 25% also the synchronous path (every MoE

@@ -5,11 +5,12 @@ few KB, see `engine.synthetic.tiny_config`); every token's expert ids of every l
 through `ExpertCache.acquire`, at equal real-region capacity, under:
 
 - `lru`, `lfu` (frequency halving every 256 calls), `lfu-nodecay` (`decay_every=0`);
-- `lfu+autopin`: the engine's autopin between generate calls (trace segments; every
-  `REPIN_EVERY` tokens when a trace has one segment), pinning the top experts by LFU
-  frequency within the engine's budget min(cap - 1, floor(`AUTOPIN_FRAC` x cap)); calls
-  left with fewer evictable slots than missing experts stream the misses through the
-  scratch rows (`load_scratch`), as the engine does, and count as misses;
+- `lfu+autopin`: the engine's autopin (`engine.autopin.repin`) between generate calls
+  (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
+  top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
+  min(cap - top_k, floor(`AUTOPIN_FRAC` x cap))); calls left with fewer evictable slots
+  than missing experts stream the misses through the scratch rows (`load_scratch`), as
+  the engine does, and count as misses;
 - `lfu+oracle`: the side region (top_k rows, persistent LFU, SYNC fills) fed after each
   layer's acquire with the true ids of the next layer (the perfect predictor); it holds
   top_k rows more than the others, and its side hits were still reads, so its `hit_rate`
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.autopin import choose
+from engine import autopin
 from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig
 from engine.store import ExpertStore
@@ -57,18 +58,6 @@ def capacities(num_experts: int, top_k: int) -> list[int]:
     return sorted({max(top_k, round(num_experts * f)) for f in fracs} - {num_experts})
 
 
-def _repin(cache, budget: int) -> None:
-    snap = snapshot(cache)
-    for li in range(cache.num_layers):
-        want = choose(snap.freq[li], budget)
-        pinned = set(snap.slot_expert[li][snap.slot_state[li] == 2].tolist())
-        for e in pinned - set(want):
-            cache.unpin(li, e)
-        for e in want:
-            if e not in pinned:
-                cache.pin(li, e)
-
-
 def replay(store: ExpertStore, trace: Trace, capacity: int, policy: str) -> dict:
     """Replays `trace` through a fresh native cache of `store` with `capacity` real slots
     under `policy` (one of POLICIES). Returns the counters and rates."""
@@ -90,7 +79,7 @@ def replay(store: ExpertStore, trace: Trace, capacity: int, policy: str) -> dict
     ids = np.ascontiguousarray(trace.ids, dtype=np.int32)
     layers = trace.num_layers
     repin_at = set()
-    budget = min(capacity - 1, math.floor(AUTOPIN_FRAC * capacity))
+    budget = autopin.budget(capacity, k, AUTOPIN_FRAC)
     if policy == "lfu+autopin" and budget > 0:
         starts = trace.segments[trace.segments > 0]
         repin_at = (
@@ -101,7 +90,7 @@ def replay(store: ExpertStore, trace: Trace, capacity: int, policy: str) -> dict
     for t in range(trace.num_tokens):
         if t in repin_at:
             cache.drain()
-            _repin(cache, budget)
+            autopin.repin(cache, budget)
         row = ids[t]
         for li in range(layers):
             _, missing = cache.acquire(li, row[li])

@@ -25,7 +25,7 @@ import numpy as np
 from engine.config import StreamConfig
 from engine.layouts import layout_for
 from engine.model import StreamedModel, load
-from engine.store import LayerSpec
+from engine.store import DTYPES, LayerSpec
 from engine.streamed_layer import StreamedSwitchGLU
 
 PEER_MODES = ("pagecache", "mmap")
@@ -41,9 +41,7 @@ class FetchCounters:
 
 def _segment_array(records: np.ndarray, seg) -> mx.array:
     part = np.ascontiguousarray(records[:, seg.offset : seg.offset + seg.nbytes])
-    if seg.dtype == "bfloat16":
-        return mx.array(part.view(np.uint16).reshape(len(records), *seg.shape)).view(mx.bfloat16)
-    return mx.array(part.view(np.dtype(seg.dtype)).reshape(len(records), *seg.shape))
+    return mx.array(part).view(DTYPES[seg.dtype]).reshape(len(records), *seg.shape)
 
 
 class PeerSwitchGLU(StreamedSwitchGLU):

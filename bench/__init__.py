@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from engine.bench.common import PROMPT, machine_load, prompt_ids
+from bench.common import PROMPT, machine_load, prompt_ids
 from engine.model import load_store_tokenizer
 
 SUITES = ("quick", "full", "scale")
@@ -32,7 +32,7 @@ def routing_traces_dir() -> Path | None:
         Path(env)
         if env
         else (
-            Path(__file__).resolve().parents[3]
+            Path(__file__).resolve().parents[2]
             / "shared"
             / "data"
             / "routing-traces"
@@ -45,7 +45,7 @@ def routing_traces_dir() -> Path | None:
 def record_trace(store, prompts: list[list[int]], max_tokens: int, name: str):
     """The routing of `max_tokens` greedy tokens after each prompt, recorded from the
     engine (every expert cacheable, prefetch off)."""
-    from engine.bench.common import timed_generate
+    from bench.common import timed_generate
     from engine.config import StreamConfig
     from engine.model import load
     from engine.trace import record
@@ -62,7 +62,7 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
     """Runs `suite` (one of SUITES) and writes out/results.json, out/results.md and
     the plots. `model`: an mlx-lm model directory or expert store (default: the
     embedded model; for `scale`, the synthetic store, generated on first use)."""
-    from engine.bench import report
+    from bench import report
     from engine.model import resolve_store, store_cache_dir
 
     if suite not in SUITES:
@@ -73,14 +73,14 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
     t0 = time.perf_counter()
     results: dict = {"suite": suite}
     if suite == "scale":
-        from engine.bench.scale import scale_suite
+        from bench.scale import scale_suite
 
         results["scale"] = scale_suite(model, log=log)
         results["model"] = results["scale"]["store"]
     else:
-        from engine.bench.decode import decode_suite
-        from engine.bench.disk import io_suite
-        from engine.bench.policy import policy_suite
+        from bench.decode import decode_suite
+        from bench.disk import io_suite
+        from bench.policy import policy_suite
         from engine.resources import default_model_path
         from engine.trace import load_trace, local_trace
 

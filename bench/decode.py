@@ -7,8 +7,8 @@ round-robin order (round 1 runs every configuration once, then round 2, ...) aft
 discarded warm-up run of each path, so that load from other processes falls on all
 configurations alike; the median and the spread (min..max) are reported.
 
-The peers' approaches (engine.bench.peers) run in the same rounds at the same memory
-budget, each repetition a child process bounded by a memory cgroup (engine.bench.limits):
+The peers' approaches (bench.peers) run in the same rounds at the same memory
+budget, each repetition a child process bounded by a memory cgroup (bench.limits):
 the budget at a fraction is the peak RSS (VmHWM) of a child that ran the streamed engine
 at that fraction (LFU prefetch mode) first. Before every repetition of a peer the blob
 files are dropped from the page cache.
@@ -20,15 +20,15 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.utils import load_model as mlx_load_model
 
-from engine.bench.common import (
+from bench.common import (
     disk_read_bytes,
     med_spread,
     reset_vm_hwm,
     timed_generate,
     vm_hwm_bytes,
 )
-from engine.bench.limits import run_peer, run_worker
-from engine.bench.peers import PEER_MODES
+from bench.limits import run_peer, run_worker
+from bench.peers import PEER_MODES
 from engine.config import StreamConfig
 from engine.generate import cache_delta
 from engine.model import load, resolve_store
@@ -181,11 +181,11 @@ def streamed_run(
 
 
 def peer_run(store_path, mode: str, prompt: list[int], max_tokens: int, reps: int) -> dict:
-    """A peer approach (engine.bench.peers), page cache of the blobs dropped before each
+    """A peer approach (bench.peers), page cache of the blobs dropped before each
     repetition. `hit_rate` is the page cache's: 1 - bytes fetched from storage / bytes
     requested (from /proc/self/io, so it includes any other file this process read)."""
-    from engine.bench.disk import blob_paths, evict
-    from engine.bench.peers import load_peer
+    from bench.disk import blob_paths, evict
+    from bench.peers import load_peer
 
     reset_vm_hwm()
     timings, rows, peaks = [], [], []

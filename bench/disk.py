@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.bench.common import prompt_ids, timed_generate
+from bench.common import prompt_ids, timed_generate
 from engine.config import StreamConfig
 from engine.model import load
 from engine.store import ExpertStore

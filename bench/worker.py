@@ -1,6 +1,6 @@
-"""One benchmark run in a child process: `python -m engine.bench.worker SPEC_JSON`.
+"""One benchmark run in a child process: `python -m bench.worker SPEC_JSON`.
 
-Started by `engine.bench.limits.run_worker` (inside a memory cgroup when a budget is
+Started by `bench.limits.run_worker` (inside a memory cgroup when a budget is
 set); prints `RESULT {json}` as its last line. Kinds:
 
 - `streamed`: `decode.streamed_run(store, StreamConfig(**fields), prompt, ...)`
@@ -15,7 +15,7 @@ import sys
 
 import mlx.core as mx
 
-from engine.bench.common import vm_hwm_bytes
+from bench.common import vm_hwm_bytes
 
 
 def run(spec: dict) -> dict:
@@ -23,7 +23,7 @@ def run(spec: dict) -> dict:
         mx.set_cache_limit(int(spec["mlx_cache_limit"]))
     kind = spec["kind"]
     if kind == "streamed":
-        from engine.bench.decode import streamed_run
+        from bench.decode import streamed_run
 
         out = streamed_run(
             spec["store"],
@@ -34,13 +34,13 @@ def run(spec: dict) -> dict:
             name=spec.get("name", "streamed"),
         )
     elif kind == "peer":
-        from engine.bench.decode import peer_run
+        from bench.decode import peer_run
 
         out = peer_run(
             spec["store"], spec["mode"], spec["prompt"], spec["max_tokens"], spec["reps"]
         )
     elif kind == "replay":
-        from engine.bench.scale import replay_ids
+        from bench.scale import replay_ids
 
         out = replay_ids(spec["store"], spec["fields"], spec["trace"])
     else:

@@ -1,0 +1,236 @@
+"""The one writer of expert stores (the format of `engine.store` / docs/store-format.md).
+
+`StoreWriter` builds a store in a temporary sibling directory: the dense weights, one
+blob per MoE layer from its records (each written once, checksummed as it goes, padded to
+the stride), then the manifest; `finish` renames the complete directory into place. Any
+error, or leaving the `with` block without `finish`, removes the temporary directory, so
+a store directory is either complete or absent. Every file is fsynced before the rename.
+`engine.convert` (checkpoints) and `engine.synthetic` (random weights) both write through it.
+"""
+
+import errno
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.store import (
+    DENSE_FILE,
+    MANIFEST_FILE,
+    LayerSpec,
+    Manifest,
+    Segment,
+    blob_name,
+    stride_for,
+)
+
+
+class StoreWriter:
+    """Writes one store to `store_dir`.
+
+    Args:
+        store_dir: the store directory to create (or replace, see `finish`).
+        num_experts: records per blob.
+
+    Attributes:
+        path: the temporary directory being written (other files, e.g. config.json
+            and the tokenizer's, are copied in by the caller).
+        layers: the `LayerSpec` of every layer written so far.
+    """
+
+    def __init__(self, store_dir: str | Path, num_experts: int):
+        self.store_dir = Path(store_dir)
+        self.num_experts = num_experts
+        self.path = self.store_dir.parent / f".{self.store_dir.name}.tmp-{os.getpid()}"
+        self.layers: list[LayerSpec] = []
+        self._done = False
+
+    def __enter__(self) -> "StoreWriter":
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._done:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def write_dense(self, weights: dict[str, mx.array]) -> None:
+        """Writes `dense.safetensors` (MLX metadata) and clears `weights` to free them.
+
+        Raises:
+            OSError: the write failed (e.g. a full disk).
+        """
+        try:
+            mx.save_safetensors(str(self.path / DENSE_FILE), weights, metadata={"format": "mlx"})
+        except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
+            raise OSError(f"cannot write {DENSE_FILE} ({e}); is the disk full?") from e
+        weights.clear()
+        fsync_path(self.path / DENSE_FILE)
+
+    def write_layer(
+        self,
+        layer: int,
+        module: str,
+        segments: tuple[Segment, ...],
+        quantization: dict,
+        records: Iterable[Sequence],
+    ) -> LayerSpec:
+        """Writes the blob of decoder layer `layer` and records its `LayerSpec`.
+
+        Args:
+            layer: decoder layer index; layers are written in decoder order.
+            module: weight-key prefix of the layer's stacked experts.
+            segments: the record layout (`engine.store.layout_segments`).
+            quantization: projection -> {"group_size", "bits", "mode"} or None.
+            records: `num_experts` records in expert order, each a sequence of
+                buffers (bytes-like, C-contiguous) that together hold its segments.
+
+        Returns:
+            The layer's LayerSpec.
+
+        Raises:
+            OSError: a write failed.
+            ValueError: a record's size is not the segments' total, or the count of
+                records is not `num_experts`.
+        """
+        record_bytes = sum(s.nbytes for s in segments)
+        stride = stride_for(record_bytes)
+        file = blob_name(layer)
+        checksums = write_blob(self.path / file, records, record_bytes, stride)
+        if len(checksums) != self.num_experts:
+            raise ValueError(
+                f"layer {layer}: {len(checksums)} records, expected {self.num_experts}"
+            )
+        spec = LayerSpec(
+            layer=layer,
+            moe_index=len(self.layers),
+            module=module,
+            file=file,
+            record_bytes=record_bytes,
+            stride=stride,
+            segments=segments,
+            quantization=quantization,
+            checksums=tuple(checksums),
+        )
+        self.layers.append(spec)
+        return spec
+
+    def finish(
+        self, model_type: str, top_k: int, num_hidden_layers: int, force: bool = False
+    ) -> Path:
+        """Writes the manifest and renames the store into place.
+
+        An existing `store_dir` is replaced only when `force` (moved aside first and put
+        back if the rename fails).
+
+        Returns:
+            `store_dir`.
+
+        Raises:
+            FileExistsError: `store_dir` exists and not `force`.
+            OSError: a write or rename failed.
+        """
+        manifest = Manifest(
+            model_type=model_type,
+            num_experts=self.num_experts,
+            top_k=top_k,
+            num_hidden_layers=num_hidden_layers,
+            layers=tuple(self.layers),
+        )
+        with open(self.path / MANIFEST_FILE, "w") as f:
+            f.write(manifest_text(manifest.to_json()) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.path)
+        _install(self.path, self.store_dir, force)
+        self._done = True
+        return self.store_dir
+
+
+def write_blob(path: Path, records: Iterable[Sequence], record_bytes: int, stride: int) -> list:
+    """Writes each record of `records` (a sequence of buffers) padded with zeros to
+    `stride` bytes into a new file, and fsyncs it.
+
+    Returns:
+        crc32 of each record's unpadded bytes.
+
+    Raises:
+        OSError: on any write failure (e.g. ENOSPC).
+        ValueError: a record is not `record_bytes` long.
+    """
+    padding = bytes(stride - record_bytes)
+    checksums = []
+    with open(path, "wb") as f:
+        for e, parts in enumerate(records):
+            crc = size = 0
+            for part in parts:
+                view = memoryview(part).cast("B")
+                crc = zlib.crc32(view, crc)
+                size += len(view)
+                f.write(view)
+            if size != record_bytes:
+                raise ValueError(f"{path}: record {e} has {size} bytes, expected {record_bytes}")
+            f.write(padding)
+            checksums.append(crc)
+        f.flush()
+        os.fsync(f.fileno())
+    return checksums
+
+
+def manifest_text(obj, depth: int = 0) -> str:
+    """JSON with one line per small object or list of scalars (one line per
+    segment, checksums on one line), indented otherwise."""
+    compact = json.dumps(obj)
+    if not isinstance(obj, (dict, list)) or len(compact) <= 100:
+        return compact
+    if isinstance(obj, list) and not any(isinstance(x, (dict, list)) for x in obj):
+        return compact
+    pad = "  " * (depth + 1)
+    if isinstance(obj, dict):
+        items = [f"{pad}{json.dumps(k)}: {manifest_text(v, depth + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+    items = [pad + manifest_text(v, depth + 1) for v in obj]
+    return "[\n" + ",\n".join(items) + "\n" + "  " * depth + "]"
+
+
+def _install(tmp: Path, store_dir: Path, force: bool) -> None:
+    """Rename the complete `tmp` to `store_dir`, replacing an old store only
+    when `force` (the old one is moved aside first and restored on failure)."""
+    if not (store_dir.exists() or store_dir.is_symlink()):
+        os.rename(tmp, store_dir)
+    elif not force:
+        raise FileExistsError(errno.EEXIST, "appeared while the store was written", str(store_dir))
+    else:
+        old = store_dir.parent / f".{store_dir.name}.old-{os.getpid()}"
+        os.rename(store_dir, old)
+        try:
+            os.rename(tmp, store_dir)
+        except BaseException:
+            os.rename(old, store_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(store_dir.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """Flushes the file `path` to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable; a no-op where directories cannot be fsynced."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
