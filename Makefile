@@ -2,7 +2,9 @@
 #   make asan   AddressSanitizer + UndefinedBehaviorSanitizer
 #   make tsan   ThreadSanitizer
 # Each configures ext/ with plain CMake into build/<name> (the Python module is not built),
-# builds ext/tests/stress.cpp against the installed MLX and runs it for STRESS_SECONDS.
+# builds ext/tests/stress.cpp against the installed MLX and runs it for STRESS_SECONDS,
+# once with STRESS_SEED (odd: 3 of 8 slots) and once with the next seed (even: every
+# expert fits, so layers become complete and the device table is checked).
 # Any sanitizer report or cache violation fails the target.
 
 PYTHON ?= $(shell test -x .venv/bin/python && echo .venv/bin/python || echo python3)
@@ -23,12 +25,17 @@ asan:
 	ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		build/asan/stress $(STRESS_SECONDS) $(STRESS_SEED)
+	ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		build/asan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 1 ))
 
 tsan:
 	$(CMAKE) -S ext -B build/tsan $(CMAKE_FLAGS) -DEXPERTSTREAM_SANITIZE=thread >/dev/null
 	$(CMAKE) --build build/tsan --target stress -j 2
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 		build/tsan/stress $(STRESS_SECONDS) $(STRESS_SEED)
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+		build/tsan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 1 ))
 
 # Packaging (issue 7, packaging/README.md):
 #   make package      the wheel and sdist into dist/, then the desktop bundle into dist/bundle/
