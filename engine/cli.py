@@ -174,6 +174,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="expertstream",
@@ -194,9 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate", help="generate text with streamed experts", formatter_class=_HelpFormatter
     )
-    p.add_argument(
-        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
-    )
+    _add_model_flag(p)
     p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
     p.add_argument("--max-tokens", type=int, default=64, help="longest reply, tokens (>= 1)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -222,9 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the model over an OpenAI-compatible HTTP API",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument(
-        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
-    )
+    _add_model_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="TCP port")
     p.add_argument(
