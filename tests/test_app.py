@@ -293,8 +293,10 @@ def test_rebuild_waits_for_the_reply_and_errors_keep_the_conversation(window, qt
 
 
 def test_open_model_converts_with_a_progress_bar(window, qtbot, tmp_path):
-    source = tmp_path / "copied-model"  # a new name: converted again, into a new store
+    source = tmp_path / "copied-model"
     shutil.copytree(MODEL, source)
+    # Stores are keyed by content: a changed file gets the copy a store of its own.
+    (source / "NOTE.md").write_text("a copy for the progress bar test")
     seen = []
     window.engine.worker.loadProgress.connect(
         lambda done, total: seen.append((done, total, window.progress.isVisible()))
