@@ -39,7 +39,8 @@ tsan:
 
 # Packaging (issue 7, packaging/README.md):
 #   make package      the wheel and sdist into dist/, then the desktop bundle into dist/bundle/
-#   make wheel        python -m build (the wheel is built from the sdist), in build/package-tools
+#   make wheel        python -m build (the wheel is built from the sdist), in build/package-tools,
+#                     then packaging/repair_wheel.sh: the manylinux wheel (Linux)
 #   make bundle       packaging/build_bundle.sh: the PyInstaller bundle of the newest wheel in dist/
 #   make check-wheel  packaging/check_wheel.sh: wheel and sdist installed in fresh venvs, run (CI)
 .PHONY: package wheel bundle check-wheel
@@ -50,6 +51,7 @@ wheel:
 	$(PYTHON) -m venv build/package-tools
 	build/package-tools/bin/python -m pip install -q build
 	build/package-tools/bin/python -m build --outdir dist .
+	packaging/repair_wheel.sh build/package-tools dist
 
 bundle:
 	PYTHON=$(PYTHON) packaging/build_bundle.sh

@@ -7,6 +7,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -15,8 +16,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.conversation import joiner
 from app.worker import Reply
+from engine.chat import joiner
 
 FLUSH_MS = 50  # longest a received token waits to be shown
 USER_COLOR = "#7cc4ff"
@@ -92,6 +93,9 @@ class ChatPanel(QWidget):
             "Nucleus sampling: keep the smallest set of tokens whose "
             "probability adds up to top-p (1: all)."
         )
+        self.system = QLineEdit()
+        self.system.setObjectName("system")
+        self.system.setPlaceholderText("System prompt (for models with a chat template)")
         self.max_tokens = QSpinBox(minimum=1, maximum=8192, value=128)
         self.max_tokens.setToolTip("Longest reply, in tokens.")
 
@@ -121,6 +125,7 @@ class ChatPanel(QWidget):
         title = QLabel("Chat")
         title.setObjectName("title")
         layout.addWidget(title)
+        layout.addWidget(self.system)
         layout.addWidget(self.transcript, 1)
         layout.addWidget(self.prompt)
         layout.addLayout(buttons)
@@ -134,8 +139,9 @@ class ChatPanel(QWidget):
             self.sendRequested.emit(text)
 
     def settings(self) -> dict:
-        """The sampling settings: max_tokens, temperature, top_p."""
+        """The reply settings: system (prompt), max_tokens, temperature, top_p."""
         return {
+            "system": self.system.text() if not self.continuation else "",
             "max_tokens": self.max_tokens.value(),
             "temperature": self.temperature.value(),
             "top_p": self.top_p.value(),
@@ -144,6 +150,12 @@ class ChatPanel(QWidget):
     def set_mode(self, chat_template: bool) -> None:
         """Chat-template models show turns as blocks; others one continued text."""
         self.continuation = not chat_template
+        self.system.setEnabled(chat_template)
+        self.system.setToolTip(
+            "Sent first, as the system message of the chat template."
+            if chat_template
+            else "This model has no chat template: it continues text, without a system prompt."
+        )
         self.transcript.setPlaceholderText(
             "Write the start of a story and press Enter: this model continues text "
             "(it has no chat template)."
@@ -215,8 +227,9 @@ class ChatPanel(QWidget):
         self._reply_tokens = 0
         c = reply.cache
         stopped = " (stopped)" if reply.stopped else ""
+        kept = f" (+{reply.cached_tokens} kept)" if reply.cached_tokens else ""
         self.figures.setText(
-            f"Last reply{stopped}: {len(reply.tokens)} tokens · prompt {reply.prompt_tokens}"
+            f"Last reply{stopped}: {len(reply.tokens)} tokens · prompt {reply.prompt_tokens}{kept}"
             f" · prefill {reply.prefill_tps:.1f} tok/s · decode {reply.decode_tps:.1f} tok/s"
             f" · hit rate {c['hit_rate']:.1%} · read {c['bytes_read'] / 1e6:.1f} MB"
         )

@@ -1,14 +1,11 @@
-"""A conversation as plain data, and the prompt a model sees for it (no Qt).
-
-Models with a chat template get the whole conversation through it; models without one
-(the embedded TinyStories model) continue the concatenated text: a reply follows its
-prompt exactly as generated; a user message follows the text so far, after a space when
-neither side has one.
-"""
+"""A conversation as plain data (no Qt); `engine.chat` turns it into the model's prompt:
+through the chat template when the tokenizer has one, else as one continued text."""
 
 from dataclasses import dataclass, field
 
-USER, ASSISTANT = "user", "assistant"
+from engine.chat import ASSISTANT, SYSTEM, USER, chat_ids
+
+__all__ = ["ASSISTANT", "USER", "Conversation", "prompt_ids"]
 
 
 @dataclass
@@ -31,40 +28,18 @@ class Conversation:
         """An independent copy (what is sent to the worker)."""
         return Conversation(list(self.turns))
 
-
-def joiner(before: str, after: str) -> str:
-    """What goes between two pieces of a plain continuation: a space when the text so far
-    ends in a non-space and the new piece starts with one, else nothing."""
-    if before and after and not before[-1].isspace() and not after[0].isspace():
-        return " "
-    return ""
+    def messages(self, system: str = "") -> list[dict]:
+        """The turns as chat messages, after a system message when `system` is not empty."""
+        first = [{"role": SYSTEM, "content": system}] if system else []
+        return first + [{"role": role, "content": text} for role, text in self.turns]
 
 
-def plain_text(conv: Conversation) -> str:
-    """The conversation as one text to continue (models without a chat template)."""
-    text = ""
-    for role, piece in conv.turns:
-        text += (joiner(text, piece) if role == USER else "") + piece
-    return text
-
-
-def prompt_ids(tokenizer, conv: Conversation) -> list[int]:
-    """Token ids of the prompt for the next reply to `conv`.
-
-    Through the tokenizer's chat template (generation prompt added) when it has one, else
-    the encoded `plain_text`. For a single user turn this is what
-    `engine.generate.prompt_tokens(sm, text, chat=True)` gives.
+def prompt_ids(tokenizer, conv: Conversation, system: str = "") -> list[int]:
+    """Token ids of the prompt for the next reply to `conv` (`engine.chat.chat_ids`; the
+    `system` prompt is used by chat templates only). For a single user turn this is what
+    `engine.generate.prompt_tokens(sm, text, chat=True, system=system)` gives.
 
     Raises:
-        ValueError: no tokenizer, or nothing to encode.
+        ValueError: no tokenizer, nothing to encode, or the template refuses the turns.
     """
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer files: the app needs one to chat")
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": role, "content": text} for role, text in conv.turns]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    else:
-        ids = tokenizer.encode(plain_text(conv))
-    if not ids:
-        raise ValueError("the prompt is empty after tokenization")
-    return list(ids)
+    return chat_ids(tokenizer, conv.messages(system))

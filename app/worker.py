@@ -65,6 +65,7 @@ class Reply:
     text: str
     tokens: list[int]
     prompt_tokens: int
+    cached_tokens: int
     prefill_tps: float
     decode_tps: float
     cache: dict
@@ -120,6 +121,7 @@ class Worker(QObject):
         self._cancel = cancel
         self._lock = threading.Lock()
         self._sm = None
+        self._session = None  # engine.generate.ChatSession of the loaded model
         self._last_progress = 0.0
 
     # called from the GUI thread
@@ -150,6 +152,7 @@ class Worker(QObject):
         t0 = time.monotonic()
         try:
             from engine.config import StreamConfig
+            from engine.generate import ChatSession
             from engine.model import load, resolve_store
             from engine.resources import default_model_path
 
@@ -168,6 +171,7 @@ class Worker(QObject):
         old = self._sm
         with self._lock:
             self._sm = sm
+        self._session = ChatSession(sm)
         del old  # freed here, on the engine thread
         cap = config.expert_slots or m.num_experts
         rows = cap + 2 * config.side_slots + (config.scratch_slots or m.top_k)
@@ -189,29 +193,27 @@ class Worker(QObject):
 
     def generate(self, request: dict) -> None:
         """Generates a reply to `request["conversation"]` (a Conversation) with
-        `max_tokens`, `temperature`, `top_p`; emits `token` per token, then
-        `replyFinished` (also when stopped) or `replyFailed`."""
+        `system` (the system prompt), `max_tokens`, `temperature`, `top_p`; emits `token`
+        per token, then `replyFinished` (also when stopped) or `replyFailed`. The model's
+        KV cache is kept between replies, so a follow-up prefills only its new turn."""
         text: list[str] = []
         try:
-            from engine.generate import generate
-
             sm = self._sm
             if sm is None:
                 raise RuntimeError("no model is loaded")
             conv: Conversation = request["conversation"]
-            ids = prompt_ids(sm.tokenizer, conv)
+            ids = prompt_ids(sm.tokenizer, conv, request["system"])
             t0 = time.monotonic()
 
             def on_response(r):
                 text.append(r.text)
                 self.token.emit(r.text, int(r.token))
 
-            result = generate(
-                sm,
+            result = self._session.generate(
                 ids,
                 request["max_tokens"],
-                request["temperature"],
-                request["top_p"],
+                temperature=request["temperature"],
+                top_p=request["top_p"],
                 on_response=on_response,
                 stop=self._stop.is_set,
             )
@@ -219,6 +221,7 @@ class Worker(QObject):
                 text=result.text,
                 tokens=[int(t) for t in result.tokens],
                 prompt_tokens=result.prompt_tokens,
+                cached_tokens=result.cached_tokens,
                 prefill_tps=float(result.prefill_tps),
                 decode_tps=float(result.decode_tps),
                 cache=result.cache,
@@ -236,6 +239,7 @@ class Worker(QObject):
         """Drops the model (on the engine thread, where its arrays were made)."""
         with self._lock:
             sm, self._sm = self._sm, None
+        self._session = None
         del sm
 
 
@@ -262,12 +266,19 @@ class EngineClient:
         self._thread.submit(lambda: self.worker.load(path, overrides))
 
     def generate(
-        self, conversation: Conversation, max_tokens: int, temperature: float, top_p: float
+        self,
+        conversation: Conversation,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        system: str = "",
     ) -> None:
-        """Queues a reply to (a copy of) `conversation`."""
+        """Queues a reply to (a copy of) `conversation`, with the `system` prompt
+        (chat-template models only)."""
         self._stop.clear()
         request = {
             "conversation": conversation.copy(),
+            "system": system,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,

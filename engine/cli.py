@@ -8,30 +8,70 @@ from pathlib import Path
 from engine.flags import add_cache_flags, stream_config
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, except for None and False defaults (the
+    help says what happens without the flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _convert(args) -> int:
     from tqdm import tqdm
 
     from engine.convert import convert
 
-    bar = tqdm(total=0, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
+    bar = None  # made at the first progress report: an error before it prints alone
 
     def progress(done, total):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
         bar.total = total
         bar.n = done
         bar.refresh()
 
-    path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
-    bar.close()
+    try:
+        path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
+    except FileExistsError as e:
+        if args.force:
+            raise
+        raise ValueError(f"{args.store_dir} already exists: --force replaces it") from e
+    finally:
+        if bar is not None:
+            bar.close()
     print(f"wrote {path}")
     return 0
 
 
+def _check_generate_flags(args) -> None:
+    """Refuses flag values that cannot work, before anything is loaded or printed."""
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty: give the text to continue (or to answer)")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if args.temp < 0:
+        raise ValueError(f"--temp {args.temp}: must be >= 0 (0: greedy)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p}: must be in (0, 1]")
+
+
 def _generate(args) -> int:
-    from engine.generate import prompt_tokens
+    from engine.chat import has_chat_template
+    from engine.generate import check_context, prompt_tokens
     from engine.model import load
 
+    _check_generate_flags(args)
     sm = load(args.model, stream_config(args))
-    prompt = prompt_tokens(sm, args.prompt, args.chat)
+    if args.chat and not has_chat_template(sm.tokenizer):
+        print(
+            "note: the model has no chat template: --chat continues the prompt as plain text",
+            file=sys.stderr,
+        )
+    prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
+    check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
     if args.record_trace:
         from engine.trace import record
 
@@ -74,6 +114,58 @@ def _generate_with(sm, prompt, args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        import uvicorn
+
+        from engine.server import GenerationThread, build_app
+    except ImportError as e:
+        raise ValueError(
+            f"serve needs the 'serve' extra ({e.name} is missing): "
+            "pip install 'expertstream[serve]'"
+        ) from None
+    from engine.model import load
+    from engine.resources import default_model_path
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue {args.max_queue}: must be >= 1")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    config = stream_config(args)
+    model = Path(args.model) if args.model else default_model_path()
+    print(f"loading {model}", file=sys.stderr)
+    engine = GenerationThread(lambda: load(model, config), args.max_queue)
+    engine.start()
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"note: serving on {args.host}: anyone who can reach port {args.port} can use "
+            "the model (no authentication)",
+            file=sys.stderr,
+        )
+    app = build_app(engine, model.name, args.max_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _cache(args) -> int:
+    from engine.store_cache import age, list_stores, remove_store, store_cache_dir
+
+    if args.action == "rm":
+        for name in args.names:
+            print(f"removed {remove_store(name)}")
+        return 0
+    stores = list_stores()
+    if not stores:
+        print(f"no stores in {store_cache_dir()}")
+        return 0
+    print(f"{'store':<48} {'model':<12} {'size':>10}  last use")
+    for st in stores:
+        size = f"{st.size_bytes / 1e6:.1f} MB"
+        print(f"{st.path.name:<48} {st.model_type:<12} {size:>10}  {age(st.last_used)}")
+    print(f"in {store_cache_dir()}; `expertstream cache rm STORE` deletes one")
+    return 0
+
+
 def _bench(args) -> int:
     # The benchmarks are the source checkout's top-level `bench` package, never shipped:
     # found next to this engine package when it runs from a checkout (editable install).
@@ -95,6 +187,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="expertstream",
@@ -102,21 +200,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="write the expert store of an mlx-lm MoE model")
-    p.add_argument("model_dir")
-    p.add_argument("store_dir")
+    p = sub.add_parser(
+        "convert",
+        help="write the expert store of an mlx-lm MoE model",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("model_dir", help="mlx-lm MoE model directory (config.json, *.safetensors)")
+    p.add_argument("store_dir", help="where to write the expert store (a new directory)")
     p.add_argument("--force", action="store_true", help="replace an existing store")
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("generate", help="generate text with streamed experts")
-    p.add_argument(
-        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
+    p = sub.add_parser(
+        "generate", help="generate text with streamed experts", formatter_class=_HelpFormatter
     )
-    p.add_argument("--prompt", default="Once upon a time")
-    p.add_argument("--max-tokens", type=int, default=64)
+    _add_model_flag(p)
+    p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
+    p.add_argument("--max-tokens", type=int, default=64, help="longest reply, tokens (>= 1)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens up to this probability (1: all)",
+    )
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", help="system prompt of --chat (models with a chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--record-trace",
@@ -127,8 +235,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        formatter_class=_HelpFormatter,
+    )
+    _add_model_flag(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="TCP port")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=32,
+        help="requests that may wait while one generates; more get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="reply limit of requests that set no max_tokens (tokens)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (info: one line per request)",
+    )
+    add_cache_flags(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "cache",
+        help="list or remove the stores converted from model directories on first use",
+    )
+    p.add_argument("action", choices=["list", "rm"], help="list the stores, or rm some")
+    p.add_argument("names", nargs="*", metavar="STORE", help="stores to remove (rm)")
+    p.set_defaults(func=_cache)
+
+    p = sub.add_parser(
         "bench",
         help="benchmarks: figures and ratios against resident mlx-lm (from a source checkout)",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--suite",
@@ -137,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="quick: tiny pass (CI); full: decode, cache policies, I/O; scale: "
         "Qwen3-30B-A3B-shaped synthetic store under 4 GiB",
     )
-    p.add_argument("--out", default="bench-out")
+    p.add_argument("--out", default="bench-out", help="folder for results and plots")
     p.add_argument(
         "--model",
         help="default: the embedded model (scale: the synthetic store, generated on first use)",

@@ -9,6 +9,14 @@ import dataclasses
 from dataclasses import dataclass
 
 
+class ConfigError(ValueError):
+    """A StreamConfig field out of range: `field`, `value`, and `what` it must be."""
+
+    def __init__(self, field: str, value, what: str):
+        super().__init__(f"StreamConfig.{field} = {value!r}: {what}")
+        self.field, self.value, self.what = field, value, what
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     """How experts are cached and prefetched.
@@ -61,7 +69,7 @@ class StreamConfig:
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
             if not ok:
-                raise ValueError(f"StreamConfig.{field} = {value!r}: {what}")
+                raise ConfigError(field, value, what)
 
         need(
             self.expert_slots is None or self.expert_slots >= 1,

@@ -125,6 +125,10 @@ def convert(
 
 def _read_config(model_dir: Path) -> dict:
     path = model_dir / CONFIG_FILE
+    if model_dir.exists() and not model_dir.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR, "is a file, not an mlx-lm model directory", str(model_dir)
+        )
     if not model_dir.is_dir():
         raise FileNotFoundError(errno.ENOENT, "model directory does not exist", str(model_dir))
     try:
@@ -153,7 +157,7 @@ def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
         return
     if not force:
         raise FileExistsError(
-            errno.EEXIST, "already exists (use force to replace it)", str(store_dir)
+            errno.EEXIST, "already exists (--force, or force=True, replaces it)", str(store_dir)
         )
     replaceable = store_dir.is_dir() and not store_dir.is_symlink()
     if not (replaceable and (is_store(store_dir) or not any(store_dir.iterdir()))):
@@ -347,21 +351,24 @@ def _record_parts(arrays: dict[str, mx.array], num_experts: int) -> list[np.ndar
     return [np.asarray(v) for v in views]
 
 
+def aux_files(model_dir: Path) -> list[Path]:
+    """The files of `model_dir` that go into its store as they are: config, generation
+    config, tokenizer and other plain files; never weights or code."""
+    return [
+        entry
+        for entry in sorted(model_dir.iterdir())
+        if entry.is_file()
+        and not entry.name.endswith((".safetensors", ".safetensors.index.json", ".py"))
+        and not entry.name.endswith(_UNREAD_WEIGHT_SUFFIXES)
+        and entry.name != MANIFEST_FILE
+        and re.fullmatch(r"layer\d+\.blob", entry.name) is None
+    ]
+
+
 def _copy_aux_files(model_dir: Path, dest: Path) -> None:
-    """Copy config, tokenizer and other plain files; never weights or code."""
-    for entry in sorted(model_dir.iterdir()):
-        name = entry.name
-        skip = (
-            not entry.is_file()
-            or name.endswith((".safetensors", ".safetensors.index.json", ".py"))
-            or name.endswith(_UNREAD_WEIGHT_SUFFIXES)
-            or name == MANIFEST_FILE
-            or re.fullmatch(r"layer\d+\.blob", name) is not None
-        )
-        if skip:
-            continue
-        shutil.copyfile(entry, dest / name)
-        fsync_path(dest / name)
+    for entry in aux_files(model_dir):
+        shutil.copyfile(entry, dest / entry.name)
+        fsync_path(dest / entry.name)
 
 
 def _naming_store(e: BaseException, model_dir: Path, store_dir: Path) -> BaseException:

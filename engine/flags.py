@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.config import StreamConfig
+from engine.config import ConfigError, StreamConfig
 
 # The seed's environment variables and the StreamConfig field each one sets.
 ENV_FIELDS = {
@@ -187,7 +187,20 @@ def stream_config(
     by `config_overrides(args, environ)`.
 
     Raises:
-        ValueError: an environment variable does not parse, or a value is out of range
-            (the message names the variable or the field).
+        ValueError: an environment variable does not parse, --prefetch is on without side
+            slots, or a value is out of range; the message names the flag or variable.
     """
-    return StreamConfig(**({**(defaults or {}), **config_overrides(args, environ)}))
+    given = config_overrides(args, environ)
+    values = {**(defaults or {}), **given}
+    if values.get("prefetch") and not values.get("side_slots"):
+        raise ValueError("--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)")
+    try:
+        return StreamConfig(**values)
+    except ConfigError as e:
+        if getattr(args, e.field, None) is not None:
+            flag = next(f.name for f in FLAGS if f.field == e.field)
+            raise ValueError(f"{flag} {e.value}: {e.what}") from None
+        var = next((v for v, f in ENV_FIELDS.items() if f == e.field and e.field in given), None)
+        if var is not None:
+            raise ValueError(f"environment variable {var}={e.value!r}: {e.what}") from None
+        raise

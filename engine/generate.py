@@ -5,22 +5,28 @@ cache's figures.
 whole reply into a `GenerationResult` with the stats the CLI and the app report.
 """
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as mlx_stream_generate
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from engine import autopin
+from engine.chat import SYSTEM, USER, chat_ids, checked_ids, encode
 from engine.model import StreamedModel
 from engine.predictor import GenerationStopped
 
 
-def prompt_tokens(sm: StreamedModel, prompt: str, chat: bool) -> list[int]:
+def prompt_tokens(
+    sm: StreamedModel, prompt: str, chat: bool, system: str | None = None
+) -> list[int]:
     """Token ids of `prompt`: through the tokenizer's chat template when `chat` and the
-    model has one (a single user turn, generation prompt added), else as given.
+    model has one (a single user turn after the `system` prompt, if any, generation
+    prompt added), else as given.
 
     Raises:
         ValueError: the store has no tokenizer, the prompt encodes to no tokens, or to an
@@ -32,21 +38,11 @@ def prompt_tokens(sm: StreamedModel, prompt: str, chat: bool) -> list[int]:
             f"{sm.store.path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
             "text generation needs the model's tokenizer"
         )
-    if chat and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
-    else:
-        ids = tok.encode(prompt)
-    if not ids:
-        raise ValueError("the prompt is empty after tokenization")
     vocab = sm.store.config.get("vocab_size")
-    if vocab and max(ids) >= vocab:
-        raise ValueError(
-            f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary of "
-            f"{vocab} (vocab_size in config.json): tokenizer and model do not match"
-        )
-    return list(ids)
+    if chat:
+        system_turn = [{"role": SYSTEM, "content": system}] if system else []
+        return chat_ids(tok, [*system_turn, {"role": USER, "content": prompt}], vocab)
+    return checked_ids(encode(tok, prompt), vocab)
 
 
 def check_context(sm: StreamedModel, n_prompt: int, max_tokens: int) -> None:
@@ -67,22 +63,33 @@ def stream_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     prompt_cache=None,
+    cached_tokens: int = 0,
 ) -> Iterator[GenerationResponse]:
     """Yields one mlx-lm GenerationResponse per token (greedy at temperature 0).
 
+    The reply's text is what the tokenizer decodes: mlx-lm's streaming detokenizer drops
+    the first segment's leading space (right for a fresh chat reply, wrong for a
+    continuation: "Once upon a" + "time"), so the whitespace the tokenizer decodes
+    there is put back.
+
     Args:
-        prompt: token ids.
-        max_tokens: reply length limit, tokens.
+        prompt: token ids (after the `cached_tokens` already in `prompt_cache`).
+        max_tokens: reply length limit, tokens (>= 1).
         prompt_cache: an mlx-lm KV cache to continue a conversation, or None.
+        cached_tokens: tokens `prompt_cache` already holds (counted against the context).
 
     Raises:
+        ValueError: max_tokens < 1, or the context is exceeded (`check_context`).
         engine.cache.ExpertReadError (ChecksumError, ExpertReadTimeout): an expert could
             not be read; no token computed without it is yielded.
         GenerationStopped: the caller's stop hook asked to stop mid-forward.
     """
-    check_context(sm, len(prompt), max_tokens)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens is {max_tokens}: a reply needs at least 1 token")
+    check_context(sm, cached_tokens + len(prompt), max_tokens)
     sampler = make_sampler(temp=temperature, top_p=top_p)
-    for response in mlx_stream_generate(
+    seen, restored = [], False
+    for r in mlx_stream_generate(
         sm.model,
         sm.tokenizer,
         mx.array(prompt),
@@ -93,7 +100,15 @@ def stream_generate(
         # A read that failed inside a stream-ordered acquire left row 0 in its place: the
         # token is wrong, so its error is raised before the token is handed out.
         sm.cache.raise_stream_error()
-        yield response
+        if not restored:
+            seen.append(r.token)
+            if r.text:
+                restored = True
+                full = sm.tokenizer.decode(seen)
+                lost = full[: len(full) - len(r.text)]
+                if full.endswith(r.text) and lost.isspace():
+                    r = dataclasses.replace(r, text=full)
+        yield r
 
 
 @dataclass
@@ -109,6 +124,9 @@ class GenerationResult:
         cache: cache counter totals for this reply (`CacheSnapshot.totals()` deltas;
             hit_rate and prefetch_accuracy recomputed over the reply).
         stopped: the caller's `stop` ended the reply early.
+        finish_reason: "stop" (end-of-sequence token), "length" (max_tokens) or None
+            (stopped).
+        cached_tokens: prompt tokens taken from a kept KV cache (not prefilled).
     """
 
     text: str
@@ -119,6 +137,8 @@ class GenerationResult:
     peak_memory_bytes: int
     cache: dict = field(default_factory=dict)
     stopped: bool = False
+    finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def stats(self) -> dict:
         """The stats object of `expertstream generate --json`."""
@@ -166,6 +186,8 @@ def generate(
     top_p: float = 1.0,
     on_response: Callable[[GenerationResponse], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    prompt_cache=None,
+    cached_tokens: int = 0,
 ) -> GenerationResult:
     """Generates a whole reply and updates autopin afterwards (when enabled).
 
@@ -174,13 +196,20 @@ def generate(
         stop: polled at every MoE layer call (so also during a long prefill) and after
             each token; the reply ends early when it returns True
             (`GenerationResult.stopped`).
+        prompt_cache, cached_tokens: as for `stream_generate`.
+
+    Raises:
+        ValueError: from `stream_generate`, before any forward.
     """
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
     sm.predictor.should_stop = stop
     try:
-        for r in stream_generate(sm, prompt, max_tokens, temperature, top_p):
+        responses = stream_generate(
+            sm, prompt, max_tokens, temperature, top_p, prompt_cache, cached_tokens
+        )
+        for r in responses:
             tokens.append(r.token)
             text.append(r.text)
             last = r
@@ -206,4 +235,64 @@ def generate(
         peak_memory_bytes=int(mx.get_peak_memory()),
         cache=cache_delta(before, after),
         stopped=stopped,
+        finish_reason=None if stopped or last is None else last.finish_reason,
+        cached_tokens=cached_tokens,
     )
+
+
+class ChatSession:
+    """Replies that keep mlx-lm's prompt cache (KV) between turns: each prompt prefills
+    only the tokens after its longest common prefix with what the cache holds, so a
+    follow-up turn costs its own tokens, not the whole conversation's. A different
+    conversation shares no prefix and starts afresh. Use it on one thread (it holds MLX
+    arrays).
+
+    Args:
+        sm: the streamed model.
+    """
+
+    def __init__(self, sm: StreamedModel):
+        self.sm = sm
+        self._cache = None
+        self._ids: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def reset(self) -> None:
+        """Forgets the kept cache (the next reply prefills its whole prompt)."""
+        self._cache, self._ids = None, []
+
+    def generate(self, prompt: list[int], max_tokens: int = 256, **kwargs) -> GenerationResult:
+        """`generate` over the kept cache; keyword arguments as for `generate`.
+
+        A stopped or failed reply leaves the cache partial (a forward cut at a MoE
+        layer), so the session starts afresh after one.
+
+        Raises:
+            ValueError: as `generate`.
+        """
+        common = 0
+        for a, b in zip(self._ids, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)  # at least one token to feed
+        if self._cache is None or common == 0:
+            self._cache, common = make_prompt_cache(self.sm.model), 0
+        else:
+            trim_prompt_cache(self._cache, len(self._ids) - common)
+        self._ids = []  # unknown until the reply ends well
+        result = generate(
+            self.sm,
+            prompt[common:],
+            max_tokens,
+            prompt_cache=self._cache,
+            cached_tokens=common,
+            **kwargs,
+        )
+        if result.stopped:
+            self.reset()
+        else:
+            # mlx-lm feeds every generated token but the last back through the model.
+            held = self._cache[0].offset
+            self._ids = (prompt + result.tokens)[:held]
+            trim_prompt_cache(self._cache, held - len(self._ids))
+        return result

@@ -7,7 +7,6 @@ dense weights. The result generates through mlx-lm's own `stream_generate`.
 """
 
 import errno
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_tokenizer
 
 from engine import autopin
 from engine import cache as cache_mod
@@ -33,26 +32,10 @@ from engine.store import (
     StoreError,
     is_store,
 )
+
+# store_cache_dir stays importable from here (the benchmarks use it).
+from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
 from engine.streamed_layer import StreamedSwitchGLU
-
-
-def store_cache_dir() -> Path:
-    """Where converted stores of model directories live:
-    `$EXPERTSTREAM_CACHE`, else `$XDG_CACHE_HOME/expertstream`, else `~/.cache/expertstream`."""
-    if root := os.environ.get("EXPERTSTREAM_CACHE"):
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "expertstream"
-
-
-def _fingerprint(model_dir: Path) -> str:
-    """Hash of config.json and the weight files' names, sizes and mtimes: a changed
-    checkpoint gets a new store, an unchanged one is converted once."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
 
 
 def resolve_store(path: str | Path, progress=None) -> ExpertStore:
@@ -84,10 +67,11 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
     except ValueError as e:
         raise ValueError(f"{path / 'config.json'}: invalid JSON ({e})") from None
     layout_for(config)  # fail fast, before hashing
-    dest = store_cache_dir() / f"{path.resolve().name}-{_fingerprint(path)}"
+    dest = store_for(path)
     if not is_store(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         convert(path, dest, force=dest.exists(), progress=progress)
+    touch(dest)
     return ExpertStore(dest)
 
 
@@ -246,7 +230,9 @@ def _check_layer_segments(where: Path, spec: LayerSpec, switch_mlp: nn.Module) -
 
 def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
     """mlx-lm's tokenizer of the store, or None when it has no tokenizer files. Code in
-    the store is never run (trust_remote_code=False: an `auto_map` is refused).
+    the store is never run (trust_remote_code=False: an `auto_map` is refused). Its
+    end-of-sequence ids are mlx-lm's: `eos_token_id` (an int or a list) of
+    generation_config.json when it has one, else of config.json, plus the tokenizer's own.
 
     Raises:
         StoreError: the tokenizer files cannot be loaded, or hold no vocabulary.
@@ -255,9 +241,8 @@ def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
     if not ((path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists()):
         return None
     try:
-        tokenizer = load_tokenizer(
-            path, {"trust_remote_code": False}, eos_token_ids=store.config.get("eos_token_id")
-        )
+        eos = load_config(path).get("eos_token_id")  # generation_config.json merged in
+        tokenizer = load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos)
         empty = not tokenizer.encode("The", add_special_tokens=False)
     except Exception as e:  # transformers and tokenizers raise many kinds
         raise StoreError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e

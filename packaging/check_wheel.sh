@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end check of the Python packages, for CI (issue 7). Outside the source tree, in a
 # temporary folder:
-#  1. python -m build: the sdist, and the wheel built from that sdist;
+#  1. python -m build: the sdist, and the wheel built from that sdist, made a manylinux
+#     wheel by packaging/repair_wheel.sh (auditwheel, patchelf) on Linux;
 #  2. the contents of both (packaging/check_wheel_contents.py);
 #  3. a fresh virtual environment with the wheel and its `app` extra, from which it runs
 #     one streamed generation (`expertstream generate`) and one offscreen screenshot
@@ -27,7 +28,13 @@ step "python -m build (sdist, then the wheel from it)"
 "$PYTHON" -m venv tools
 tools/bin/python -m pip install -q build
 tools/bin/python -m build --outdir dist "$src" >build.log 2>&1 || { tail -n 40 build.log; exit 1; }
+
+step "auditwheel repair (Linux: a manylinux wheel)"
+bash "$src/packaging/repair_wheel.sh" tools dist
 wheel=$(ls dist/expertstream-*.whl)
+if [[ $(uname -s) == Linux && $wheel != *manylinux* ]]; then
+  echo "not a manylinux wheel: $wheel"; exit 1
+fi
 sdist=$(ls dist/expertstream-*.tar.gz)
 ls -l dist
 

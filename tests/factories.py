@@ -2,7 +2,8 @@
 
 `make_random_model` writes a directory exactly as `mlx_lm.convert` does
 (`model.safetensors`, its index, `config.json`); `mlx_lm.utils.load_model`
-loads it. No tokenizer: tests feed token ids.
+loads it. No tokenizer: tests feed token ids, or add a word-level one with
+`write_tokenizer`.
 """
 
 import contextlib
@@ -13,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 GROUP_SIZE = 32
@@ -20,6 +22,29 @@ BITS = 4
 
 # mixtral's checkpoint names for gate/down/up.
 _MIXTRAL_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+# A role-tagged template over plain words of the `write_tokenizer` vocabulary.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role | upper }} {{ m.content }} END {% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT{% endif %}"
+)
+
+
+def write_tokenizer(directory: str | Path, chat_template: str | None = None) -> None:
+    """A word-level tokenizer of 128 words (the test models' vocabulary): "[UNK]", "The",
+    "cat", "sat", "on", "mat", "SYSTEM", "USER", "ASSISTANT", "END", then "w10".."w127";
+    split on whitespace, decoded with spaces between words. `chat_template` (a Jinja
+    template, e.g. CHAT_TEMPLATE) goes into tokenizer_config.json."""
+    words = ["[UNK]", "The", "cat", "sat", "on", "mat", "SYSTEM", "USER", "ASSISTANT", "END"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(len(words), 128)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def make_config(

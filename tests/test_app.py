@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 from PySide6.QtCore import QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
-from app.conversation import ASSISTANT, USER, Conversation, plain_text  # noqa: E402
+from app.conversation import ASSISTANT, USER, Conversation  # noqa: E402
 from app.main import has_display  # noqa: E402
 from app.monitor import (  # noqa: E402
     EMPTY,
@@ -32,6 +32,7 @@ from app.monitor import (  # noqa: E402
 )
 from app.window import MainWindow  # noqa: E402
 from engine import cache as C  # noqa: E402
+from engine.chat import plain_text  # noqa: E402
 from engine.resources import default_model_path  # noqa: E402
 
 MODEL = str(default_model_path())
@@ -118,7 +119,10 @@ def test_plain_continuation_joins_turns():
             (USER, " on a mat"),
         ]
     )
-    assert plain_text(conv) == "Once upon a time, there was a cat. The catsat on a mat"
+    assert (
+        plain_text(conv.messages(system="ignored"))
+        == "Once upon a time, there was a cat. The catsat on a mat"
+    )
 
 
 def test_live_series_rates_are_over_the_last_second():
@@ -159,7 +163,7 @@ def test_reply_tokens_equal_the_cli(window, qtbot):
 
     # A second turn continues the whole text, as the CLI does with that text as prompt.
     follow = chat_turn(qtbot, window, "The next day", 12)
-    cli2 = cli_generate(plain_text(window.conversation.copy()).removesuffix(follow.text), 12)
+    cli2 = cli_generate(plain_text(window.conversation.messages()).removesuffix(follow.text), 12)
     assert follow.tokens == cli2["tokens"]
 
 
@@ -289,8 +293,10 @@ def test_rebuild_waits_for_the_reply_and_errors_keep_the_conversation(window, qt
 
 
 def test_open_model_converts_with_a_progress_bar(window, qtbot, tmp_path):
-    source = tmp_path / "copied-model"  # a new name: converted again, into a new store
+    source = tmp_path / "copied-model"
     shutil.copytree(MODEL, source)
+    # Stores are keyed by content: a changed file gets the copy a store of its own.
+    (source / "NOTE.md").write_text("a copy for the progress bar test")
     seen = []
     window.engine.worker.loadProgress.connect(
         lambda done, total: seen.append((done, total, window.progress.isVisible()))

@@ -23,7 +23,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.utils import load_model
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine.cache import ExpertReadError, open_cache
 from engine.cli import main
@@ -34,7 +33,7 @@ from engine.layouts import NotMoEError, UnsupportedModelError
 from engine.model import load, store_cache_dir
 from engine.store import ExpertStore, StoreError
 
-from factories import make_config, make_mixed_quant_model, make_random_model
+from factories import make_config, make_mixed_quant_model, make_random_model, write_tokenizer
 from rowcheck import RowChecker
 
 NOBODY = 65534
@@ -44,17 +43,6 @@ NOBODY = 65534
 def store_dir(qwen_store, tmp_path):
     """A copy of the session's qwen3_moe store (4 MoE layers, 8 experts, top-2)."""
     return Path(shutil.copytree(qwen_store.path, tmp_path / "store"))
-
-
-def write_tokenizer(directory: Path) -> None:
-    """A tiny word-level tokenizer (ids < the test models' vocab of 128)."""
-    vocab = {"[UNK]": 0, "The": 1, "cat": 2, "sat": 3, "on": 4, "mat": 5}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
-    )
 
 
 def cli(capsys, *argv) -> tuple[int, str]:

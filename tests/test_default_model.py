@@ -81,7 +81,8 @@ def test_cli_generate_json(resident):
     )
     result = json.loads(out.stdout)
     assert result["tokens"] == [r.token for r in ref]
-    assert result["text"] == "".join(r.text for r in ref)
+    # mlx-lm's streaming detokenizer drops the first token's leading space; ours keeps it.
+    assert result["text"] == " " + "".join(r.text for r in ref)
     s = result["stats"]
     for key in (
         "hits",

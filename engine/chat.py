@@ -1,0 +1,94 @@
+"""A conversation as the token ids a model sees (no MLX here: the app's GUI thread and the
+server's request handlers use it).
+
+Models whose tokenizer has a chat template get the whole conversation through it, with a
+system prompt first when one is given. Models without one (the embedded TinyStories
+model) continue the concatenated text: a reply follows its prompt exactly as generated; a
+user message follows the text so far, after a space when neither side has one; system
+messages have no place in a plain continuation and are left out.
+"""
+
+from collections.abc import Sequence
+
+USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
+ROLES = (SYSTEM, USER, ASSISTANT)
+
+
+def has_chat_template(tokenizer) -> bool:
+    """True when `tokenizer` (mlx-lm TokenizerWrapper or None) has a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def joiner(before: str, after: str) -> str:
+    """What goes between two pieces of a plain continuation: a space when the text so far
+    ends in a non-space and the new piece starts with one, else nothing."""
+    if before and after and not before[-1].isspace() and not after[0].isspace():
+        return " "
+    return ""
+
+
+def plain_text(messages: Sequence[dict]) -> str:
+    """The conversation as one text to continue (models without a chat template).
+
+    Args:
+        messages: `{"role": ..., "content": str}` dicts; system messages are skipped.
+    """
+    text = ""
+    for m in messages:
+        if m["role"] == SYSTEM:
+            continue
+        piece = m["content"]
+        text += (joiner(text, piece) if m["role"] == USER else "") + piece
+    return text
+
+
+def chat_ids(tokenizer, messages: Sequence[dict], vocab_size: int | None = None) -> list[int]:
+    """Token ids of the prompt for the next assistant reply to `messages`.
+
+    Through the tokenizer's chat template (generation prompt added) when it has one, else
+    the encoded `plain_text`.
+
+    Args:
+        messages: `{"role": "system" | "user" | "assistant", "content": str}` dicts.
+        vocab_size: the model's vocabulary (config.json), checked when given.
+
+    Raises:
+        ValueError: no tokenizer, a role outside `ROLES`, the template refuses the
+            conversation (its own message), nothing to encode, or an id outside the
+            vocabulary.
+    """
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer files: chat needs one")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role {m.get('role')!r} is not one of {ROLES}")
+    if has_chat_template(tokenizer):
+        try:
+            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError and the template's raise_exception
+            raise ValueError(f"the model's chat template refuses the conversation: {e}") from e
+    else:
+        ids = encode(tokenizer, plain_text(messages))
+    return checked_ids(ids, vocab_size)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text)` without transformers' warning about a text longer than
+    the tokenizer's maximum length (the context check reports that, naming both sizes)."""
+    return tokenizer.encode(text, verbose=False)
+
+
+def checked_ids(ids: Sequence[int], vocab_size: int | None) -> list[int]:
+    """`ids` as a list, refused when empty or outside the vocabulary.
+
+    Raises:
+        ValueError: no ids, or an id >= `vocab_size` (tokenizer and model do not match).
+    """
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization")
+    if vocab_size and max(ids) >= vocab_size:
+        raise ValueError(
+            f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary of "
+            f"{vocab_size} (vocab_size in config.json): tokenizer and model do not match"
+        )
+    return list(ids)

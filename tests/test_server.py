@@ -1,0 +1,289 @@
+"""`expertstream serve` through the official `openai` client, on a loopback port.
+
+The server runs in this process (uvicorn in a thread, the model on the server's own
+generation thread) with the embedded default model.
+"""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import uvicorn
+
+from engine.config import StreamConfig
+from engine.model import load
+from engine.server import GenerationThread, StopMatcher, build_app
+
+PROMPT = "Once upon a"
+
+
+def http(method: str, url: str, body: bytes | dict | None = None) -> tuple[int, dict]:
+    """Status and JSON body of one plain HTTP request (no client-side checks)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        return e.code, json.loads(text) if text.startswith(b"{") else {}
+
+
+class Served:
+    """A server on a free 127.0.0.1 port; `url` is its base URL."""
+
+    def __init__(self, max_queue: int = 32):
+        self.engine = GenerationThread(lambda: load(None, StreamConfig(expert_slots=8)), max_queue)
+        self.engine.start()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        app = build_app(self.engine, "tinystories-moe")
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+
+    def stats(self) -> dict:
+        return http("GET", f"{self.url}/v1/stats")[1]
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.engine.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served.client(max_retries=0)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tinystories-moe"]
+
+
+def test_completion_and_its_stream(client):
+    r = client.completions.create(model="any", prompt=PROMPT, max_tokens=8)
+    text = r.choices[0].text
+    assert text.startswith(" time")  # the first token's leading space is kept
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (4, 8, 12)
+    assert r.model == "tinystories-moe"
+
+    chunks = list(
+        client.completions.create(
+            model="any",
+            prompt=PROMPT,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_and_its_stream(client):
+    messages = [{"role": "user", "content": PROMPT}]
+    r = client.chat.completions.create(model="any", messages=messages, max_tokens=6)
+    # The embedded model has no chat template: the chat continues the text.
+    completion = client.completions.create(model="any", prompt=PROMPT, max_tokens=6)
+    assert r.choices[0].message.content == completion.choices[0].text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6
+
+    stream = client.chat.completions.create(
+        model="any", messages=messages, max_tokens=6, stream=True
+    )
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+
+
+def test_seeded_sampling_repeats(client):
+    def sample(seed):
+        r = client.completions.create(
+            model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=seed
+        )
+        return r.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_stop_string(client):
+    full = client.completions.create(model="any", prompt=PROMPT, max_tokens=24).choices[0].text
+    assert "." in full
+    r = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, stop=["."])
+    assert r.choices[0].text == full[: full.index(".")]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 24
+    streamed = client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=24, stop=[". "], stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == full[: full.index(". ")]
+
+
+def test_stop_matcher_holds_back_a_possible_stop():
+    m = StopMatcher(["END", "xy"])
+    assert m.add("abc E") == "abc "  # "E" may start "END"
+    assert m.add("N") == ""
+    assert m.add("Dzz") == "" and m.hit
+    m = StopMatcher(["END"])
+    assert m.add("abE") == "ab" and m.add("x") == "Ex" and m.flush() == ""
+    assert StopMatcher(["E"]).add("abE") == "ab"
+
+
+def test_cancelled_stream_stops_generating(served, client):
+    before = served.stats()["server"]
+    with client.completions.with_streaming_response.create(
+        model="any", prompt=PROMPT, max_tokens=1500, stream=True
+    ) as response:
+        lines = response.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line]
+    assert got and json.loads(got[0].removeprefix("data: "))["choices"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = served.stats()["server"]
+        if s["cancelled"] > before["cancelled"] and not s["generating"]:
+            break
+        time.sleep(0.05)
+    assert s["cancelled"] == before["cancelled"] + 1 and not s["generating"]
+    assert s["completion_tokens"] - before["completion_tokens"] < 500
+    assert client.completions.create(model="any", prompt=PROMPT, max_tokens=2).usage
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({"prompt": PROMPT, "max_tokens": 5000}, "max_tokens"),
+        ({"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
+        ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+        ({"prompt": PROMPT, "top_p": 1.5}, "top_p"),
+        ({"prompt": PROMPT, "stop": [1]}, "stop"),
+        ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": PROMPT, "n": 2}, "n"),
+        ({"prompt": PROMPT, "seed": -1}, "seed"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": {"file": "/etc/passwd"}}, "prompt"),
+        ({"prompt": [1, 2, 99999]}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_requests(served, body, param):
+    status, reply = http("POST", f"{served.url}/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_bad_chat_requests(served, body, param):
+    status, reply = http("POST", f"{served.url}/v1/chat/completions", body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_bodies_that_are_not_requests(served):
+    url = f"{served.url}/v1/completions"
+    for content in (b"{", b"[]", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000):
+        status, reply = http("POST", url, content)
+        assert status == 400 and reply["error"]["message"]
+    assert http("POST", url, b" " * (2 << 20))[0] == 413
+    assert http("GET", url)[0] == 405
+    # `model` picks nothing: a path is not opened, the reply names the served model.
+    status, reply = http("POST", url, {"model": "/etc/passwd", "prompt": PROMPT, "max_tokens": 1})
+    assert status == 200 and reply["model"] == "tinystories-moe"
+    assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+def test_load_16_clients_4_requests_each(served):
+    client = served.client(max_retries=0, timeout=120)
+    before = served.stats()["server"]
+
+    def one_client(i):
+        out = []
+        for j in range(4):
+            n = 1 + (i + j) % 5
+            if j % 2:
+                r = client.chat.completions.create(
+                    model="any", messages=[{"role": "user", "content": PROMPT}], max_tokens=n
+                )
+                text = r.choices[0].message.content
+            else:
+                r = client.completions.create(model="any", prompt=f"{PROMPT} {i}", max_tokens=n)
+                text = r.choices[0].text
+            out.append((n, r.usage.completion_tokens, r.choices[0].finish_reason, text))
+        return out
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = [r for rs in pool.map(one_client, range(16)) for r in rs]
+    assert len(replies) == 64
+    assert all(n == got and finish == "length" and text for n, got, finish, text in replies)
+    after = served.stats()
+    assert after["server"]["completed"] - before["completed"] == 64
+    assert after["server"]["failed"] == before["failed"]
+    assert after["server"]["queued"] == 0 and after["cache"]["hits"] > 0
+    assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+def test_full_queue_answers_503_with_retry_after():
+    """A second server whose queue holds one job: with one reply generating (held at a
+    gate) and one waiting, the third request is refused and told when to retry; the two
+    accepted ones are answered once the gate opens."""
+    small = Served(max_queue=1)
+    gate = threading.Event()
+    serve = small.engine._serve
+    small.engine._serve = lambda job: (gate.wait(), serve(job))
+    try:
+        client = small.client(max_retries=0)
+        with ThreadPoolExecutor(2) as pool:
+            accepted = [
+                pool.submit(client.completions.create, model="any", prompt=PROMPT, max_tokens=2)
+            ]
+            while not small.engine.busy():
+                time.sleep(0.01)
+            accepted.append(
+                pool.submit(client.completions.create, model="any", prompt=PROMPT, max_tokens=3)
+            )
+            while small.engine.queued() < 1:
+                time.sleep(0.01)
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model="any", prompt=PROMPT, max_tokens=1)
+            gate.set()
+            assert [f.result().usage.completion_tokens for f in accepted] == [2, 3]
+        assert refused.value.status_code == 503
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.body["type"] == "server_busy"
+    finally:
+        gate.set()
+        small.close()
