@@ -121,7 +121,7 @@ def row(label: str, r: dict, base: float) -> str:
 
 HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
-    "| rest ms | MB read/token | tokens = resident |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| rest ms | MB read/token | same tokens as baseline |\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

@@ -78,15 +78,16 @@ class Predictor:
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills
         predicted from `x` at MoE layer `layer`; None when nothing is prefetched
-        (disabled, prefill of more than one token, no target layer, or the target was
-        already submitted in this forward: ahead_lo > ahead_hi can map two layers to one)."""
+        (disabled, prefill of more than one token, no target layer, the target layer is
+        complete so nothing of it can miss, or the target was already submitted in this
+        forward: ahead_lo > ahead_hi can map two layers to one)."""
         if layer <= self._last_layer:
             self._targets.clear()  # the layer index wrapped: a new forward
         self._last_layer = layer
         if not self.enabled or x.size // x.shape[-1] != 1:
             return None
         target = self.target_for(layer)
-        if target is None or target in self._targets:
+        if target is None or target in self._targets or self.cache.is_complete(target):
             return None
         self._targets.add(target)
         return self.cache.prefetch_op(target, self.predict(target, x), self.cpu_stream)

@@ -202,6 +202,10 @@ NB_MODULE(_ext, m) {
           "being complete and the call one token (its top_k hits are counted now); 1 "
           "(PLAN_STREAM) acquire_op, n being at most expert_slots - pinned; 2 (PLAN_SYNC) "
           "acquire on host ids, with over-capacity chunks.")
+      .def("is_complete", [](const Cache& c, int li) { return c.impl->is_complete(li); },
+           "layer"_a,
+           "Whether every expert of MoE layer `layer` has a real slot (as plan() last found "
+           "it); a complete layer can never miss, so nothing of it is worth prefetching.")
       .def("table", [](const Cache& c, int li) { return c.impl->table(li); }, "layer"_a,
            "(num_experts,) int32 expert -> real slot of MoE layer `layer`, valid while "
            "plan() returns PLAN_TABLE.")

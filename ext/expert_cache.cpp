@@ -284,6 +284,12 @@ void ExpertCache::raise_stream_error() {
   if (e) std::rethrow_exception(e);
 }
 
+bool ExpertCache::is_complete(int li) const {
+  check_layer(li, num_layers());
+  std::lock_guard<std::mutex> lk(mu_);
+  return complete_[li] != 0;
+}
+
 ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
   check_layer(li, num_layers());
   raise_stream_error();

@@ -113,6 +113,8 @@ class ExpertCache {
   // is kept until raise_stream_error() throws it and clears it.
   void set_stream_error(std::exception_ptr e);
   void raise_stream_error();
+  // Whether plan() found MoE layer li complete (it then stays so until reset()).
+  bool is_complete(int li) const;
   // (num_experts,) int32 expert -> real slot of MoE layer li; -1 until the layer is
   // complete (see plan), then a fixed permutation until reset().
   mx::array table(int li) const { return tables_.at(li); }

@@ -2,7 +2,7 @@
 # Builds the desktop bundle from a wheel (issue 7; packaging/README.md):
 #     packaging/build_bundle.sh [WHEEL] [OUT]
 # WHEEL defaults to the newest dist/expertstream-*.whl, OUT to dist/bundle.
-#  1. a fresh virtual environment, build/bundle-venv, with the wheel, its `app` extra and
+#  1. a fresh virtual environment, build/bundle-venv, with the wheel, its `cpu` and `app` extras and
 #     PyInstaller, made from $PYTHON (default python3; it must have a shared libpython);
 #  2. PyInstaller on packaging/expertstream.spec: OUT/ExpertStream/ (and on macOS
 #     OUT/ExpertStream.app);
@@ -32,10 +32,10 @@ fi
 version=$(basename "$wheel" | cut -d- -f2)
 arch=$(uname -m)
 
-echo "== bundle venv: ${wheel}[app], $PYINSTALLER"
+echo "== bundle venv: ${wheel}[cpu,app], $PYINSTALLER"
 "$PYTHON" -m venv --clear "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "${wheel}[app]" "$PYINSTALLER"
+"$venv/bin/python" -m pip install -q "${wheel}[cpu,app]" "$PYINSTALLER"
 
 echo "== PyInstaller"
 rm -rf "$out/ExpertStream" "$out/ExpertStream.app"

@@ -4,7 +4,7 @@
 #  1. python -m build: the sdist, and the wheel built from that sdist, made a manylinux
 #     wheel by packaging/repair_wheel.sh (auditwheel, patchelf) on Linux;
 #  2. the contents of both (packaging/check_wheel_contents.py);
-#  3. a fresh virtual environment with the wheel and its `app` extra, from which it runs
+#  3. a fresh virtual environment with the wheel and its `cpu` and `app` extras, from which it runs
 #     one streamed generation (`expertstream generate`) and one offscreen screenshot
 #     (`expertstream-gui --screenshot`), and checks the PNG and that `expertstream bench`
 #     says it needs a source checkout (the benchmarks are not shipped);
@@ -43,7 +43,7 @@ tools/bin/python "$src/packaging/check_wheel_contents.py" "$wheel" "$sdist"
 
 step "fresh venv with the wheel"
 "$PYTHON" -m venv wheel-venv
-wheel-venv/bin/python -m pip install -q "${wheel}[app]"
+wheel-venv/bin/python -m pip install -q "${wheel}[cpu,app]"
 wheel-venv/bin/python - <<'EOF'
 import engine, engine._ext
 from engine.resources import default_model_path
@@ -73,7 +73,7 @@ EOF
 
 step "fresh venv with the sdist"
 "$PYTHON" -m venv sdist-venv
-sdist-venv/bin/python -m pip install -q "$sdist"
+sdist-venv/bin/python -m pip install -q "${sdist}[cpu]"
 sdist-venv/bin/expertstream generate --max-tokens 8 --expert-slots 8
 
 step "wheel and sdist OK"
