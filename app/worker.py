@@ -151,6 +151,7 @@ class Worker(QObject):
         in use stays until the new one has loaded."""
         t0 = time.monotonic()
         try:
+            from engine.cache import pool_bytes
             from engine.config import StreamConfig
             from engine.generate import ChatSession
             from engine.model import load, resolve_store
@@ -173,8 +174,6 @@ class Worker(QObject):
             self._sm = sm
         self._session = ChatSession(sm)
         del old  # freed here, on the engine thread
-        cap = config.expert_slots or m.num_experts
-        rows = cap + 2 * config.side_slots + (config.scratch_slots or m.top_k)
         self.loaded.emit(
             ModelInfo(
                 name=source.name,
@@ -185,7 +184,7 @@ class Worker(QObject):
                 top_k=m.top_k,
                 config=config,
                 chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
-                pool_bytes=rows * sum(s.stride for s in m.layers),
+                pool_bytes=pool_bytes(sm.cache),
                 load_seconds=time.monotonic() - t0,
                 context=store.config.get("max_position_embeddings"),
             )

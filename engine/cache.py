@@ -1,9 +1,11 @@
-"""Opening the native expert cache of a store, and reading its state as plain data.
+"""The typed facade of the native expert cache: opening it, and reading its state as data.
 
 `open_cache` turns an `ExpertStore` and a `StreamConfig` into an `engine._ext.ExpertCache`
-(the pools, real regions, side ledgers and reader pool of DESIGN.md). `CacheSnapshot`
-is what the app polls: numpy arrays copied under the cache's lock, safe to read on any
-thread.
+(the pools, real regions, side ledgers and reader pool of DESIGN.md; its methods are
+typed and documented in `engine/_ext.pyi`). `CacheSnapshot` is what the app polls: numpy
+arrays copied under the cache's lock, safe to read on any thread; `pool_bytes` is the
+memory the pools hold. Everything outside the engine (the app, the benchmarks) uses this
+module, never `engine._ext` itself: the error types and the state codes are here too.
 """
 
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from engine import _ext
 from engine.config import StreamConfig
 from engine.store import ExpertStore
 
+ExpertCache = _ext.ExpertCache
 ExpertReadError = _ext.ExpertReadError
 ChecksumError = _ext.ChecksumError
 ExpertReadTimeout = _ext.ExpertReadTimeout
@@ -28,6 +31,10 @@ SLOT_JUST_LOADED = _ext.SLOT_JUST_LOADED
 ROW_FREE = _ext.ROW_FREE
 ROW_IN_FLIGHT = _ext.ROW_IN_FLIGHT
 ROW_PUBLISHED = _ext.ROW_PUBLISHED
+# What ExpertCache.plan returns: how a layer call gets its pool rows.
+PLAN_TABLE = _ext.PLAN_TABLE
+PLAN_STREAM = _ext.PLAN_STREAM
+PLAN_SYNC = _ext.PLAN_SYNC
 
 STAT_KEYS = (
     "hits",
@@ -47,7 +54,7 @@ STAT_KEYS = (
 )
 
 
-def open_cache(store: ExpertStore, config: StreamConfig) -> "_ext.ExpertCache":
+def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
     """Allocates the pools of every MoE layer of `store` and opens its blob files.
 
     Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots, each one record
@@ -143,7 +150,12 @@ class CacheSnapshot:
         return t
 
 
-def snapshot(cache: "_ext.ExpertCache") -> CacheSnapshot:
+def pool_bytes(cache: _ext.ExpertCache) -> int:
+    """Bytes the pools of `cache` hold, all MoE layers: rows x record bytes each."""
+    return sum(a.nbytes for li in range(cache.num_layers) for a in cache.pool(li))
+
+
+def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
     """Copies the state of every layer of `cache` (thread-safe; each layer is copied
     under the cache's lock, so layers may differ by one call in a live run)."""
     per = [cache.snapshot(li) for li in range(cache.num_layers)]

@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -166,11 +168,12 @@ def _cache(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    # The benchmarks are the source checkout's top-level `bench` package, never shipped:
-    # found next to this engine package when it runs from a checkout (editable install).
+def _bench(argv: list[str]) -> int:
+    """Runs `python -m bench ARGV` from the source checkout this engine belongs to: the
+    benchmarks are its top-level `bench` package, never shipped (nor imported by the
+    engine); an installed wheel or the bundle has none, and says so."""
     root = Path(__file__).resolve().parents[1]
-    if not ((root / "pyproject.toml").is_file() and (root / "bench" / "__init__.py").is_file()):
+    if not ((root / "pyproject.toml").is_file() and (root / "bench" / "__main__.py").is_file()):
         print(
             "expertstream: error: the benchmarks are not installed with the package; run "
             "`expertstream bench` from a source checkout (git clone, then "
@@ -178,13 +181,9 @@ def _bench(args) -> int:
             file=sys.stderr,
         )
         return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from bench import run_suite
-
-    run_suite(args.suite, args.out, args.model)
-    print(f"wrote {args.out}/results.json, results.md and plots")
-    return 0
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return subprocess.call([sys.executable, "-m", "bench", *argv], env=env)
 
 
 def _add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -271,29 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="STORE", help="stores to remove (rm)")
     p.set_defaults(func=_cache)
 
-    p = sub.add_parser(
+    # Listed for --help only: main() hands `bench ...` to `python -m bench` unparsed.
+    sub.add_parser(
         "bench",
-        help="benchmarks: figures and ratios against resident mlx-lm (from a source checkout)",
-        formatter_class=_HelpFormatter,
+        add_help=False,
+        help="benchmarks: figures and ratios against resident mlx-lm, from a source checkout "
+        "(expertstream bench --help)",
     )
-    p.add_argument(
-        "--suite",
-        choices=["quick", "full", "scale"],
-        default="quick",
-        help="quick: tiny pass (CI); full: decode, cache policies, I/O; scale: "
-        "Qwen3-30B-A3B-shaped synthetic store under 4 GiB",
-    )
-    p.add_argument("--out", default="bench-out", help="folder for results and plots")
-    p.add_argument(
-        "--model",
-        help="default: the embedded model (scale: the synthetic store, generated on first use)",
-    )
-    p.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `expertstream` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -84,7 +84,7 @@ class StreamedModel:
         tokenizer: mlx-lm's TokenizerWrapper (None for stores without tokenizer files).
         store: the ExpertStore.
         config: the StreamConfig it was built with.
-        cache: the native `ExpertCache`.
+        cache: the native `engine._ext.ExpertCache` (see `engine.cache`).
         predictor: the prefetch `Predictor`.
     """
 
@@ -92,7 +92,7 @@ class StreamedModel:
     tokenizer: TokenizerWrapper | None
     store: ExpertStore
     config: StreamConfig
-    cache: object
+    cache: cache_mod.ExpertCache
     predictor: Predictor
 
     def snapshot(self) -> cache_mod.CacheSnapshot:

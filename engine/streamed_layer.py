@@ -25,11 +25,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
+from engine.cache import PLAN_STREAM, PLAN_SYNC, PLAN_TABLE
 from engine.predictor import Predictor
 from engine.store import LayerSpec
-
-# ExpertCache.plan codes.
-PLAN_TABLE, PLAN_STREAM, PLAN_SYNC = range(3)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

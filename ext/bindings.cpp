@@ -1,6 +1,7 @@
 // Python bindings of engine._ext. Binding code only: no I/O or locking lives here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -92,6 +93,220 @@ es::Fault fault_from_name(const std::string& name) {
                               "' (none, eio, short_read, corrupt, delay)");
 }
 
+// Docstrings of the Python API (engine._ext; engine/_ext.pyi is generated from them).
+// Errors: std::invalid_argument -> ValueError, std::out_of_range -> IndexError,
+// es::ReadError -> ExpertReadError (OSError), with ChecksumError / ExpertReadTimeout.
+namespace doc {
+
+const char* kCache = R"(The expert cache of one store: per MoE layer a pool of rows (real region,
+two side-region banks, scratch rows), the reader pool, the side ledgers and the counters.
+
+Thread safety: acquire, acquire_op, load_scratch, pin/unpin and reset belong to one
+thread at a time (the generation thread, or the MLX stream that evaluates acquire_op);
+snapshot, check, the properties and the live toggles may be used from any thread.)";
+
+const char* kInit = R"(Opens the blob files and allocates every pool.
+
+Args:
+    layers: one dict per MoE layer, in MoE order: layer (decoder index, for messages),
+        path (blob file), stride and record_bytes (bytes), checksums (num_experts crc32
+        ints), segments (list of dicts: key, dtype (a name of DTYPE_NAMES), shape
+        (per expert), offset and nbytes (bytes in the record)).
+    num_experts: records per blob file, >= 1.
+    expert_slots: real-region slots per layer, in [1, num_experts].
+    side_slots: side-region rows per bank (two banks), >= 0.
+    scratch_slots: rows for an over-capacity call's misses, experts per chunk, >= 1.
+    policy: real-region eviction, "lfu" or "lru".
+    decay_every: acquire calls per layer between LFU halvings (0: never).
+    side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
+    sync: run prefetch fills inline where they are submitted.
+    verify: check each record's crc32 on every read.
+    uncached: bypass the page cache (O_DIRECT / F_NOCACHE).
+    threads: reader threads, >= 1.
+    read_timeout: seconds a demand read or a drain waits without progress, in
+        [0, 86400] (0: forever).
+
+Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.
+
+Raises:
+    ValueError: a count or option out of range, an unknown dtype, segments that do not
+        fit the record.
+    ExpertReadError: a blob file cannot be opened or has the wrong size.)";
+
+const char* kNumLayers = "MoE layers (pools).";
+const char* kNumExperts = "Experts per MoE layer (records per blob).";
+const char* kRows = "Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.";
+const char* kExpertSlots = "Real-region slots per layer.";
+const char* kSideSlots = "Side-region rows per bank (two banks).";
+const char* kScratchSlots = "Scratch rows per layer: experts per chunk of an over-capacity call.";
+
+const char* kPool = R"(The pool arrays of MoE layer `layer`, one per segment in record order, each
+shaped (rows, *segment shape) with the segment's dtype. They share memory with the
+cache: rows change as experts are loaded, so read them only through the rows acquire
+returns, in the same forward.
+
+Raises:
+    IndexError: `layer` is not in [0, num_layers).)";
+
+const char* kAcquire = R"(Maps the expert ids of one MoE layer call to pool rows: real hit, side hit
+(the bank being read) or a demand read into the real region.
+
+Args:
+    layer: MoE layer index; a layer not above the previous call's starts a new forward.
+    ids: int32 C-contiguous numpy array, any shape (e.g. (tokens, top_k)), values in
+        [0, num_experts).
+
+Returns:
+    (rows, missing): rows, int32 numpy array of the shape of `ids`; missing, a list of
+    int. When the call's distinct misses exceed the evictable slots (expert_slots minus
+    pinned) nothing is loaded: the entries of those experts are -1 and `missing` lists
+    them (distinct, in first-seen order), to be read through load_scratch; otherwise
+    `missing` is empty.
+
+Precondition: plan() said PLAN_SYNC for this call (or a trace hook is set), and every
+earlier use of this layer's pool has been evaluated (the caller synchronised on `ids`),
+so no row an unevaluated computation reads is reused.
+
+Raises:
+    IndexError: `layer` or an id out of range.
+    ExpertReadError: a demand read failed (ChecksumError, ExpertReadTimeout).)";
+
+const char* kAcquireOp = R"(Lazy int32 pool rows of `ids` for MoE layer `layer`, mapped by the cache
+when MLX evaluates them, in stream order, with no host synchronisation.
+
+Args:
+    ids: mx.array of any shape and integer dtype (the router's expert ids).
+    cpu_stream: build the primitive on the CPU stream (needed on a GPU device).
+
+Returns:
+    mx.array, int32, the shape of `ids`.
+
+Precondition: plan() said PLAN_STREAM for this call.
+
+Raises:
+    ValueError: `ids` is not of an integer dtype.
+    A read error while it is evaluated leaves row 0 (a valid row) and is raised by the
+    next raise_stream_error() or plan().)";
+
+const char* kRaiseStreamError = R"(Raises (and clears) the first error of a stream-ordered acquire
+since the last call: ExpertReadError, ChecksumError, ExpertReadTimeout or RuntimeError.
+Call it after evaluating a forward that used acquire_op, before using its result.)";
+
+const char* kPlan = R"(How the next call of MoE layer `layer` with `n` expert ids (`top_k` per
+token) gets its pool rows, after raising a pending stream error (see
+raise_stream_error).
+
+Returns:
+    PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
+    one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
+    most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
+    chunks through load_scratch.
+
+Raises:
+    IndexError: `layer` out of range.
+    ExpertReadError (and subclasses), RuntimeError: a pending stream error.)";
+
+const char* kIsComplete = R"(Whether every expert of MoE layer `layer` has a real slot (as plan()
+last found it); a complete layer can never miss, so nothing of it is worth prefetching.
+
+Raises:
+    IndexError: `layer` out of range.)";
+
+const char* kTable = R"((num_experts,) int32 mx.array: expert -> real slot of MoE layer `layer`,
+valid while plan() returns PLAN_TABLE.
+
+Raises:
+    IndexError: `layer` out of range.)";
+
+const char* kLoadScratch = R"(Reads `experts` (at most scratch_slots of the `missing` list of
+acquire) into the scratch rows of MoE layer `layer`.
+
+Returns:
+    The scratch row of each expert, in order.
+
+Precondition: the previous chunk's computation has been evaluated (its rows are reused).
+
+Raises:
+    ValueError: more experts than scratch_slots.
+    IndexError: `layer` or an expert out of range.
+    ExpertReadError: a read failed.)";
+
+const char* kPrefetch = R"(Reserves side rows of MoE layer `layer` for the predicted experts `ids`
+(int32 C-contiguous numpy array, any shape) and starts their reads on the reader pool
+(inline in sync mode). A failed fill only costs a later demand read.
+
+Raises:
+    IndexError: `layer` out of range.)";
+
+const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, starts the prefetch of `ids`
+(mx.array, any shape and integer dtype) for MoE layer `layer`, like prefetch; on the
+default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
+mx.depends.
+
+Raises:
+    ValueError: `ids` is not of an integer dtype.)";
+
+const char* kDrain = R"(Cancels queued prefetch fills and waits for started ones. A fill still
+reading after read_timeout seconds without any fill finishing is given up: its row is
+freed and
+the expert left to a later demand read.)";
+
+const char* kPin = R"(Pins `expert` of MoE layer `layer` in the real region (reading it if it is not
+resident); eviction never takes a pinned slot.
+
+Raises:
+    IndexError: `layer` or `expert` out of range.
+    ValueError: pinning it would leave no evictable slot (at most expert_slots - 1 pins).
+    ExpertReadError: the read failed (the expert stays unpinned).)";
+
+const char* kUnpin = R"(Unpins `expert` of MoE layer `layer` (it stays resident, evictable).
+Unpinning an expert that is not pinned does nothing. Precondition: 0 <= expert <
+num_experts.
+
+Raises:
+    IndexError: `layer` out of range.)";
+
+const char* kSetPolicy = R"(Sets the real-region eviction policy of every layer: "lfu" or "lru".
+
+Raises:
+    ValueError: another name.)";
+
+const char* kSideLfu =
+    "Persistent LFU side region (True) or double buffer (False); a change applies at the "
+    "next forward boundary, after a drain.";
+const char* kSync =
+    "Run prefetch fills inline where they are submitted (from the next submission).";
+const char* kReset =
+    "Drains, then empties every real region (pins and frequencies too) and side ledger.";
+const char* kForward = "Forward passes begun so far.";
+const char* kInflight = "Prefetch fills in flight, all layers.";
+const char* kCheck =
+    "The first inconsistency found in any real region or side ledger, or an empty string "
+    "when all are consistent (a test and debugging aid).";
+
+const char* kSnapshot = R"(The state of MoE layer `layer`, copied under the cache's lock (any
+thread).
+
+Returns:
+    dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
+    uint8 SLOT_* codes; side_expert (2 * side_slots,) int32, bank 0 then bank 1;
+    side_state (2 * side_slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
+    frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
+    prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
+    overcap_calls, read_errors: int; read_seconds: float seconds).
+
+Raises:
+    IndexError: `layer` out of range.)";
+
+const char* kInjectFault = R"(Test hook: makes the next `count` reads of `expert` (-1: any) of MoE
+layer `layer` fail as `kind`: "none" (clears), "eio", "short_read", "corrupt" (a
+checksum mismatch) or "delay" (waits `delay_ms` first).
+
+Raises:
+    ValueError: an unknown kind.)";
+
+}  // namespace doc
+
 // The Python object holds the cache through a shared_ptr that prefetch primitives share,
 // so a queued primitive never outlives the state it writes to.
 struct Cache {
@@ -117,12 +332,16 @@ NB_MODULE(_ext, m) {
   m.attr("ROW_FREE") = static_cast<int>(es::RowState::kFree);
   m.attr("ROW_IN_FLIGHT") = static_cast<int>(es::RowState::kInFlight);
   m.attr("ROW_PUBLISHED") = static_cast<int>(es::RowState::kPublished);
+  // What ExpertCache.plan returns (es::ExpertCache::Plan).
+  m.attr("PLAN_TABLE") = static_cast<int>(es::ExpertCache::kPlanTable);
+  m.attr("PLAN_STREAM") = static_cast<int>(es::ExpertCache::kPlanStream);
+  m.attr("PLAN_SYNC") = static_cast<int>(es::ExpertCache::kPlanSync);
 
   auto read_error = nb::exception<es::ReadError>(m, "ExpertReadError", PyExc_OSError);
   nb::exception<es::ChecksumError>(m, "ChecksumError", read_error);
   nb::exception<es::ReadTimeout>(m, "ExpertReadTimeout", read_error);
 
-  nb::class_<Cache>(m, "ExpertCache")
+  nb::class_<Cache>(m, "ExpertCache", doc::kCache)
       .def(
           "__init__",
           [](Cache* self, nb::list layers, int num_experts, int expert_slots, int side_slots,
@@ -154,14 +373,20 @@ NB_MODULE(_ext, m) {
           "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = 0, "scratch_slots"_a = 1,
           "policy"_a = "lfu", "decay_every"_a = 256, "side_lfu"_a = true, "sync"_a = false,
           "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
-          "read_timeout"_a = 30.0)
-      .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); })
-      .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); })
-      .def_prop_ro("rows", [](const Cache& c) { return c.impl->rows(); })
-      .def_prop_ro("expert_slots", [](const Cache& c) { return c.impl->config().cap; })
-      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; })
-      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; })
-      .def("pool", [](const Cache& c, int li) { return c.impl->pool(li); }, "layer"_a)
+          "read_timeout"_a = 30.0, doc::kInit)
+      .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
+                   doc::kNumLayers)
+      .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
+                   doc::kNumExperts)
+      .def_prop_ro("rows", [](const Cache& c) { return c.impl->rows(); }, doc::kRows)
+      .def_prop_ro("expert_slots", [](const Cache& c) { return c.impl->config().cap; },
+                   doc::kExpertSlots)
+      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
+                   doc::kSideSlots)
+      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
+                   doc::kScratchSlots)
+      .def("pool", [](const Cache& c, int li) { return c.impl->pool(li); }, "layer"_a,
+           nb::sig("def pool(self, layer: int) -> list[mlx.core.array]"), doc::kPool)
       .def(
           "acquire",
           [](Cache& c, int li, Ids ids) {
@@ -172,9 +397,9 @@ NB_MODULE(_ext, m) {
               missing = c.impl->acquire(li, ids.data(), local.data(), ids.size());
             }
             std::vector<size_t> shape(ids.shape_ptr(), ids.shape_ptr() + ids.ndim());
-            return nb::make_tuple(to_numpy(std::move(local), shape), missing);
+            return std::make_pair(to_numpy(std::move(local), shape), std::move(missing));
           },
-          "layer"_a, "ids"_a)
+          "layer"_a, "ids"_a, doc::kAcquire)
       .def(
           "acquire_op",
           [](Cache& c, int li, const mx::array& ids, bool cpu_stream) {
@@ -182,47 +407,34 @@ NB_MODULE(_ext, m) {
             return es::acquire_op(c.impl, li, ids);
           },
           "layer"_a, "ids"_a, "cpu_stream"_a = false,
-          "Lazy int32 pool rows of `ids` (any shape) for MoE layer `layer`, mapped by the "
-          "cache when evaluated, in stream order, without a host synchronisation; on the "
-          "default stream, or the CPU stream if `cpu_stream`. Precondition: plan() said "
-          "PLAN_STREAM for this call. A read error while evaluating it leaves row 0 and is "
-          "raised by the next raise_stream_error() or plan().")
+          nb::sig("def acquire_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False)"
+                  " -> mlx.core.array"),
+          doc::kAcquireOp)
       .def(
-          "raise_stream_error",
-          [](Cache& c) { c.impl->raise_stream_error(); },
-          "Raises (and clears) the first error of a stream-ordered acquire since the last "
-          "call: ExpertReadError, ChecksumError, ExpertReadTimeout or RuntimeError. Call it "
-          "after evaluating a forward that used acquire_op, before using its result.")
+          "raise_stream_error", [](Cache& c) { c.impl->raise_stream_error(); },
+          doc::kRaiseStreamError)
       .def(
-          "plan", [](Cache& c, int li, int64_t n, int top_k) { return int(c.impl->plan(li, n, top_k)); },
-          "layer"_a, "n"_a, "top_k"_a,
-          "How the next call of MoE layer `layer` with `n` expert ids (`top_k` per token) "
-          "gets its pool rows (after raising a pending stream error, see "
-          "raise_stream_error): 0 (PLAN_TABLE) table(layer)[ids] on the device, the layer "
-          "being complete and the call one token (its top_k hits are counted now); 1 "
-          "(PLAN_STREAM) acquire_op, n being at most expert_slots - pinned; 2 (PLAN_SYNC) "
-          "acquire on host ids, with over-capacity chunks.")
+          "plan",
+          [](Cache& c, int li, int64_t n, int top_k) { return int(c.impl->plan(li, n, top_k)); },
+          "layer"_a, "n"_a, "top_k"_a, doc::kPlan)
       .def("is_complete", [](const Cache& c, int li) { return c.impl->is_complete(li); },
-           "layer"_a,
-           "Whether every expert of MoE layer `layer` has a real slot (as plan() last found "
-           "it); a complete layer can never miss, so nothing of it is worth prefetching.")
+           "layer"_a, doc::kIsComplete)
       .def("table", [](const Cache& c, int li) { return c.impl->table(li); }, "layer"_a,
-           "(num_experts,) int32 expert -> real slot of MoE layer `layer`, valid while "
-           "plan() returns PLAN_TABLE.")
+           nb::sig("def table(self, layer: int) -> mlx.core.array"), doc::kTable)
       .def(
           "load_scratch",
           [](Cache& c, int li, const std::vector<int>& experts) {
             nb::gil_scoped_release release;
             return c.impl->load_scratch(li, experts);
           },
-          "layer"_a, "experts"_a)
+          "layer"_a, "experts"_a, doc::kLoadScratch)
       .def(
           "prefetch",
           [](Cache& c, int li, Ids ids) {
             nb::gil_scoped_release release;
             c.impl->prefetch(li, ids.data(), ids.size());
           },
-          "layer"_a, "ids"_a)
+          "layer"_a, "ids"_a, doc::kPrefetch)
       .def(
           "prefetch_op",
           [](Cache& c, int li, const mx::array& ids, bool cpu_stream) {
@@ -230,22 +442,25 @@ NB_MODULE(_ext, m) {
             return es::prefetch_op(c.impl, li, ids);
           },
           "layer"_a, "ids"_a, "cpu_stream"_a = false,
-          "Lazy uint8 scalar that starts the prefetch of `ids` for MoE layer `layer` when "
-          "evaluated; on the default stream, or the CPU stream if `cpu_stream`.")
+          nb::sig("def prefetch_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False)"
+                  " -> mlx.core.array"),
+          doc::kPrefetchOp)
       .def(
           "drain",
           [](Cache& c) {
             nb::gil_scoped_release release;
             c.impl->drain();
-          })
+          },
+          doc::kDrain)
       .def(
           "pin",
           [](Cache& c, int li, int e) {
             nb::gil_scoped_release release;
             c.impl->pin(li, e);
           },
-          "layer"_a, "expert"_a)
-      .def("unpin", [](Cache& c, int li, int e) { c.impl->unpin(li, e); }, "layer"_a, "expert"_a)
+          "layer"_a, "expert"_a, doc::kPin)
+      .def("unpin", [](Cache& c, int li, int e) { c.impl->unpin(li, e); }, "layer"_a, "expert"_a,
+           doc::kUnpin)
       .def(
           "set_policy",
           [](Cache& c, const std::string& p) {
@@ -253,22 +468,23 @@ NB_MODULE(_ext, m) {
               throw std::invalid_argument("policy must be 'lfu' or 'lru', got '" + p + "'");
             c.impl->set_policy(p == "lfu" ? es::Policy::kLFU : es::Policy::kLRU);
           },
-          "policy"_a)
+          "policy"_a, doc::kSetPolicy)
       .def_prop_rw(
           "side_lfu", [](const Cache& c) { return c.impl->side_lfu(); },
-          [](Cache& c, bool on) { c.impl->set_side_lfu(on); })
+          [](Cache& c, bool on) { c.impl->set_side_lfu(on); }, doc::kSideLfu)
       .def_prop_rw(
           "sync", [](const Cache& c) { return c.impl->sync(); },
-          [](Cache& c, bool on) { c.impl->set_sync(on); })
+          [](Cache& c, bool on) { c.impl->set_sync(on); }, doc::kSync)
       .def(
           "reset",
           [](Cache& c) {
             nb::gil_scoped_release release;
             c.impl->reset();
-          })
-      .def_prop_ro("forward", [](const Cache& c) { return c.impl->forward(); })
-      .def_prop_ro("inflight", [](const Cache& c) { return c.impl->inflight(); })
-      .def("check", [](const Cache& c) { return c.impl->check(); })
+          },
+          doc::kReset)
+      .def_prop_ro("forward", [](const Cache& c) { return c.impl->forward(); }, doc::kForward)
+      .def_prop_ro("inflight", [](const Cache& c) { return c.impl->inflight(); }, doc::kInflight)
+      .def("check", [](const Cache& c) { return c.impl->check(); }, doc::kCheck)
       .def(
           "snapshot",
           [](const Cache& c, int li) {
@@ -287,11 +503,11 @@ NB_MODULE(_ext, m) {
             d["stats"] = stats_dict(s.stats);
             return d;
           },
-          "layer"_a)
+          "layer"_a, doc::kSnapshot)
       .def(
           "inject_fault",
           [](Cache& c, int li, const std::string& kind, int expert, int count, int delay_ms) {
             c.impl->inject_fault(li, fault_from_name(kind), expert, count, delay_ms);
           },
-          "layer"_a, "kind"_a, "expert"_a = -1, "count"_a = 1, "delay_ms"_a = 0);
+          "layer"_a, "kind"_a, "expert"_a = -1, "count"_a = 1, "delay_ms"_a = 0, doc::kInjectFault);
 }

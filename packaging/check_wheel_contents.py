@@ -17,6 +17,7 @@ from pathlib import Path
 MODEL = "resources/models/tinystories-moe"
 WHEEL_REQUIRED = (
     "engine/_ext.*.so",  # the compiled core
+    "engine/_ext.pyi",  # and its typed interface
     "engine/__init__.py",
     "engine/cli.py",
     "engine/resources.py",

@@ -1,0 +1,336 @@
+"""
+ExpertStream native core: blob I/O, reader pool, real region, side region.
+"""
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import mlx.core
+import numpy
+from numpy.typing import NDArray
+
+
+DTYPE_NAMES: tuple = ...
+
+SLOT_EMPTY: int = 0
+
+SLOT_RESIDENT: int = 1
+
+SLOT_PINNED: int = 2
+
+SLOT_LOADING: int = 3
+
+SLOT_JUST_LOADED: int = 4
+
+ROW_FREE: int = 0
+
+ROW_IN_FLIGHT: int = 1
+
+ROW_PUBLISHED: int = 2
+
+PLAN_TABLE: int = 0
+
+PLAN_STREAM: int = 1
+
+PLAN_SYNC: int = 2
+
+class ExpertReadError(OSError):
+    pass
+
+class ChecksumError(ExpertReadError):
+    pass
+
+class ExpertReadTimeout(ExpertReadError):
+    pass
+
+class ExpertCache:
+    """
+    The expert cache of one store: per MoE layer a pool of rows (real region,
+    two side-region banks, scratch rows), the reader pool, the side ledgers and the counters.
+
+    Thread safety: acquire, acquire_op, load_scratch, pin/unpin and reset belong to one
+    thread at a time (the generation thread, or the MLX stream that evaluates acquire_op);
+    snapshot, check, the properties and the live toggles may be used from any thread.
+    """
+
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'lfu', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0) -> None:
+        """
+        Opens the blob files and allocates every pool.
+
+        Args:
+            layers: one dict per MoE layer, in MoE order: layer (decoder index, for messages),
+                path (blob file), stride and record_bytes (bytes), checksums (num_experts crc32
+                ints), segments (list of dicts: key, dtype (a name of DTYPE_NAMES), shape
+                (per expert), offset and nbytes (bytes in the record)).
+            num_experts: records per blob file, >= 1.
+            expert_slots: real-region slots per layer, in [1, num_experts].
+            side_slots: side-region rows per bank (two banks), >= 0.
+            scratch_slots: rows for an over-capacity call's misses, experts per chunk, >= 1.
+            policy: real-region eviction, "lfu" or "lru".
+            decay_every: acquire calls per layer between LFU halvings (0: never).
+            side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
+            sync: run prefetch fills inline where they are submitted.
+            verify: check each record's crc32 on every read.
+            uncached: bypass the page cache (O_DIRECT / F_NOCACHE).
+            threads: reader threads, >= 1.
+            read_timeout: seconds a demand read or a drain waits without progress, in
+                [0, 86400] (0: forever).
+
+        Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.
+
+        Raises:
+            ValueError: a count or option out of range, an unknown dtype, segments that do not
+                fit the record.
+            ExpertReadError: a blob file cannot be opened or has the wrong size.
+        """
+
+    @property
+    def num_layers(self) -> int:
+        """MoE layers (pools)."""
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (records per blob)."""
+
+    @property
+    def rows(self) -> int:
+        """Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots."""
+
+    @property
+    def expert_slots(self) -> int:
+        """Real-region slots per layer."""
+
+    @property
+    def side_slots(self) -> int:
+        """Side-region rows per bank (two banks)."""
+
+    @property
+    def scratch_slots(self) -> int:
+        """Scratch rows per layer: experts per chunk of an over-capacity call."""
+
+    def pool(self, layer: int) -> list[mlx.core.array]:
+        """
+        The pool arrays of MoE layer `layer`, one per segment in record order, each
+        shaped (rows, *segment shape) with the segment's dtype. They share memory with the
+        cache: rows change as experts are loaded, so read them only through the rows acquire
+        returns, in the same forward.
+
+        Raises:
+            IndexError: `layer` is not in [0, num_layers).
+        """
+
+    def acquire(self, layer: int, ids: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)]) -> tuple[NDArray[numpy.int32], list[int]]:
+        """
+        Maps the expert ids of one MoE layer call to pool rows: real hit, side hit
+        (the bank being read) or a demand read into the real region.
+
+        Args:
+            layer: MoE layer index; a layer not above the previous call's starts a new forward.
+            ids: int32 C-contiguous numpy array, any shape (e.g. (tokens, top_k)), values in
+                [0, num_experts).
+
+        Returns:
+            (rows, missing): rows, int32 numpy array of the shape of `ids`; missing, a list of
+            int. When the call's distinct misses exceed the evictable slots (expert_slots minus
+            pinned) nothing is loaded: the entries of those experts are -1 and `missing` lists
+            them (distinct, in first-seen order), to be read through load_scratch; otherwise
+            `missing` is empty.
+
+        Precondition: plan() said PLAN_SYNC for this call (or a trace hook is set), and every
+        earlier use of this layer's pool has been evaluated (the caller synchronised on `ids`),
+        so no row an unevaluated computation reads is reused.
+
+        Raises:
+            IndexError: `layer` or an id out of range.
+            ExpertReadError: a demand read failed (ChecksumError, ExpertReadTimeout).
+        """
+
+    def acquire_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False) -> mlx.core.array:
+        """
+        Lazy int32 pool rows of `ids` for MoE layer `layer`, mapped by the cache
+        when MLX evaluates them, in stream order, with no host synchronisation.
+
+        Args:
+            ids: mx.array of any shape and integer dtype (the router's expert ids).
+            cpu_stream: build the primitive on the CPU stream (needed on a GPU device).
+
+        Returns:
+            mx.array, int32, the shape of `ids`.
+
+        Precondition: plan() said PLAN_STREAM for this call.
+
+        Raises:
+            ValueError: `ids` is not of an integer dtype.
+            A read error while it is evaluated leaves row 0 (a valid row) and is raised by the
+            next raise_stream_error() or plan().
+        """
+
+    def raise_stream_error(self) -> None:
+        """
+        Raises (and clears) the first error of a stream-ordered acquire
+        since the last call: ExpertReadError, ChecksumError, ExpertReadTimeout or RuntimeError.
+        Call it after evaluating a forward that used acquire_op, before using its result.
+        """
+
+    def plan(self, layer: int, n: int, top_k: int) -> int:
+        """
+        How the next call of MoE layer `layer` with `n` expert ids (`top_k` per
+        token) gets its pool rows, after raising a pending stream error (see
+        raise_stream_error).
+
+        Returns:
+            PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
+            one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
+            most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
+            chunks through load_scratch.
+
+        Raises:
+            IndexError: `layer` out of range.
+            ExpertReadError (and subclasses), RuntimeError: a pending stream error.
+        """
+
+    def table(self, layer: int) -> mlx.core.array:
+        """
+        (num_experts,) int32 mx.array: expert -> real slot of MoE layer `layer`,
+        valid while plan() returns PLAN_TABLE.
+
+        Raises:
+            IndexError: `layer` out of range.
+        """
+
+    def load_scratch(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """
+        Reads `experts` (at most scratch_slots of the `missing` list of
+        acquire) into the scratch rows of MoE layer `layer`.
+
+        Returns:
+            The scratch row of each expert, in order.
+
+        Precondition: the previous chunk's computation has been evaluated (its rows are reused).
+
+        Raises:
+            ValueError: more experts than scratch_slots.
+            IndexError: `layer` or an expert out of range.
+            ExpertReadError: a read failed.
+        """
+
+    def prefetch(self, layer: int, ids: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)]) -> None:
+        """
+        Reserves side rows of MoE layer `layer` for the predicted experts `ids`
+        (int32 C-contiguous numpy array, any shape) and starts their reads on the reader pool
+        (inline in sync mode). A failed fill only costs a later demand read.
+
+        Raises:
+            IndexError: `layer` out of range.
+        """
+
+    def prefetch_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False) -> mlx.core.array:
+        """
+        Lazy uint8 scalar that, when evaluated, starts the prefetch of `ids`
+        (mx.array, any shape and integer dtype) for MoE layer `layer`, like prefetch; on the
+        default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
+        mx.depends.
+
+        Raises:
+            ValueError: `ids` is not of an integer dtype.
+        """
+
+    def drain(self) -> None:
+        """
+        Cancels queued prefetch fills and waits for started ones. A fill still
+        reading after read_timeout seconds without any fill finishing is given up: its row is
+        freed and
+        the expert left to a later demand read.
+        """
+
+    def pin(self, layer: int, expert: int) -> None:
+        """
+        Pins `expert` of MoE layer `layer` in the real region (reading it if it is not
+        resident); eviction never takes a pinned slot.
+
+        Raises:
+            IndexError: `layer` or `expert` out of range.
+            ValueError: pinning it would leave no evictable slot (at most expert_slots - 1 pins).
+            ExpertReadError: the read failed (the expert stays unpinned).
+        """
+
+    def unpin(self, layer: int, expert: int) -> None:
+        """
+        Unpins `expert` of MoE layer `layer` (it stays resident, evictable).
+        Unpinning an expert that is not pinned does nothing. Precondition: 0 <= expert <
+        num_experts.
+
+        Raises:
+            IndexError: `layer` out of range.
+        """
+
+    def set_policy(self, policy: str) -> None:
+        """
+        Sets the real-region eviction policy of every layer: "lfu" or "lru".
+
+        Raises:
+            ValueError: another name.
+        """
+
+    @property
+    def side_lfu(self) -> bool:
+        """
+        Persistent LFU side region (True) or double buffer (False); a change applies at the next forward boundary, after a drain.
+        """
+
+    @side_lfu.setter
+    def side_lfu(self, arg: bool, /) -> None: ...
+
+    @property
+    def sync(self) -> bool:
+        """
+        Run prefetch fills inline where they are submitted (from the next submission).
+        """
+
+    @sync.setter
+    def sync(self, arg: bool, /) -> None: ...
+
+    def reset(self) -> None:
+        """
+        Drains, then empties every real region (pins and frequencies too) and side ledger.
+        """
+
+    @property
+    def forward(self) -> int:
+        """Forward passes begun so far."""
+
+    @property
+    def inflight(self) -> int:
+        """Prefetch fills in flight, all layers."""
+
+    def check(self) -> str:
+        """
+        The first inconsistency found in any real region or side ledger, or an empty string when all are consistent (a test and debugging aid).
+        """
+
+    def snapshot(self, layer: int) -> dict:
+        """
+        The state of MoE layer `layer`, copied under the cache's lock (any
+        thread).
+
+        Returns:
+            dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
+            uint8 SLOT_* codes; side_expert (2 * side_slots,) int32, bank 0 then bank 1;
+            side_state (2 * side_slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
+            frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
+            prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
+            overcap_calls, read_errors: int; read_seconds: float seconds).
+
+        Raises:
+            IndexError: `layer` out of range.
+        """
+
+    def inject_fault(self, layer: int, kind: str, expert: int = -1, count: int = 1, delay_ms: int = 0) -> None:
+        """
+        Test hook: makes the next `count` reads of `expert` (-1: any) of MoE
+        layer `layer` fail as `kind`: "none" (clears), "eio", "short_read", "corrupt" (a
+        checksum mismatch) or "delay" (waits `delay_ms` first).
+
+        Raises:
+            ValueError: an unknown kind.
+        """

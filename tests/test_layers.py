@@ -1,0 +1,114 @@
+"""The import layers of docs/architecture.md, and the native boundary's stub, hold.
+
+- the app never imports `engine._ext` (it goes through `engine.cache`), nor does `bench`;
+- the engine never imports `bench` or `app`;
+- no import cycles among the modules of engine/, app/ and bench/, counting imports
+  inside functions too (a deferred import does not make a cycle acceptable);
+- engine/_ext.pyi is what nanobind's stubgen makes of the built `engine._ext`.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "app", "bench")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in the file, as absolute names (`from a
+    import b` counts as `a.b` when that is a module of ours, else as `a`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}")
+            found.add(base)
+    return found
+
+
+def our_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (`engine._ext` included, a module
+    without a .py file)."""
+    mods = our_modules()
+    known = set(mods) | {"engine._ext"}
+    return {m: {i for i in imports_of(p) if i in known and i != m} for m, p in mods.items()}
+
+
+def test_layers():
+    wrong = []
+    for mod, deps in graph().items():
+        top = mod.split(".")[0]
+        for dep in deps:
+            dep_top = dep.split(".")[0]
+            if top in ("app", "bench") and dep == "engine._ext":
+                wrong.append(f"{mod} imports engine._ext (use engine.cache)")
+            if top == "engine" and dep_top in ("app", "bench"):
+                wrong.append(f"{mod} imports {dep}: the engine never imports {dep_top}")
+            if top == "app" and dep_top == "bench":
+                wrong.append(f"{mod} imports {dep}: the benchmarks are not shipped")
+    assert wrong == []
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join([*path[path.index(d) :], d]))
+            elif d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert cycles == []
+
+
+def test_the_layer_check_sees_imports():
+    """The checks above read real imports: a known edge of each kind is found."""
+    g = graph()
+    assert "engine.cache" in g["app.monitor"]
+    assert "engine._ext" in g["engine.cache"]
+    assert "engine.model" in g["bench.peers"]
+    assert "engine.predictor" in g["engine.model"]
+
+
+def test_native_stub_is_current(tmp_path):
+    out = tmp_path / "_ext.pyi"
+    subprocess.run(
+        [sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "engine._ext", "-o", str(out)],
+        check=True,
+        cwd=ROOT,
+    )
+    assert out.read_text() == (ROOT / "engine" / "_ext.pyi").read_text(), (
+        "engine/_ext.pyi is stale: run `make stubs` (python -m nanobind.stubgen -m engine._ext"
+        " -o engine/_ext.pyi) and commit it"
+    )
