@@ -121,7 +121,8 @@ def row(label: str, r: dict, base: float) -> str:
 
 HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
-    "| rest ms | MB read/token | same tokens as baseline |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| rest ms | MB read/token | same tokens as baseline |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

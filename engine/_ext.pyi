@@ -189,6 +189,15 @@ class ExpertCache:
             ExpertReadError (and subclasses), RuntimeError: a pending stream error.
         """
 
+    def is_complete(self, layer: int) -> bool:
+        """
+        Whether every expert of MoE layer `layer` has a real slot (as plan()
+        last found it); a complete layer can never miss, so nothing of it is worth prefetching.
+
+        Raises:
+            IndexError: `layer` out of range.
+        """
+
     def table(self, layer: int) -> mlx.core.array:
         """
         (num_experts,) int32 mx.array: expert -> real slot of MoE layer `layer`,
