@@ -10,8 +10,8 @@
   arrays; the copy is a memcpy of the routed records only, the faults are the cost
   being measured.
 
-Both replace each `StreamedSwitchGLU` of a model loaded with one real-region slot and run
-the same `gather_qmm` calls on the fetched records, so the outputs are the engine's; each
+Both replace each `StreamedExperts` of a model loaded with one real-region slot and run
+the same expert computation on the fetched records, so the outputs are the engine's; each
 layer is evaluated before the next one fetches (as these peers compute), so the fetched
 records of one layer at most are held.
 """
@@ -23,10 +23,10 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.config import StreamConfig
-from engine.layouts import layout_for
+from engine.experts import ExpertModule, replace
 from engine.model import StreamedModel, load
 from engine.store import DTYPES, LayerSpec
-from engine.streamed_layer import StreamedSwitchGLU
+from engine.streamed_layer import StreamedExperts
 
 PEER_MODES = ("pagecache", "mmap")
 
@@ -44,7 +44,7 @@ def _segment_array(records: np.ndarray, seg) -> mx.array:
     return mx.array(part).view(DTYPES[seg.dtype]).reshape(len(records), *seg.shape)
 
 
-class PeerSwitchGLU(StreamedSwitchGLU):
+class PeerExperts(StreamedExperts):
     """One MoE layer computed on records fetched per call by `mode` (see PEER_MODES)."""
 
     def __init__(
@@ -53,13 +53,13 @@ class PeerSwitchGLU(StreamedSwitchGLU):
         path: str,
         num_experts: int,
         mode: str,
-        activation,
+        module: ExpertModule,
         counters: FetchCounters,
     ):
         nn.Module.__init__(self)
         if mode not in PEER_MODES:
             raise ValueError(f"peer mode {mode!r} not in {PEER_MODES}")
-        self.activation = activation
+        self._module = module
         self._quant = spec.quantization
         self._spec = spec
         self._mode = mode
@@ -88,7 +88,7 @@ class PeerSwitchGLU(StreamedSwitchGLU):
         records = self._fetch(experts)
         self._pool = {s.key: _segment_array(records, s) for s in self._spec.segments}
         rows = mx.array(local.reshape(ids.shape).astype(np.int32))
-        y = self._glu(mx.expand_dims(x, (-2, -3)), rows)
+        y = self._experts(x, rows)
         # Computed layer by layer, as these peers do: the fetched records are released
         # here instead of piling up in the lazy graph of the whole forward.
         mx.eval(y)
@@ -103,18 +103,21 @@ class PeerSwitchGLU(StreamedSwitchGLU):
 
 def load_peer(store_path, mode: str) -> tuple[StreamedModel, FetchCounters]:
     """The model of the store at `store_path` with every MoE layer replaced by a
-    `PeerSwitchGLU` of `mode`. The engine's own cache is opened with one slot and one
+    `PeerExperts` of `mode`. The engine's own cache is opened with one slot and one
     scratch row per layer and never used."""
     sm = load(store_path, StreamConfig(expert_slots=1, scratch_slots=1))
     counters = FetchCounters()
-    blocks = layout_for(sm.store.config).moe_blocks(sm.model)
-    for (_, block), spec in zip(blocks, sm.store.manifest.layers, strict=True):
-        block.switch_mlp = PeerSwitchGLU(
+    streamed = sorted(
+        (m for m in sm.model.modules() if isinstance(m, StreamedExperts)), key=lambda m: m._index
+    )
+    for layer, spec in zip(streamed, sm.store.manifest.layers, strict=True):
+        peer = PeerExperts(
             spec,
             str(sm.store.blob_path(spec)),
             sm.store.manifest.num_experts,
             mode,
-            block.switch_mlp.activation,
+            layer._module,
             counters,
         )
+        replace(layer._module, peer)
     return sm, counters

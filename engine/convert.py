@@ -17,14 +17,22 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.utils import _get_classes, infer_quant_config
+from mlx.utils import tree_flatten
+from mlx_lm.utils import infer_quant_config
 
-from .layouts import Layout, NotMoEError, layout_for
+from .experts import (
+    ExpertModule,
+    find_experts,
+    instantiate,
+    model_classes,
+    num_hidden_layers,
+    top_k,
+)
+from .experts import quantization as quantization_of
 from .store import (
     CONFIG_FILE,
     MANIFEST_FILE,
-    PROJECTIONS,
-    SEGMENT_KEYS,
+    PARAMS,
     Segment,
     dtype_name,
     is_store,
@@ -32,7 +40,6 @@ from .store import (
 )
 from .store_writer import StoreWriter, fsync_path
 
-_SWITCH_KEY = re.compile(r"model\.layers\.(\d+)\.([^.]+)\.switch_mlp\.(.+)")
 # Other weight formats (pickle-based and others): never opened nor copied into a store;
 # named in the error when a model directory has no safetensors.
 _UNREAD_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".npz", ".npy", ".gguf")
@@ -60,8 +67,12 @@ def convert(
 ) -> Path:
     """Write the expert store of an mlx-lm MoE model directory.
 
-    Expert weights (`model.layers.N.<block>.switch_mlp.*`) go to one
-    `layerNN.blob` per MoE layer, every other weight to `dense.safetensors`;
+    The weights of each `SwitchGLU` / `SwitchMLP` the model holds (`<its module
+    path>.*`, e.g. `model.layers.N.mlp.switch_mlp.*` or `model.layers.N.mlp.experts.*`)
+    go to one `layerNN.blob` per MoE layer, every other weight to `dense.safetensors`;
+    checkpoints are first sanitized by the model family's own `sanitize` (per-expert
+    tensors stacked, fused gate/up split), lazily, so memory stays bounded by the dense
+    weights plus one layer's experts;
     `config.json` and the tokenizer/auxiliary files are copied (no `*.py`, no
     pickle or other weight files).
 
@@ -83,8 +94,10 @@ def convert(
             missing.
         ValueError: invalid `config.json`, a config with `model_file` (custom
             model code is never run), or weights that do not match the model.
-        UnsupportedModelError, NotMoEError: from `layout_for`; NotMoEError also when
-            no decoder layer of the model is an MoE layer.
+        UnsupportedModelError: mlx-lm has no such model, or its experts are not a
+            stacked SwitchGLU / SwitchMLP (`engine.experts`).
+        NotMoEError: no layer of the model has routed experts, or the config has no
+            experts-per-token entry.
         FileExistsError: `store_dir` exists and `force` is False, or it is not a
             store.
         OSError: writing failed (e.g. ENOSPC); the message names `store_dir`.
@@ -94,27 +107,26 @@ def convert(
     model_dir = Path(model_dir)
     store_dir = Path(store_dir)
     config = _read_config(model_dir)
-    layout = layout_for(config)
+    where = model_dir / CONFIG_FILE
+    model_classes(config, where)
     _check_destination(model_dir, store_dir, force)
 
-    model = _instantiate(config, layout, model_dir)
-    if not layout.moe_blocks(model):
-        raise NotMoEError(
-            f"{model_dir / CONFIG_FILE}: no layer of this {layout.model_type} model has "
-            "routed experts (mlp_only_layers / decoder_sparse_step make every layer dense)"
-        )
+    model = instantiate(config, where)
+    experts = find_experts(model, where)
+    num_experts = experts[0].num_experts
+    k = top_k(config, num_experts, where)
+    layers = num_hidden_layers(config, model, where)
     weights = _load_weights(model_dir, model)
-    plans = _plan_layers(layout, config, model, weights)
+    plans = _plan_layers(config, experts, weights)
     if "lm_head" not in model:
         for key in [k for k in weights if k.startswith("lm_head.")]:
             del weights[key]
+    _check_dense(model, weights, model_dir)
 
     try:
-        with StoreWriter(store_dir, layout.num_experts(config)) as writer:
+        with StoreWriter(store_dir, num_experts) as writer:
             _write_store(writer, model_dir, plans, weights, progress)
-            writer.finish(
-                layout.model_type, layout.top_k(config), int(config["num_hidden_layers"]), force
-            )
+            writer.finish(config["model_type"], k, layers, force)
     except BaseException as e:
         renamed = _naming_store(e, model_dir, store_dir)
         if renamed is e:
@@ -168,24 +180,6 @@ def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
         )
 
 
-def _instantiate(config: dict, layout: Layout, model_dir: Path) -> nn.Module:
-    """The mlx-lm `Model` of `config`, used only for `sanitize` and shapes:
-    its own (random, lazy) parameters are never evaluated."""
-    model_class, args_class = _get_classes(config)
-    module = f"mlx_lm.models.{layout.model_type}"
-    if model_class.__module__ != module:
-        raise ValueError(
-            f"{model_dir / CONFIG_FILE}: mlx-lm maps this config to "
-            f"{model_class.__module__}, expected {module}"
-        )
-    try:
-        return model_class(args_class.from_dict(config))
-    except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(
-            f"{model_dir / CONFIG_FILE}: not a valid {layout.model_type} config ({e})"
-        ) from e
-
-
 def _load_weights(model_dir: Path, model: nn.Module) -> dict[str, mx.array]:
     """Lazily loaded, sanitized weights (per-expert checkpoints are stacked)."""
     files = sorted(model_dir.glob("model*.safetensors"))
@@ -204,48 +198,52 @@ def _load_weights(model_dir: Path, model: nn.Module) -> dict[str, mx.array]:
             weights.update(mx.load(str(f), format="safetensors"))
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
-    weights = model.sanitize(weights)
-    for key in weights:
-        if ".experts." in key:
-            raise ValueError(
-                f"{model_dir}: per-expert weight {key!r} is not stacked by "
-                f"mlx-lm's sanitize; this checkpoint layout is not supported"
-            )
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
     return weights
 
 
-def _plan_layers(
-    layout: Layout, config: dict, model: nn.Module, weights: dict[str, mx.array]
-) -> list[_LayerPlan]:
-    """Take each MoE layer's expert arrays out of `weights` and lay out its
-    records; what remains in `weights` is dense."""
-    num_experts = layout.num_experts(config)
-    blocks = layout.moe_blocks(model)
-    moe_layers = {i for i, _ in blocks}
-    by_layer: dict[int, dict[str, str]] = {}
-    for key in weights:
-        m = _SWITCH_KEY.fullmatch(key)
-        if m is None:
-            continue
-        i, attr, rest = int(m[1]), m[2], m[3]
-        if attr != layout.moe_attr or i not in moe_layers:
-            raise ValueError(
-                f"expert weight {key!r} does not belong to an MoE layer of this "
-                f"{layout.model_type} model (MoE layers: {sorted(moe_layers)})"
-            )
-        if rest not in SEGMENT_KEYS:
-            raise ValueError(
-                f"expert weight {key!r}: parameter {rest!r} is not supported "
-                f"(supported: {', '.join(SEGMENT_KEYS)})"
-            )
-        by_layer.setdefault(i, {})[rest] = key
+def _check_dense(model: nn.Module, dense: dict[str, mx.array], model_dir: Path) -> None:
+    """Every weight left after the experts were taken out is a parameter of the model (or
+    the scales/biases of a quantized one), as mlx-lm's strict loading will require.
 
+    Raises:
+        ValueError: naming the first weight that is not (e.g. per-expert tensors that the
+            family's `sanitize` did not stack).
+    """
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    quantized = ("scales", "biases", "global_scale")
+    for key in dense:
+        base, _, param = key.rpartition(".")
+        if key in names or (param in quantized and f"{base}.weight" in names):
+            continue
+        raise ValueError(
+            f"{model_dir}: weight {key!r} is not a parameter of this {model.model_type} model "
+            "after mlx-lm's sanitize (per-expert weights it does not stack?)"
+        )
+
+
+def _plan_layers(
+    config: dict, experts: list[ExpertModule], weights: dict[str, mx.array]
+) -> list[_LayerPlan]:
+    """Take each expert module's arrays out of `weights` and lay out its records; what
+    remains in `weights` is dense."""
+    num_experts = experts[0].num_experts
     plans = []
-    for moe_index, (i, block) in enumerate(blocks):
-        module = layout.module_path(i)
-        keys = by_layer.get(i, {})
-        for proj in PROJECTIONS:
-            linear = block.switch_mlp[proj]
+    for moe_index, expert in enumerate(experts):
+        module = expert.path
+        order = [f"{proj}.{param}" for proj in expert.projections for param in PARAMS]
+        keys = {}
+        for key in [k for k in weights if k.startswith(f"{module}.")]:
+            rest = key[len(module) + 1 :]
+            if rest not in order:
+                raise ValueError(
+                    f"expert weight {key!r}: parameter {rest!r} is not one of a "
+                    f"{expert.kind}'s (supported: {', '.join(order)})"
+                )
+            keys[rest] = key
+        for proj in expert.projections:
+            linear = expert.module[proj]
             if f"{proj}.weight" not in keys:
                 raise ValueError(f"missing expert weight {module}.{proj}.weight")
             if ("bias" in linear) != (f"{proj}.bias" in keys):
@@ -256,7 +254,7 @@ def _plan_layers(
                 )
         arrays = {}
         parts = []
-        for seg_key in SEGMENT_KEYS:
+        for seg_key in order:
             if seg_key not in keys:
                 continue
             a = weights.pop(keys[seg_key])
@@ -270,10 +268,14 @@ def _plan_layers(
         segments = layout_segments(parts)
         record_bytes = sum(seg.nbytes for seg in segments)
         quantization = {
-            proj: _quantization(config, module, proj, block.switch_mlp[proj], keys, arrays)
-            for proj in PROJECTIONS
+            proj: _quantization(config, module, proj, expert.module[proj], keys, arrays)
+            for proj in expert.projections
         }
-        plans.append(_LayerPlan(i, moe_index, module, arrays, segments, record_bytes, quantization))
+        plans.append(
+            _LayerPlan(
+                expert.layer, moe_index, module, arrays, segments, record_bytes, quantization
+            )
+        )
     return plans
 
 
@@ -291,10 +293,10 @@ def _quantization(
     if f"{proj}.scales" not in keys:
         return None
     path = f"{module}.{proj}"
-    quantization = config.get("quantization")
-    if not isinstance(quantization, dict):
+    section = quantization_of(config, CONFIG_FILE)
+    if not isinstance(section, dict):
         raise ValueError(f"{path} is quantized but config.json has no 'quantization' section")
-    params = quantization.get(path)
+    params = section.get(path)
     if params is None:
         weights = {
             f"{path}.weight": arrays[f"{proj}.weight"],

@@ -2,8 +2,9 @@
 
 `load(path, config)` accepts an expert store or an mlx-lm model directory (converted into
 a store under the user cache directory on first use), builds mlx-lm's own model class,
-patches every MoE block's `switch_mlp` with a `StreamedSwitchGLU`, and loads only the
-dense weights. The result generates through mlx-lm's own `stream_generate`.
+puts a `StreamedExperts` in place of every `SwitchGLU` / `SwitchMLP` it holds (the store's
+manifest names each one's module path), and loads only the dense weights. The result
+generates through mlx-lm's own `stream_generate`.
 """
 
 import errno
@@ -15,18 +16,27 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_tokenizer
+from mlx_lm.utils import _takes_global_scale, infer_quant_config, load_config, load_tokenizer
 
 from engine import autopin
 from engine import cache as cache_mod
 from engine.config import StreamConfig
 from engine.convert import convert
-from engine.layouts import Layout, layout_for
+from engine.experts import (
+    ExpertModule,
+    find_experts,
+    instantiate,
+    model_classes,
+    num_hidden_layers,
+    replace,
+    router_logits,
+    top_k,
+)
+from engine.experts import quantization as quantization_of
 from engine.predictor import Predictor
 from engine.store import (
     DTYPES,
     MANIFEST_FILE,
-    PROJECTIONS,
     ExpertStore,
     LayerSpec,
     StoreError,
@@ -35,7 +45,7 @@ from engine.store import (
 
 # store_cache_dir stays importable from here (the benchmarks use it).
 from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
-from engine.streamed_layer import StreamedSwitchGLU
+from engine.streamed_layer import StreamedExperts
 
 
 def resolve_store(path: str | Path, progress=None) -> ExpertStore:
@@ -66,7 +76,7 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
         config = json.loads((path / "config.json").read_text())
     except ValueError as e:
         raise ValueError(f"{path / 'config.json'}: invalid JSON ({e})") from None
-    layout_for(config)  # fail fast, before hashing
+    model_classes(config, path / "config.json")  # fail fast, before hashing
     dest = store_for(path)
     if not is_store(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +90,8 @@ class StreamedModel:
     """A loaded model whose experts stream from `store` through `cache`.
 
     Attributes:
-        model: the mlx-lm `Model` with StreamedSwitchGLU blocks; call it like mlx-lm's.
+        model: the mlx-lm `Model`, StreamedExperts in place of its experts; call it like
+            mlx-lm's.
         tokenizer: mlx-lm's TokenizerWrapper (None for stores without tokenizer files).
         store: the ExpertStore.
         config: the StreamConfig it was built with.
@@ -122,15 +133,11 @@ class StreamedModel:
 
 def _quantize_dense(model: nn.Module, config: dict, weights: dict) -> None:
     """Quantizes the dense modules exactly as mlx-lm's load_model does for a checkpoint
-    with a `quantization` entry: per-module overrides first, else inferred from the saved
-    scales; modules without saved scales stay unquantized."""
-    quantization = config.get("quantization")
+    with a `quantization` entry (or a `quantization_config` that stands for one): per-module
+    overrides first, else inferred from the saved scales; modules without saved scales
+    stay unquantized."""
+    quantization = quantization_of(config, "config.json")
     if quantization is None:
-        if "quantization_config" in config:
-            raise ValueError(
-                "config.json has a 'quantization_config' but no 'quantization': only "
-                "MLX-format quantized checkpoints (mlx_lm.convert -q) are supported"
-            )
         return
 
     def predicate(path, module):
@@ -138,7 +145,10 @@ def _quantize_dense(model: nn.Module, config: dict, weights: dict) -> None:
             return quantization[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        return infer_quant_config(path, module, weights)
+        params = infer_quant_config(path, module, weights)
+        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+            params["global_scale"] = True
+        return params
 
     nn.quantize(
         model,
@@ -149,13 +159,14 @@ def _quantize_dense(model: nn.Module, config: dict, weights: dict) -> None:
     )
 
 
-def _expected_segments(switch_mlp: nn.Module, quantization: dict) -> dict:
+def _expected_segments(expert: ExpertModule, quantization: dict, keys: set[str]) -> dict:
     """{segment key: (dtype name or None for any float, per-expert shape)} that the
-    model's own (unevaluated) SwitchGLU `switch_mlp` needs, quantized as `quantization`
-    says. Shapes come from lazy arrays: nothing is computed."""
+    model's own (unevaluated) expert module needs, quantized as `quantization` says (an
+    nvfp4 projection may hold one float32 tensor scale per expert, as `keys` shows).
+    Shapes come from lazy arrays: nothing is computed."""
     want = {}
-    for proj in PROJECTIONS:
-        linear = switch_mlp[proj]
+    for proj in expert.projections:
+        linear = expert.module[proj]
         _, rows, cols = linear.weight.shape
         q = quantization.get(proj)
         if q is None:
@@ -166,47 +177,59 @@ def _expected_segments(switch_mlp: nn.Module, quantization: dict) -> dict:
             )
             for name, a in zip(("weight", "scales", "biases"), parts, strict=False):
                 dtype = "uint32" if name == "weight" else None
+                if a.dtype == mx.uint8:  # mxfp4, mxfp8, nvfp4 scales
+                    dtype = "uint8"
                 want[f"{proj}.{name}"] = (dtype, tuple(a.shape))
+            if q["mode"] == "nvfp4" and f"{proj}.global_scale" in keys:
+                want[f"{proj}.global_scale"] = ("float32", ())
         if "bias" in linear:
             want[f"{proj}.bias"] = (None, (rows,))
     return want
 
 
 def _check_store_matches_model(
-    store: ExpertStore, layout: Layout, cfg: dict, blocks: list[tuple[int, nn.Module]]
+    store: ExpertStore, cfg: dict, model: nn.Module, experts: list[ExpertModule]
 ) -> None:
     """Refuses a store whose experts are not those of the model its config.json builds (a
-    store of a different model, or another model's config.json copied in): the MoE layers,
-    expert count, top-k and every segment's shape must be what that model holds.
+    store of a different model, or another model's config.json copied in): the expert
+    modules, expert count, top-k and every segment's shape must be what that model holds.
 
     Raises:
         StoreError: naming the manifest, the layer and the field or segment at fault.
     """
     m = store.manifest
     where = store.path / MANIFEST_FILE
-    if [i for i, _ in blocks] != [s.layer for s in m.layers]:
+    if [s.layer for s in m.layers] != [e.layer for e in experts]:
         raise StoreError(
             f"{store.path}: the store's MoE layers {[s.layer for s in m.layers]} do not match "
-            f"the model's {[i for i, _ in blocks]} (a store of a different model?)"
+            f"the model's {[e.layer for e in experts]} (a store of a different model?)"
         )
-    for field, got, want in (
-        ("num_experts", m.num_experts, layout.num_experts(cfg)),
-        ("top_k", m.top_k, layout.top_k(cfg)),
-        ("num_hidden_layers", m.num_hidden_layers, cfg.get("num_hidden_layers")),
-    ):
-        if got != want:
+    for spec, expert in zip(m.layers, experts, strict=True):
+        if spec.module != expert.path:
             raise StoreError(
-                f"{where}: {field} is {got} but config.json says {want} "
+                f"{where}: layers[{spec.moe_index}].module is {spec.module!r} but the model's "
+                f"experts of layer {spec.layer} are {expert.path!r} (a store of a different "
+                "model, or written by another version: convert the model again)"
+            )
+    num_experts = experts[0].num_experts
+    for field, got_value, want_value in (
+        ("num_experts", m.num_experts, num_experts),
+        ("top_k", m.top_k, top_k(cfg, num_experts, store.path / "config.json")),
+        ("num_hidden_layers", m.num_hidden_layers, num_hidden_layers(cfg, model, where)),
+    ):
+        if got_value != want_value:
+            raise StoreError(
+                f"{where}: {field} is {got_value} but config.json says {want_value} "
                 "(a store of a different model?)"
             )
-    for (_, block), spec in zip(blocks, m.layers, strict=True):
-        _check_layer_segments(where, spec, block.switch_mlp)
+    for expert, spec in zip(experts, m.layers, strict=True):
+        _check_layer_segments(where, spec, expert)
 
 
-def _check_layer_segments(where: Path, spec: LayerSpec, switch_mlp: nn.Module) -> None:
+def _check_layer_segments(where: Path, spec: LayerSpec, expert: ExpertModule) -> None:
     ctx = f"{where}: layers[{spec.moe_index}] ({spec.file})"
     try:
-        want = _expected_segments(switch_mlp, spec.quantization)
+        want = _expected_segments(expert, spec.quantization, {s.key for s in spec.segments})
     except ValueError as e:
         raise StoreError(
             f"{ctx}: quantization {spec.quantization} does not fit the model ({e})"
@@ -226,6 +249,35 @@ def _check_layer_segments(where: Path, spec: LayerSpec, switch_mlp: nn.Module) -
                 f"{ctx}: segment {key} is {seg.dtype} {list(seg.shape)} but the model of "
                 f"config.json needs {need} (a store of a different model?)"
             )
+
+
+def _check_backend(store: ExpertStore) -> None:
+    """Refuses, before any work, experts that MLX cannot multiply on the CPU backend (where
+    mlx-lm's own model fails too): unquantized float16/bfloat16 (the CPU `gather_mm` is
+    float32 only) and nvfp4 with per-expert global scales (GPU only).
+
+    Raises:
+        ValueError: naming the segment, its dtype, the backend and what to do instead.
+    """
+    if mx.default_device() != mx.cpu:
+        return
+    for spec in store.manifest.layers:
+        for seg in spec.segments:
+            proj, param = seg.key.split(".")
+            where = f"{store.path}: {spec.module}.{seg.key}"
+            if param == "weight" and spec.quantization.get(proj) is None and seg.dtype != "float32":
+                raise ValueError(
+                    f"{where}: the experts are unquantized {seg.dtype}, and MLX's CPU "
+                    "backend multiplies unquantized experts (gather_mm) in float32 only; "
+                    "run on a GPU, or convert the model to float32 (mlx_lm.convert "
+                    "--dtype float32) or quantize it (mlx_lm.convert -q) first"
+                )
+            if param == "global_scale":
+                raise ValueError(
+                    f"{where}: the experts are nvfp4 with a global scale per expert, which "
+                    "MLX's gather_qmm supports only on the GPU; run on a GPU, or quantize "
+                    "without global scales"
+                )
 
 
 def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
@@ -270,6 +322,8 @@ def load(
             NotMoEError: bad path or store; StoreError when the store's MoE layers, expert
             count, top-k or segment shapes are not those of the model its config.json
             describes, or its tokenizer files cannot be loaded.
+        ValueError: experts the CPU backend cannot multiply (unquantized float16 /
+            bfloat16, nvfp4 global scales) while it is the default device.
         engine.cache.ExpertReadError: a blob file cannot be opened.
     """
     from engine.resources import default_model_path
@@ -277,18 +331,15 @@ def load(
     config = config or StreamConfig()
     store = resolve_store(default_model_path() if path is None else path, progress)
     cfg = store.config
-    layout = layout_for(cfg)
-    model_class, args_class = _get_classes(cfg)
-    model = model_class(args_class.from_dict(cfg))
-    blocks = layout.moe_blocks(model)
-    specs = store.manifest.layers
-    _check_store_matches_model(store, layout, cfg, blocks)
+    where = store.path / "config.json"
+    model = instantiate(cfg, where)
+    experts = find_experts(model, where)
+    _check_store_matches_model(store, cfg, model, experts)
+    _check_backend(store)
     cache = cache_mod.open_cache(store, config)
-    predictor = Predictor(cache, [b.gate for _, b in blocks], config)
-    for moe_index, ((_, block), spec) in enumerate(zip(blocks, specs, strict=True)):
-        block.switch_mlp = StreamedSwitchGLU(
-            predictor, moe_index, spec, block.switch_mlp.activation
-        )
+    predictor = Predictor(cache, [router_logits(model, e) for e in experts], config)
+    for moe_index, (expert, spec) in enumerate(zip(experts, store.manifest.layers, strict=True)):
+        replace(expert, StreamedExperts(predictor, moe_index, spec, expert))
 
     weights = store.dense_weights()
     if hasattr(model, "sanitize"):

@@ -9,7 +9,6 @@ MoE indices (position among MoE layers), never decoder indices.
 from collections.abc import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from engine.config import StreamConfig
@@ -25,12 +24,13 @@ class Predictor:
 
     Args:
         cache: the store's `engine._ext.ExpertCache`.
-        routers: the router (`gate`, a Linear or QuantizedLinear: hidden -> num_experts
-            logits) of each MoE layer, in MoE order.
+        routers: per MoE layer, in MoE order, a function (n, hidden) -> (n, num_experts)
+            router logits (`engine.experts.router_logits`), or None where the layer's
+            router is not found: that layer is never a prefetch target.
         config: prefetch settings (prefetch, side_slots, ahead_lo, ahead_hi, cutoff).
     """
 
-    def __init__(self, cache, routers: list[nn.Module], config: StreamConfig):
+    def __init__(self, cache, routers: list[Callable | None], config: StreamConfig):
         self.cache = cache
         self.routers = routers
         self.num_layers = len(routers)
@@ -87,7 +87,12 @@ class Predictor:
         if not self.enabled or x.size // x.shape[-1] != 1:
             return None
         target = self.target_for(layer)
-        if target is None or target in self._targets or self.cache.is_complete(target):
+        if (
+            target is None
+            or target in self._targets
+            or self.routers[target] is None
+            or self.cache.is_complete(target)
+        ):
             return None
         self._targets.add(target)
         return self.cache.prefetch_op(target, self.predict(target, x), self.cpu_stream)

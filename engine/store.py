@@ -29,8 +29,9 @@ MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 CONFIG_FILE = "config.json"
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-PARAMS = ("weight", "scales", "biases", "bias")
+# SwitchGLU's projections, then SwitchMLP's (engine.experts.KINDS), in record order.
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
+PARAMS = ("weight", "scales", "biases", "global_scale", "bias")
 SEGMENT_KEYS = tuple(f"{proj}.{param}" for proj in PROJECTIONS for param in PARAMS)
 
 # Manifest dtype name -> MLX dtype, for exactly the dtypes the native pools can hold.
@@ -88,7 +89,8 @@ class Segment:
     """One parameter of an expert inside a record.
 
     Attributes:
-        key: "<proj>.<param>", e.g. "gate_proj.scales" (one of `SEGMENT_KEYS`).
+        key: "<proj>.<param>", e.g. "gate_proj.scales" or "fc1.weight" (one of
+            `SEGMENT_KEYS`).
         dtype: MLX dtype name (a key of `DTYPES`).
         shape: per-expert shape; the pool array of this key is `(rows, *shape)`.
         nbytes: `prod(shape) * itemsize`.
@@ -118,12 +120,14 @@ class LayerSpec:
     Attributes:
         layer: decoder layer index (`model.layers.<layer>`).
         moe_index: index among MoE layers only.
-        module: weight-key prefix of the stacked experts,
-            e.g. "model.layers.3.mlp.switch_mlp".
+        module: module path of the streamed SwitchGLU / SwitchMLP, which is the
+            weight-key prefix of its experts, e.g. "model.layers.3.mlp.switch_mlp",
+            "model.layers.3.mlp.experts", "language_model.model.layers.3.feed_forward.experts".
         file: blob file name inside the store, e.g. "layer03.blob".
         record_bytes: bytes of one expert's segments (padding excluded).
         stride: bytes between records; a multiple of 4096, >= record_bytes.
-        segments: in record order (gate, up, down; weight, scales, biases, bias).
+        segments: in record order (gate, up, down or fc1, fc2; weight, scales, biases,
+            global_scale, bias).
         quantization: projection -> {"group_size", "bits", "mode"}, or None when
             the projection is not quantized.
         checksums: crc32 of each record's first `record_bytes` bytes.
@@ -312,10 +316,12 @@ def _parse_layer(
     moe_index = _int(raw, "moe_index", f"{where}: {ctx}")
     _expect(moe_index == i, where, f"{ctx}.moe_index is {moe_index}, expected {i}")
     module = _str(raw, "module", f"{where}: {ctx}")
+    numbered = [int(p) for p in module.split(".") if p.isdigit()]
     _expect(
-        module.startswith(f"model.layers.{layer}.") and module.endswith(".switch_mlp"),
+        numbered[-1:] == [layer],
         where,
-        f"{ctx}.module {module!r} is not model.layers.{layer}.<block>.switch_mlp",
+        f"{ctx}.module {module!r} is not a module of decoder layer {layer} "
+        f"(its last number is the layer: model.layers.{layer}.<block>.switch_mlp)",
     )
     file = _str(raw, "file", f"{where}: {ctx}")
     _check_file_name(file, f"{where}: {ctx}.file")
@@ -350,7 +356,7 @@ def _parse_layer(
             rank > last_rank,
             where,
             f"{sctx}.key {key!r} is out of order or repeated "
-            "(order: gate, up, down; weight, scales, biases, bias)",
+            "(order: gate, up, down, fc1, fc2; weight, scales, biases, global_scale, bias)",
         )
         last_rank = rank
         dtype = seg.get("dtype")

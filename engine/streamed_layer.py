@@ -1,10 +1,11 @@
-"""`StreamedSwitchGLU`: mlx-lm's `SwitchGLU` computed on pool rows instead of all experts.
+"""`StreamedExperts`: mlx-lm's `SwitchGLU` / `SwitchMLP` computed on pool rows.
 
-Patched into each MoE block in place of `switch_mlp`, it keeps mlx-lm's router, top-k and
-score mixing untouched. The router's expert ids become pool rows through the cache's
-`acquire` (real hit, side hit or demand load), and the layer runs the same `gather_qmm` /
-`gather_mm` calls as `SwitchGLU` with those rows as `rhs_indices`, so every (token,
-expert) product is the one the resident model computes.
+Patched into each MoE block in place of its stacked-experts module (`switch_mlp`,
+`experts`, ...), it keeps mlx-lm's router, top-k and score mixing untouched. The router's
+expert ids become pool rows through the cache's `acquire` (real hit, side hit or demand
+load), and the layer runs the module's own computation (`engine.expert_compute`) with
+those rows as `rhs_indices`, so every (token, expert) product is the one the resident
+model computes.
 
 Three paths, chosen per call by the cache's `plan` from shapes and residency alone:
 - table (a decode step of a complete layer: every expert has a real slot, so nothing can
@@ -23,28 +24,27 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
 from engine.cache import PLAN_STREAM, PLAN_SYNC, PLAN_TABLE
+from engine.expert_compute import expert_outputs
+from engine.experts import ExpertModule
 from engine.predictor import Predictor
 from engine.store import LayerSpec
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
-
-class StreamedSwitchGLU(nn.Module):
+class StreamedExperts(nn.Module):
     """One MoE layer's experts, streamed.
 
     Args:
         predictor: the model's `Predictor` (owns the cache).
         moe_index: this layer's position among MoE layers.
         spec: the store's `LayerSpec` of this layer (segments, quantization).
-        activation: the replaced `SwitchGLU.activation` (SwiGLU for every supported layout).
+        module: the replaced module (its kind and activation are kept).
     """
 
-    def __init__(self, predictor: Predictor, moe_index: int, spec: LayerSpec, activation):
+    def __init__(self, predictor: Predictor, moe_index: int, spec: LayerSpec, module: ExpertModule):
         super().__init__()
-        self.activation = activation
+        self._module = module
         self._predictor = predictor
         self._cache = predictor.cache
         self._index = moe_index
@@ -53,50 +53,12 @@ class StreamedSwitchGLU(nn.Module):
         self._pool = dict(zip(keys, self._cache.pool(moe_index), strict=True))
         self._table = self._cache.table(moe_index)
 
-    def _project(self, name: str, x: mx.array, rows: mx.array, sorted_rows: bool) -> mx.array:
-        pool = self._pool
-        q = self._quant.get(name)
-        if q is not None:
-            y = mx.gather_qmm(
-                x,
-                pool[f"{name}.weight"],
-                pool[f"{name}.scales"],
-                pool.get(f"{name}.biases"),
-                rhs_indices=rows,
-                transpose=True,
-                group_size=q["group_size"],
-                bits=q["bits"],
-                mode=q.get("mode", "affine"),
-                sorted_indices=sorted_rows,
-            )
-        else:
-            y = mx.gather_mm(
-                x,
-                pool[f"{name}.weight"].swapaxes(-1, -2),
-                rhs_indices=rows,
-                sorted_indices=sorted_rows,
-            )
-        if f"{name}.bias" in pool:
-            y = y + mx.expand_dims(pool[f"{name}.bias"][rows], -2)
-        return y
-
-    def _glu(self, x: mx.array, rows: mx.array) -> mx.array:
-        """SwitchGLU.__call__ on pool rows. x: (..., 1, 1, D) after expand_dims;
-        rows: int32 pool rows, shape (..., k). Returns (..., k, D)."""
-        do_sort = rows.size >= 64
-        idx, inv_order = rows, None
-        if do_sort:
-            x, idx, inv_order = _gather_sort(x, rows)
-        x_up = self._project("up_proj", x, idx, do_sort)
-        x_gate = self._project("gate_proj", x, idx, do_sort)
-        x = self._project("down_proj", self.activation(x_up, x_gate), idx, do_sort)
-        if do_sort:
-            x = _scatter_unsort(x, inv_order, rows.shape)
-        return x.squeeze(-2)
+    def _experts(self, x: mx.array, rows: mx.array) -> mx.array:
+        return expert_outputs(x, self._pool, rows, self._quant, self._module)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x: (..., D) hidden states; indices: (..., k) routed expert ids.
-        Returns (..., k, D) expert outputs, like `SwitchGLU`.
+        Returns (..., k, D) expert outputs, like the replaced module.
 
         Raises:
             GenerationStopped: the caller asked to stop (checked before any read).
@@ -106,10 +68,10 @@ class StreamedSwitchGLU(nn.Module):
         hook = self._predictor.on_acquire
         plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
         if plan == PLAN_TABLE:
-            y = self._glu(mx.expand_dims(x, (-2, -3)), self._table[indices])
+            y = self._experts(x, self._table[indices])
         elif plan == PLAN_STREAM:
             rows = self._cache.acquire_op(self._index, indices, self._predictor.cpu_stream)
-            y = self._glu(mx.expand_dims(x, (-2, -3)), rows)
+            y = self._experts(x, rows)
         else:
             ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
             if hook is not None:
@@ -118,7 +80,7 @@ class StreamedSwitchGLU(nn.Module):
             if missing:
                 y = self._over_capacity(x, ids, rows, missing)
             else:
-                y = self._glu(mx.expand_dims(x, (-2, -3)), mx.array(rows))
+                y = self._experts(x, mx.array(rows))
         return y if token is None else mx.depends(y, token)
 
     def _over_capacity(self, x, ids, rows, missing):
@@ -126,7 +88,7 @@ class StreamedSwitchGLU(nn.Module):
         misses stream through the scratch rows `scratch_slots` experts at a time, each read
         once, each chunk evaluated before the next overwrites the scratch rows."""
         k = ids.shape[-1]
-        tokens = x.reshape(-1, 1, 1, x.shape[-1])
+        tokens = x.reshape(-1, x.shape[-1])
         flat_ids, flat_rows = ids.reshape(-1), rows.reshape(-1)
         groups = [np.flatnonzero(flat_rows >= 0)]
         outputs = []
@@ -151,4 +113,4 @@ class StreamedSwitchGLU(nn.Module):
     def _pairs(self, tokens, pairs, flat_rows, k):
         """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs`."""
         x = tokens[mx.array(pairs // k)]
-        return self._glu(x, mx.array(flat_rows[pairs].reshape(-1, 1)))[:, 0]
+        return self._experts(x, mx.array(flat_rows[pairs].reshape(-1, 1)))[:, 0]

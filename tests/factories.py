@@ -204,7 +204,7 @@ def make_random_model(
             else:
                 weights["lm_head.weight"] = w
         if unstacked_experts:
-            weights = _unstack_experts(weights, model_type)
+            weights = unstack_experts(weights, model_type)
         _rewrite_weights(out_dir, weights)
     return out_dir
 
@@ -221,7 +221,9 @@ def _init(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
     return 0.05 * x
 
 
-def _unstack_experts(weights: dict, model_type: str) -> dict:
+def unstack_experts(weights: dict, model_type: str) -> dict:
+    """Stacked `...switch_mlp.<proj>.<param>` weights as Hugging Face checkpoints hold
+    them: `...experts.<e>.<proj>.<param>` per expert (mixtral: w1/w2/w3)."""
     out = {}
     for key, value in weights.items():
         if ".switch_mlp." not in key:
@@ -260,3 +262,37 @@ def make_mixed_quant_model(out_dir: str | Path) -> Path:
     save_model(out_dir / "mixed", model)
     save_config(config, out_dir / "mixed" / "config.json")
     return out_dir / "mixed"
+
+
+def make_family_model(
+    out_dir: str | Path,
+    config: dict,
+    *,
+    quantization: dict | None = None,
+    dtype: mx.Dtype = mx.float32,
+    seed: int = 0,
+) -> Path:
+    """Write a random mlx-lm model directory of any family's `config` (see moe_families).
+
+    Initialised as `make_random_model` does, cast to `dtype`, then quantized (when
+    `quantization` holds `quantize_model`'s keyword arguments: group_size, bits, mode,
+    global_scale) and saved by mlx-lm's own `quantize_model`, `save_model` and
+    `save_config`, so that convert and load go through the real path.
+    """
+    out_dir = Path(out_dir)
+    config = dict(config)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    inits = [
+        (n, _init(n, p.shape, k).astype(dtype)) for (n, p), k in zip(params, keys, strict=True)
+    ]
+    model.update(tree_unflatten(inits))
+    mx.eval(model.parameters())
+    if quantization is not None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, **quantization)
+    save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    return out_dir

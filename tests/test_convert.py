@@ -1,4 +1,4 @@
-"""convert(): a store holds exactly the checkpoint's weights, for every layout."""
+"""convert(): a store holds exactly the checkpoint's weights, for every model type."""
 
 import errno
 import json
@@ -11,7 +11,7 @@ from mlx_lm.utils import _get_classes, load_model
 
 import engine.store_writer as store_writer
 from engine.convert import convert
-from engine.layouts import LAYOUTS, NotMoEError, UnsupportedModelError, layout_for
+from engine.experts import NotMoEError, UnsupportedModelError, find_experts
 from engine.store import DTYPES, ExpertStore, Manifest
 
 from factories import MODEL_TYPES, make_config, make_mixed_quant_model, make_random_model
@@ -145,10 +145,10 @@ def test_model_rebuilt_from_store_matches_resident(stores, case, tmp_path):
     resident, _ = load_model(model_dir)
     rebuilt = load_rebuilt(store, tmp_path / "rebuilt")
     assert mx.array_equal(rebuilt(TOKENS), resident(TOKENS)).item()
+    modules = {e.path: e.module for e in find_experts(resident)}
     for spec in store.manifest.layers:
-        block = getattr(resident.layers[spec.layer], LAYOUTS[case[0]].moe_attr)
         for proj, q in spec.quantization.items():
-            linear = block.switch_mlp[proj]
+            linear = modules[spec.module][proj]
             if q is None:
                 assert "scales" not in linear
             else:
@@ -263,21 +263,22 @@ def test_lm_head_kept_when_the_model_uses_it(tmp_path):
     assert {"lm_head.weight", "lm_head.scales"} <= store.dense_weights().keys()
 
 
-def test_layouts_find_moe_blocks():
+def test_find_experts_walks_the_model():
     for model_type in MODEL_TYPES:
         config = make_config(model_type, num_layers=3, num_experts=6, top_k=3)
-        layout = layout_for(config)
-        assert layout.model_type == model_type
-        assert layout.num_experts(config) == 6 and layout.top_k(config) == 3
         model_class, args_class = _get_classes(config)
-        blocks = layout.moe_blocks(model_class(args_class.from_dict(config)))
-        assert [i for i, _ in blocks] == [0, 1, 2]
-        assert all("switch_mlp" in b for _, b in blocks)
-    assert layout_for(make_config("mixtral")).moe_attr == "block_sparse_moe"
+        experts = find_experts(model_class(args_class.from_dict(config)))
+        assert [e.layer for e in experts] == [0, 1, 2]
+        attr = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+        assert [e.path for e in experts] == [
+            f"model.layers.{i}.{attr}.switch_mlp" for i in range(3)
+        ]
+        assert {e.num_experts for e in experts} == {6} and {e.kind for e in experts} == {
+            "SwitchGLU"
+        }
     config = make_config("qwen3_moe", num_layers=6) | {"decoder_sparse_step": 2}
     model_class, args_class = _get_classes(config)
-    blocks = layout_for(config).moe_blocks(model_class(args_class.from_dict(config)))
-    assert [i for i, _ in blocks] == [1, 3, 5]
+    assert [e.layer for e in find_experts(model_class(args_class.from_dict(config)))] == [1, 3, 5]
 
 
 def write_config(model_dir, config):
@@ -286,31 +287,39 @@ def write_config(model_dir, config):
     return model_dir
 
 
-def test_unsupported_model_type(tmp_path):
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}
-    with pytest.raises(UnsupportedModelError, match="'llama'.*supported: mixtral, olmoe") as info:
-        convert(write_config(tmp_path / "m", config), tmp_path / "s")
-    assert isinstance(info.value, ValueError)
-    with pytest.raises(UnsupportedModelError, match="None"):
-        layout_for({})
-    assert not (tmp_path / "s").exists()
-
-
 @pytest.mark.parametrize(
-    ("config", "field"),
+    ("config", "error", "message"),
     [
-        (make_config("qwen3_moe") | {"num_experts": 0}, "num_experts"),
+        ({"model_type": "nope"}, UnsupportedModelError, "'nope' is not a model mlx-lm implements"),
+        ({"hidden_size": 64}, UnsupportedModelError, "model_type is None"),
+        ({"model_type": "dbrx"}, UnsupportedModelError, "'dbrx' is not supported: its experts"),
         (
-            {k: v for k, v in make_config("mixtral").items() if k != "num_local_experts"},
-            "num_local_experts",
+            {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2},
+            ValueError,
+            "not a valid llama config.*intermediate_size",
         ),
-        ({k: v for k, v in make_config("olmoe").items() if k != "num_experts"}, "num_experts"),
+        (
+            make_config("qwen3_moe") | {"num_experts": 0},
+            NotMoEError,
+            "no layer of this qwen3_moe model has routed experts",
+        ),
+        (
+            {k: v for k, v in make_config("olmoe").items() if k != "num_experts"},
+            ValueError,
+            "not a valid olmoe config.*num_experts",
+        ),
+        (
+            {k: v for k, v in make_config("mixtral").items() if k != "num_experts_per_tok"},
+            NotMoEError,
+            "no experts-per-token entry",
+        ),
+        (make_config("mixtral") | {"num_experts_per_tok": 9}, NotMoEError, "expected an int in"),
     ],
 )
-def test_not_moe(tmp_path, config, field):
-    with pytest.raises(NotMoEError, match=f"{config['model_type']}.*{field}") as info:
+def test_unsupported_or_not_moe(tmp_path, config, error, message):
+    with pytest.raises(error, match=message):
         convert(write_config(tmp_path / "m", config), tmp_path / "s")
-    assert isinstance(info.value, ValueError)
+    assert not (tmp_path / "s").exists()
 
 
 def test_refuses_model_file_and_bad_config(tmp_path):

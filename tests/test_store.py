@@ -134,14 +134,18 @@ MUTATIONS = [
     (("layers", 0, "checksums", 0), -1, "not crc32 integers"),
     (("layers", 0, "moe_index"), 3, r"layers\[0\]\.moe_index is 3, expected 0"),
     (("layers", 3, "layer"), 4, "layer is 4, expected <= 3"),
-    (("layers", 0, "module"), "model.layers.1.mlp.switch_mlp", "is not model.layers.0"),
+    (
+        ("layers", 0, "module"),
+        "model.layers.1.mlp.switch_mlp",
+        "is not a module of decoder layer 0",
+    ),
     (
         ("layers", 0, "quantization", "up_proj"),
         None,
         "up_proj: is null but the projection has scales",
     ),
     (("layers", 0, "quantization", "up_proj", "bits"), "4", "bits is '4', expected an integer"),
-    (("layers", 0, "quantization", "fc1"), None, "unknown keys"),
+    (("layers", 0, "quantization", "w9"), None, "unknown keys"),
 ]
 
 
