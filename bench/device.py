@@ -31,7 +31,7 @@ from mlx_lm.generate import generate_step
 from engine.cache import snapshot
 from engine.config import StreamConfig
 from engine.model import load
-from engine.streamed_layer import StreamedSwitchGLU
+from engine.streamed_layer import StreamedExperts
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
@@ -88,7 +88,7 @@ def fill_every_slot(sm) -> None:
 
 def bare_table_call(self, x, indices):
     """The ceiling: this layer's pools indexed by the device table, no cache call."""
-    return self._glu(mx.expand_dims(x, (-2, -3)), self._table[indices])
+    return self._experts(x, self._table[indices])
 
 
 def drop_page_cache() -> None:
@@ -173,13 +173,13 @@ def synthetic(store: Path, tokens: int, log) -> dict:
     sm = load(store, StreamConfig())
     fill_every_slot(sm)
     run_streamed(sm, prompt, 8)
-    original = StreamedSwitchGLU.__call__
-    StreamedSwitchGLU.__call__ = bare_table_call
+    original = StreamedExperts.__call__
+    StreamedExperts.__call__ = bare_table_call
     try:
         decode(sm.model, prompt, 8)
         bare_tokens, dt, _ = decode(sm.model, prompt, tokens)
     finally:
-        StreamedSwitchGLU.__call__ = original
+        StreamedExperts.__call__ = original
     base = (len(bare_tokens) - 1) / dt
     res["bare_table_tps"] = base
     log(
