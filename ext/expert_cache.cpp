@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "errors.h"
+#include "slot_state.h"
 #include "mlx/allocator.h"
 
 namespace es {
@@ -574,6 +575,8 @@ void ExpertCache::pin(int li, int expert) {
 
 void ExpertCache::unpin(int li, int expert) {
   check_layer(li, num_layers());
+  if (expert < 0 || expert >= num_experts_)
+    throw std::out_of_range("expert id " + std::to_string(expert) + " out of range");
   std::lock_guard<std::mutex> lk(mu_);
   real_[li].set_pinned(expert, false);
 }
@@ -625,10 +628,14 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   for (int k = 0; k < config_.cap; ++k) {
     int e = R.expert_at(k);
     s.slot_expert[k] = e;
-    uint8_t state = e < 0 ? 0 : (R.pinned(e) ? 2 : 1);
-    if (loading_[li][k]) state = 3;
-    else if (state == 1 && R.loaded_at(k) == tick_) state = 4;
-    s.slot_state[k] = state;
+    SlotState state = e < 0 ? SlotState::kEmpty
+                      : R.pinned(e) ? SlotState::kPinned
+                                    : SlotState::kResident;
+    if (loading_[li][k])
+      state = SlotState::kLoading;
+    else if (state == SlotState::kResident && R.loaded_at(k) == tick_)
+      state = SlotState::kJustLoaded;
+    s.slot_state[k] = static_cast<uint8_t>(state);
   }
   for (int g = 0; g < 2; ++g) {
     const auto& S = side_[li][g];

@@ -72,3 +72,18 @@ def test_generate_updates_the_pin_file_the_next_load_restores():
             assert pinned == layer_pins
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_pin_and_unpin_refuse_expert_ids_out_of_range(qwen_store):
+    """unpin once wrote past the end of the pinned flags for an id >= num_experts."""
+    import pytest
+
+    from engine.cache import open_cache
+
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=4))
+    for bad in (-1, cache.num_experts, 10**6):
+        with pytest.raises(IndexError, match="out of range"):
+            cache.unpin(0, bad)
+        with pytest.raises(IndexError, match="out of range"):
+            cache.pin(0, bad)
+    assert cache.check() == ""
