@@ -23,7 +23,7 @@ import numpy as np
 
 from bench.common import prompt_ids, timed_generate
 from engine.cache import open_cache, snapshot
-from engine.config import StreamConfig
+from engine.config import StreamConfig, default_reader_threads
 from engine.model import load
 from engine.store import ExpertStore
 
@@ -270,7 +270,7 @@ def engine_at_depth(
     del cache
     return {
         "depth": depth,
-        "threads": config.reader_threads,
+        "threads": config.reader_threads or default_reader_threads(m.top_k),
         "verify": config.verify_checksums,
         "bytes": t["bytes_read"],
         "read_seconds": t["read_seconds"],
@@ -327,7 +327,7 @@ def engine_bandwidth(
     prompt: list[int],
     max_tokens: int,
     uncached: bool = True,
-    threads: int = StreamConfig.reader_threads,
+    threads: int | None = None,
 ) -> dict:
     """Generates with demand reads only (prefetch off) and reports the engine's read
     bandwidth and the blob files' page-cache residency before and after."""
@@ -344,7 +344,7 @@ def engine_bandwidth(
     return {
         "uncached_io": uncached,
         "slots": slots,
-        "threads": threads,
+        "threads": threads or default_reader_threads(store.manifest.top_k),
         "tokens": timing.prompt_tokens + len(timing.tokens),
         "bytes_read": t["bytes_read"],
         "loads": t["loads"],

@@ -47,6 +47,16 @@ struct DemandBatch {
   std::vector<int> state;
   std::vector<std::exception_ptr> error;
   size_t settled = 0;  // reads Done, Failed or Abandoned
+  // When a read last settled: the waiter's timeout counts from here, and it is woken
+  // only when the last read settles, not by each one.
+  std::chrono::steady_clock::time_point progress = std::chrono::steady_clock::now();
+
+  // A reader settles read i (the lock held) and wakes the waiter once all have.
+  void settle(size_t i, int to) {
+    state[i] = to;
+    progress = std::chrono::steady_clock::now();
+    if (++settled == state.size()) cv.notify_all();
+  }
 };
 
 }  // namespace
@@ -160,19 +170,15 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
         std::lock_guard<std::mutex> lk(b.mu);
         if (b.state[i] != kPending) return;  // given up while reading: drop the bytes
         if (err) {
-          b.state[i] = kFailed;
           b.error[i] = err;
-          ++b.settled;
-          b.cv.notify_all();
+          b.settle(i, kFailed);
           return;
         }
         b.state[i] = kCopying;
       }
       copy_record(li, buf, row);
       std::lock_guard<std::mutex> lk(b.mu);
-      b.state[i] = kDone;
-      ++b.settled;
-      b.cv.notify_all();
+      b.settle(i, kDone);
     });
   }
   std::exception_ptr submit_error;  // then some reads may be queued: give them all up
@@ -189,15 +195,16 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
       batch->state[i] = kAbandoned;
       ++batch->settled;
     }
+    batch->progress = std::chrono::steady_clock::now();  // copies under way get a timeout
   };
   if (submit_error) abandon_pending();
   const auto timeout = std::chrono::milliseconds(config_.read_timeout_ms);
-  while (batch->settled < n) {
-    const size_t before = batch->settled;
-    auto progressed = [&] { return batch->settled != before; };
+  auto all = [&] { return batch->settled == n; };
+  while (!all()) {
     if (config_.read_timeout_ms <= 0) {
-      batch->cv.wait(lk, progressed);
-    } else if (!batch->cv.wait_for(lk, timeout, progressed)) {
+      batch->cv.wait(lk, all);
+    } else if (!batch->cv.wait_until(lk, batch->progress + timeout, all) &&
+               std::chrono::steady_clock::now() >= batch->progress + timeout) {
       abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
     }
   }

@@ -1,5 +1,7 @@
 #include "reader_pool.h"
 
+#include <algorithm>
+
 namespace es {
 
 ReaderPool::ReaderPool(int threads) {
@@ -26,9 +28,13 @@ void ReaderPool::worker(bool demand_only) {
     {
       std::unique_lock<std::mutex> lk(mu_);
       if (demand_only) {
+        ++demand_idle_;
         demand_cv_.wait(lk, [this] { return stop_ || !demand_.empty(); });
+        --demand_idle_;
       } else {
+        ++idle_;
         cv_.wait(lk, [this] { return stop_ || !demand_.empty() || !prefetch_.empty(); });
+        --idle_;
       }
       if (!demand_.empty()) {
         demand = std::move(demand_.front());
@@ -49,16 +55,20 @@ void ReaderPool::worker(bool demand_only) {
 }
 
 void ReaderPool::submit_demand(std::vector<std::function<void()>> tasks) {
+  size_t wake_demand = 0, wake_any = 0;
   {
     std::lock_guard<std::mutex> lk(mu_);
     for (auto& t : tasks) demand_.push_back(std::move(t));
+    // Wake one idle worker per task, the demand-only one first, and no more: on a loaded
+    // machine every needless wake-up costs a scheduling slice the reads are waiting for.
+    // Busy workers take the rest when they finish (a worker empties the queue).
+    size_t left = tasks.size();
+    wake_demand = std::min<size_t>(left, demand_idle_);
+    left -= wake_demand;
+    wake_any = std::min<size_t>(left, idle_);
   }
-  demand_cv_.notify_one();
-  if (tasks.size() == 1) {
-    cv_.notify_one();
-  } else {
-    cv_.notify_all();
-  }
+  if (wake_demand) demand_cv_.notify_one();
+  for (size_t i = 0; i < wake_any; ++i) cv_.notify_one();
 }
 
 void ReaderPool::submit_prefetch(PrefetchTask task) {

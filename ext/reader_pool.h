@@ -44,6 +44,8 @@ class ReaderPool {
   std::condition_variable demand_cv_;  // the demand-only worker
   std::deque<std::function<void()>> demand_;
   std::deque<PrefetchTask> prefetch_;
+  size_t idle_ = 0;         // workers taking both kinds, waiting
+  size_t demand_idle_ = 0;  // 1 while the demand-only worker waits
   bool stop_ = false;
   std::vector<std::thread> workers_;
 };
