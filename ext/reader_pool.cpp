@@ -1,13 +1,11 @@
 #include "reader_pool.h"
 
-#include <algorithm>
-
 namespace es {
 
 ReaderPool::ReaderPool(int threads) {
   if (threads < 1) threads = 1;
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(false); });
-  workers_.emplace_back([this] { worker(true); });
+  for (int i = 0; i <= threads; ++i) workers_.push_back(std::make_unique<Worker>(i == threads));
+  for (auto& w : workers_) w->thread = std::thread([this, p = w.get()] { run(p); });
 }
 
 ReaderPool::~ReaderPool() {
@@ -16,30 +14,29 @@ ReaderPool::~ReaderPool() {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
-  demand_cv_.notify_all();
-  for (auto& t : workers_) t.join();
+  for (auto& w : workers_) w->cv.notify_one();
+  for (auto& w : workers_) w->thread.join();
 }
 
-void ReaderPool::worker(bool demand_only) {
+void ReaderPool::run(Worker* w) {
   for (;;) {
     std::function<void()> demand;
     PrefetchTask prefetch;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      if (demand_only) {
-        ++demand_idle_;
-        demand_cv_.wait(lk, [this] { return stop_ || !demand_.empty(); });
-        --demand_idle_;
-      } else {
-        ++idle_;
-        cv_.wait(lk, [this] { return stop_ || !demand_.empty() || !prefetch_.empty(); });
-        --idle_;
+      while (!stop_ && demand_.empty() && (w->demand_only || prefetch_.empty())) {
+        w->woken = false;
+        if (w->demand_only) {
+          demand_idle_ = w;
+        } else {
+          idle_.push_back(w);
+        }
+        w->cv.wait(lk, [&] { return stop_ || w->woken; });  // take_idle() unlisted it
       }
       if (!demand_.empty()) {
         demand = std::move(demand_.front());
         demand_.pop_front();
-      } else if (!demand_only && !prefetch_.empty()) {
+      } else if (!w->demand_only && !prefetch_.empty()) {
         prefetch = std::move(prefetch_.front());
         prefetch_.pop_front();
       } else {
@@ -54,29 +51,39 @@ void ReaderPool::worker(bool demand_only) {
   }
 }
 
+ReaderPool::Worker* ReaderPool::take_idle(bool demand) {
+  Worker* w = nullptr;
+  if (demand && demand_idle_) {
+    std::swap(w, demand_idle_);
+  } else if (!idle_.empty()) {
+    w = idle_.back();
+    idle_.pop_back();
+  }
+  if (w) w->woken = true;
+  return w;
+}
+
 void ReaderPool::submit_demand(std::vector<std::function<void()>> tasks) {
-  size_t wake_demand = 0, wake_any = 0;
+  std::vector<Worker*> wake;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& t : tasks) demand_.push_back(std::move(t));
-    // Wake one idle worker per task, the demand-only one first, and no more: on a loaded
-    // machine every needless wake-up costs a scheduling slice the reads are waiting for.
-    // Busy workers take the rest when they finish (a worker empties the queue).
-    size_t left = tasks.size();
-    wake_demand = std::min<size_t>(left, demand_idle_);
-    left -= wake_demand;
-    wake_any = std::min<size_t>(left, idle_);
+    for (auto& t : tasks) {
+      demand_.push_back(std::move(t));
+      // Busy workers take the rest when they finish: a worker empties the queues.
+      if (Worker* w = take_idle(true)) wake.push_back(w);
+    }
   }
-  if (wake_demand) demand_cv_.notify_one();
-  for (size_t i = 0; i < wake_any; ++i) cv_.notify_one();
+  for (Worker* w : wake) w->cv.notify_one();
 }
 
 void ReaderPool::submit_prefetch(PrefetchTask task) {
+  Worker* w;
   {
     std::lock_guard<std::mutex> lk(mu_);
     prefetch_.push_back(std::move(task));
+    w = take_idle(false);
   }
-  cv_.notify_one();
+  if (w) w->cv.notify_one();
 }
 
 size_t ReaderPool::cancel_prefetches() {

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -37,17 +38,28 @@ class ReaderPool {
   size_t cancel_prefetches();
 
  private:
-  void worker(bool demand_only);
+  struct Worker {
+    explicit Worker(bool d) : demand_only(d) {}
+    const bool demand_only;
+    bool woken = false;  // guarded by mu_
+    std::condition_variable cv;
+    std::thread thread;
+  };
+  void run(Worker* w);
+  // Takes an idle worker for a demand (or prefetch) task off the idle lists, marks it
+  // woken and returns it (null: none idle); the caller notifies it after unlocking.
+  Worker* take_idle(bool demand);
 
   std::mutex mu_;
-  std::condition_variable cv_;         // workers taking both kinds
-  std::condition_variable demand_cv_;  // the demand-only worker
   std::deque<std::function<void()>> demand_;
   std::deque<PrefetchTask> prefetch_;
-  size_t idle_ = 0;         // workers taking both kinds, waiting
-  size_t demand_idle_ = 0;  // 1 while the demand-only worker waits
+  // Idle workers are woken one per task, last idle first: on a loaded machine every
+  // needless wake-up costs a scheduling slice the reads wait for, and the thread that
+  // slept least has the warmest caches and buffer (and the shallowest CPU idle state).
+  std::vector<Worker*> idle_;        // workers taking both kinds, in the order they idled
+  Worker* demand_idle_ = nullptr;    // the demand-only worker, while it waits
   bool stop_ = false;
-  std::vector<std::thread> workers_;
+  std::vector<std::unique_ptr<Worker>> workers_;
 };
 
 }  // namespace es
