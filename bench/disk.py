@@ -242,8 +242,9 @@ def engine_at_depth(
     ...); the blob files are evicted from the page cache first.
 
     Returns:
-        {"depth", "threads", "verify", "bytes", "read_seconds", "MBps"}: MBps is
-        bytes_read / read_seconds (the time inside the calls' reads).
+        {"depth", "calls", "threads", "verify", "bytes", "read_seconds", "MBps"}: bytes
+        is the cache's bytes_read (calls x depth x stride), MBps bytes / read_seconds (the
+        time inside the calls' reads).
 
     Raises:
         ValueError: 2 * depth exceeds the store's experts per layer.
@@ -270,6 +271,7 @@ def engine_at_depth(
     del cache
     return {
         "depth": depth,
+        "calls": calls,
         "threads": config.reader_threads or default_reader_threads(m.top_k),
         "verify": config.verify_checksums,
         "bytes": t["bytes_read"],
@@ -368,11 +370,12 @@ def io_suite(
     max_bytes: int = 1 << 30,
     thread_counts=(1, 2, 4),
     reps: int = 3,
+    depths=(1, 2, 4, 8),
     log=print,
 ) -> dict:
-    """Raw pread bandwidths, a second-pass check, and the engine's bandwidth (uncached,
-    and a buffered control); the ratio engine / raw random pread at the engine's reader
-    thread count."""
+    """Raw pread bandwidths, a second-pass check, the engine's bandwidth (uncached, and a
+    buffered control), the ratio engine / best raw random pread, and `depth_sweep`: the
+    engine against raw random pread at the same queue depth, `reps` rounds per depth."""
     paths = blob_paths(store)
     stride = store.manifest.layers[0].stride
     m = store.manifest
@@ -404,8 +407,12 @@ def io_suite(
         f"{control['resident_after']:.1%}"
     )
     evict(paths)
+    log("engine vs raw random pread at the same queue depth (misses per acquire call):")
+    depth = depth_sweep(store, depths, min(max_bytes, 256 << 20), reps, log)
+    evict(paths)
     ref = best_random(raw)
     return {
+        "depth": depth,
         "raw": raw,
         "second_read": second,
         "engine": engine,
