@@ -47,16 +47,6 @@ struct DemandBatch {
   std::vector<int> state;
   std::vector<std::exception_ptr> error;
   size_t settled = 0;  // reads Done, Failed or Abandoned
-  // When a read last settled: the waiter's timeout counts from here, and it is woken
-  // only when the last read settles, not by each one.
-  std::chrono::steady_clock::time_point progress = std::chrono::steady_clock::now();
-
-  // A reader settles read i (the lock held) and wakes the waiter once all have.
-  void settle(size_t i, int to) {
-    state[i] = to;
-    progress = std::chrono::steady_clock::now();
-    if (++settled == state.size()) cv.notify_all();
-  }
 };
 
 }  // namespace
@@ -170,15 +160,19 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
         std::lock_guard<std::mutex> lk(b.mu);
         if (b.state[i] != kPending) return;  // given up while reading: drop the bytes
         if (err) {
+          b.state[i] = kFailed;
           b.error[i] = err;
-          b.settle(i, kFailed);
+          ++b.settled;
+          b.cv.notify_all();
           return;
         }
         b.state[i] = kCopying;
       }
       copy_record(li, buf, row);
       std::lock_guard<std::mutex> lk(b.mu);
-      b.settle(i, kDone);
+      b.state[i] = kDone;
+      ++b.settled;
+      b.cv.notify_all();
     });
   }
   std::exception_ptr submit_error;  // then some reads may be queued: give them all up
@@ -195,16 +189,15 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
       batch->state[i] = kAbandoned;
       ++batch->settled;
     }
-    batch->progress = std::chrono::steady_clock::now();  // copies under way get a timeout
   };
   if (submit_error) abandon_pending();
   const auto timeout = std::chrono::milliseconds(config_.read_timeout_ms);
-  auto all = [&] { return batch->settled == n; };
-  while (!all()) {
+  while (batch->settled < n) {
+    const size_t before = batch->settled;
+    auto progressed = [&] { return batch->settled != before; };
     if (config_.read_timeout_ms <= 0) {
-      batch->cv.wait(lk, all);
-    } else if (!batch->cv.wait_until(lk, batch->progress + timeout, all) &&
-               std::chrono::steady_clock::now() >= batch->progress + timeout) {
+      batch->cv.wait(lk, progressed);
+    } else if (!batch->cv.wait_for(lk, timeout, progressed)) {
       abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
     }
   }

@@ -8,7 +8,6 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -38,28 +37,15 @@ class ReaderPool {
   size_t cancel_prefetches();
 
  private:
-  struct Worker {
-    explicit Worker(bool d) : demand_only(d) {}
-    const bool demand_only;
-    bool woken = false;  // guarded by mu_
-    std::condition_variable cv;
-    std::thread thread;
-  };
-  void run(Worker* w);
-  // Takes an idle worker for a demand (or prefetch) task off the idle lists, marks it
-  // woken and returns it (null: none idle); the caller notifies it after unlocking.
-  Worker* take_idle(bool demand);
+  void worker(bool demand_only);
 
   std::mutex mu_;
+  std::condition_variable cv_;         // workers taking both kinds
+  std::condition_variable demand_cv_;  // the demand-only worker
   std::deque<std::function<void()>> demand_;
   std::deque<PrefetchTask> prefetch_;
-  // Idle workers are woken one per task, last idle first: on a loaded machine every
-  // needless wake-up costs a scheduling slice the reads wait for, and the thread that
-  // slept least has the warmest caches and buffer (and the shallowest CPU idle state).
-  std::vector<Worker*> idle_;        // workers taking both kinds, in the order they idled
-  Worker* demand_idle_ = nullptr;    // the demand-only worker, while it waits
   bool stop_ = false;
-  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace es
