@@ -143,6 +143,7 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
             max_tokens=8 if quick else 32,
             max_bytes=(32 << 20) if quick else (1 << 30),
             thread_counts=(1, 2) if quick else (1, 2, 4),
+            depths=(1, 4) if quick else (1, 2, 4, 8),
             log=log,
         )
     results["seconds"] = time.perf_counter() - t0

@@ -19,8 +19,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from bench.common import prompt_ids, timed_generate
-from engine.config import StreamConfig
+from engine.cache import open_cache, snapshot
+from engine.config import StreamConfig, default_reader_threads
 from engine.model import load
 from engine.store import ExpertStore
 
@@ -227,13 +230,106 @@ def best_random(raw: list[dict]) -> dict:
     return max((r for r in raw if r["pattern"] == "rand"), key=lambda r: r["MBps"])
 
 
+def engine_at_depth(
+    store: ExpertStore, depth: int, max_bytes: int, seed: int = 0, **fields
+) -> dict:
+    """Demand reads through the native cache with exactly `depth` misses per `acquire`
+    call: the engine's read path at queue depth `depth` (no model, no compute).
+
+    Calls go round the MoE layers; each asks for `depth` random experts of its layer that
+    the previous call of that layer did not hold, into a real region of `depth` slots, so
+    every id misses. `fields` override the StreamConfig (reader_threads, verify_checksums,
+    ...); the blob files are evicted from the page cache first.
+
+    Returns:
+        {"depth", "calls", "threads", "verify", "bytes", "read_seconds", "MBps"}: bytes
+        is the cache's bytes_read (calls x depth x stride), MBps bytes / read_seconds (the
+        time inside the calls' reads).
+
+    Raises:
+        ValueError: 2 * depth exceeds the store's experts per layer.
+    """
+    m = store.manifest
+    if 2 * depth > m.num_experts:
+        raise ValueError(f"depth {depth}: needs 2 x depth <= {m.num_experts} experts per layer")
+    config = StreamConfig(expert_slots=depth, scratch_slots=depth, **fields)
+    layers = len(m.layers)
+    calls = max(layers, max_bytes // (m.layers[0].stride * depth))
+    rng = np.random.default_rng(seed)
+    held = [np.empty(0, np.int32)] * layers
+    ids = []
+    for c in range(calls):
+        li = c % layers
+        free = np.setdiff1d(np.arange(m.num_experts, dtype=np.int32), held[li])
+        held[li] = rng.choice(free, depth, replace=False).astype(np.int32)
+        ids.append(held[li])
+    evict(blob_paths(store))
+    cache = open_cache(store, config)
+    for c, pick in enumerate(ids):
+        cache.acquire(c % layers, pick)
+    t = snapshot(cache).totals()
+    del cache
+    return {
+        "depth": depth,
+        "calls": calls,
+        "threads": config.reader_threads or default_reader_threads(m.top_k),
+        "verify": config.verify_checksums,
+        "bytes": t["bytes_read"],
+        "read_seconds": t["read_seconds"],
+        "MBps": t["bytes_read"] / t["read_seconds"] / 1e6 if t["read_seconds"] else 0.0,
+    }
+
+
+def depth_sweep(
+    store: ExpertStore,
+    depths=(1, 2, 4, 8),
+    max_bytes: int = 256 << 20,
+    rounds: int = 3,
+    log=print,
+    **fields,
+) -> list[dict]:
+    """Raw random O_DIRECT pread with `depth` threads (huge-page buffers) and
+    `engine_at_depth(depth)`, alternated `rounds` times per depth so both see the same
+    load: per depth the median of each and the median engine / raw ratio of the rounds.
+    Depths above half the store's experts per layer are skipped."""
+    m = store.manifest
+    paths = blob_paths(store)
+    stride = m.layers[0].stride
+    out = []
+    for depth in depths:
+        if 2 * depth > m.num_experts:
+            continue
+        pairs = []
+        for i in range(rounds):
+            raw = raw_pread(paths, stride, "rand", depth, max_bytes, seed=200 + i)
+            eng = engine_at_depth(store, depth, max_bytes, seed=200 + i, **fields)
+            pairs.append((raw["MBps"], eng["MBps"], eng["MBps"] / raw["MBps"]))
+        mid = len(pairs) // 2
+        r = {
+            "depth": depth,
+            "threads": eng["threads"],
+            "verify": eng["verify"],
+            "raw_MBps": sorted(p[0] for p in pairs)[mid],
+            "engine_MBps": sorted(p[1] for p in pairs)[mid],
+            "ratio": sorted(p[2] for p in pairs)[mid],
+            "ratios": [p[2] for p in pairs],
+        }
+        out.append(r)
+        log(
+            f"depth {depth}: raw {r['raw_MBps']:.0f} MB/s, engine {r['engine_MBps']:.0f} MB/s "
+            f"({r['threads']} reader threads, checksums {'on' if r['verify'] else 'off'}), "
+            f"ratio {r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])})"
+        )
+    return out
+
+
 def engine_bandwidth(
     store: ExpertStore,
     slots: int,
     prompt: list[int],
     max_tokens: int,
     uncached: bool = True,
-    threads: int = 2,
+    threads: int | None = None,
 ) -> dict:
     """Generates with demand reads only (prefetch off) and reports the engine's read
     bandwidth and the blob files' page-cache residency before and after."""
@@ -250,7 +346,7 @@ def engine_bandwidth(
     return {
         "uncached_io": uncached,
         "slots": slots,
-        "threads": threads,
+        "threads": threads or default_reader_threads(store.manifest.top_k),
         "tokens": timing.prompt_tokens + len(timing.tokens),
         "bytes_read": t["bytes_read"],
         "loads": t["loads"],
@@ -274,11 +370,12 @@ def io_suite(
     max_bytes: int = 1 << 30,
     thread_counts=(1, 2, 4),
     reps: int = 3,
+    depths=(1, 2, 4, 8),
     log=print,
 ) -> dict:
-    """Raw pread bandwidths, a second-pass check, and the engine's bandwidth (uncached,
-    and a buffered control); the ratio engine / raw random pread at the engine's reader
-    thread count."""
+    """Raw pread bandwidths, a second-pass check, the engine's bandwidth (uncached, and a
+    buffered control), the ratio engine / best raw random pread, and `depth_sweep`: the
+    engine against raw random pread at the same queue depth, `reps` rounds per depth."""
     paths = blob_paths(store)
     stride = store.manifest.layers[0].stride
     m = store.manifest
@@ -310,8 +407,12 @@ def io_suite(
         f"{control['resident_after']:.1%}"
     )
     evict(paths)
+    log("engine vs raw random pread at the same queue depth (misses per acquire call):")
+    depth = depth_sweep(store, depths, min(max_bytes, 256 << 20), reps, log)
+    evict(paths)
     ref = best_random(raw)
     return {
+        "depth": depth,
         "raw": raw,
         "second_read": second,
         "engine": engine,
@@ -325,3 +426,30 @@ def io_suite(
         "ratio_while_reading": engine["MBps_while_reading"] / ref["MBps"] if ref["MBps"] else 0,
         "ratio_wall": engine["MBps_wall"] / ref["MBps"] if ref["MBps"] else 0,
     }
+
+
+def main(argv=None) -> int:
+    """`python -m bench.disk [STORE] [--depths 1,2,4,8] [--mb 256] [--rounds 3]`: the
+    depth sweep alone (engine vs raw at the same queue depth), checksums on and off."""
+    import argparse
+
+    from engine.model import resolve_store
+    from engine.resources import default_model_path
+
+    p = argparse.ArgumentParser(prog="python -m bench.disk", description=main.__doc__)
+    p.add_argument("store", nargs="?", help="model directory or expert store (default: embedded)")
+    p.add_argument("--depths", default="1,2,4,8", help="queue depths, comma-separated")
+    p.add_argument("--mb", type=int, default=256, help="MB read per run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="engine reader threads")
+    args = p.parse_args(argv)
+    store = resolve_store(args.store or default_model_path())
+    fields = {} if args.threads is None else {"reader_threads": args.threads}
+    depths = [int(d) for d in args.depths.split(",")]
+    for verify in (True, False):
+        depth_sweep(store, depths, args.mb << 20, args.rounds, verify_checksums=verify, **fields)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

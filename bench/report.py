@@ -131,6 +131,19 @@ def io_markdown(io: dict) -> str:
         f"**{io['ratio_while_reading']:.2f}** while reading, {io['ratio_wall']:.2f} "
         f"over wall time (reads are {e['read_share_of_wall']:.0%} of the wall time).\n"
     )
+    if io.get("depth"):
+        out.append(
+            "Engine against raw random `O_DIRECT` pread at the same queue depth (misses per "
+            "`acquire` call; raw: that many threads), alternated per round; median:\n\n"
+            "| depth | raw MB/s | engine MB/s | reader threads | checksums | engine / raw |\n"
+            "|---|---|---|---|---|---|"
+        )
+        for d in io["depth"]:
+            out.append(
+                f"| {d['depth']} | {d['raw_MBps']:.0f} | {d['engine_MBps']:.0f} | "
+                f"{d['threads']} | {'on' if d['verify'] else 'off'} | **{d['ratio']:.2f}** |"
+            )
+        out.append("")
     c = io["engine_buffered"]
     s = io["second_read"]
 

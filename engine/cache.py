@@ -14,7 +14,7 @@ import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the exten
 import numpy as np
 
 from engine import _ext
-from engine.config import StreamConfig
+from engine.config import StreamConfig, default_reader_threads
 from engine.store import ExpertStore
 
 ExpertCache = _ext.ExpertCache
@@ -102,7 +102,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
         sync=config.sync,
         verify=config.verify_checksums,
         uncached=config.uncached_io,
-        threads=config.reader_threads,
+        threads=config.reader_threads or default_reader_threads(m.top_k),
         read_timeout=config.read_timeout_s,
     )
 

@@ -70,6 +70,7 @@ _NONE_MEANS = {
     "expert_slots": "all experts",
     "cutoff": "half the MoE layers",
     "scratch_slots": "top-k",
+    "reader_threads": "min(8, 2 x CPUs), at least top-k - 1",
 }
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import routing_traces_dir, run_suite
+from bench.disk import engine_at_depth
 from bench.policy import POLICIES, belady, replay, trace_store
 from engine.config import StreamConfig
 from engine.model import load
@@ -26,6 +27,15 @@ def quick(model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "quick"
     results = run_suite("quick", out, model_dirs("qwen3_moe"), log=lambda *_: None)
     return out, results
+
+
+def test_engine_at_depth_misses_every_id_of_every_call(qwen_store):
+    stride = qwen_store.manifest.layers[0].stride
+    r = engine_at_depth(qwen_store, 3, 40 * 3 * stride, reader_threads=2)
+    assert (r["depth"], r["calls"], r["threads"]) == (3, 40, 2)
+    assert r["bytes"] == 40 * 3 * stride and r["MBps"] > 0
+    with pytest.raises(ValueError, match="depth 5: needs 2 x depth <= 8"):
+        engine_at_depth(qwen_store, 5, stride)
 
 
 def test_quick_suite_writes_sane_results(quick):
@@ -49,6 +59,8 @@ def test_quick_suite_writes_sane_results(quick):
     if io["engine"]["resident_after"] is not None:
         assert io["engine"]["resident_after"] < 0.05  # O_DIRECT: nothing left cached
         assert io["engine_buffered"]["resident_after"] > io["engine"]["resident_after"]
+    assert [d["depth"] for d in io["depth"]] == [1, 4]
+    assert all(d["raw_MBps"] > 0 and d["engine_MBps"] > 0 for d in io["depth"])
     for name in data["plots"]:
         assert (out / name).stat().st_size > 0
 

@@ -71,7 +71,7 @@ def test_help_shows_defaults_and_explains_every_argument():
         "longest reply, tokens (>= 1) (default: 64)",
         "(1: all) (default: 1.0)",
         "real-region slots per MoE layer (default: all experts)",
-        "background reader threads (default: 2)",
+        "background reader threads (default: min(8, 2 x CPUs), at least top-k - 1)",
     ):
         assert text in " ".join(generate.split()), text
     for name, p in sub.items():

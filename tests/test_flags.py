@@ -1,10 +1,11 @@
 """The cache flags: one definition for the CLI and the app, defaults shown, old names kept."""
 
 import argparse
+import os
 
 import pytest
 
-from engine.config import StreamConfig
+from engine.config import StreamConfig, default_reader_threads
 from engine.flags import FLAGS, add_cache_flags, config_overrides, stream_config
 
 
@@ -28,9 +29,19 @@ def test_help_shows_streamconfig_defaults_or_the_front_ends():
     text = " ".join(parser().format_help().split())
     assert "real-region slots per MoE layer (default: all experts)" in text
     assert "real-region eviction (default: lfu)" in text
-    assert f"background reader threads (default: {StreamConfig().reader_threads})" in text
+    assert "background reader threads (default: min(8, 2 x CPUs), at least top-k - 1)" in text
     text = " ".join(parser({"expert_slots": "half"}).format_help().split())
     assert "real-region slots per MoE layer (default: half)" in text
+
+
+def test_default_reader_threads_scale_with_cpus_and_top_k(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert [default_reader_threads(k) for k in (2, 4, 8, 32)] == [4, 4, 7, 16]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert [default_reader_threads(k) for k in (2, 8, 10)] == [8, 8, 9]
+    assert StreamConfig().reader_threads is None
+    with pytest.raises(ValueError, match="reader_threads = 0"):
+        StreamConfig(reader_threads=0)
 
 
 def test_environment_then_flags_then_prefetch_follows_side_slots():
