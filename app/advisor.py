@@ -53,7 +53,7 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
         self.hits.setLabel("left", "hit rate %")
         self.hits.showAxis("top")
         self.hits.addLegend(offset=(-10, 10), labelTextSize="9pt")
-        self.speed.setLabel("left", "decode tok/s")
+        self.speed.setLabel("left", "tok/s (est., ★ measured)")
         self.speed.setLabel("bottom", "real slots per MoE layer")
         self.speed.setXLink(self.hits)
         self.ci.layout.setRowStretchFactor(0, 3)

@@ -80,7 +80,9 @@ class Curve:
     Attributes:
         slots: budgets swept, real slots per layer, ascending.
         bytes: expert memory at each budget (None without a `Budget`).
-        hit_rate: {policy name: [hit rate per budget]}, with "belady" (Belady's MIN).
+        hit_rate: {policy name: [hit rate per budget]}, with "belady" (Belady's MIN); a
+            policy's is 1 - expert reads / lookups (its hit rate under demand loading;
+            autopin's pin loads count as the reads they are).
         policy: the session's policy (a key of hit_rate).
         current: the session's slots per layer.
         lookups_per_token: lookups (distinct experts, all layers) per trace token.
@@ -173,7 +175,7 @@ def sweep(
     for c in slots:
         for p in names:
             r = replay(store, trace, c, p, autopin_frac or AUTOPIN_FRAC, stop)
-            rates[p].append(r["hit_rate"])
+            rates[p].append(r["fetch_hit_rate"])
             lookups = r["lookups"]
         rates[BELADY].append(belady(trace, c, stop)["hit_rate"])
     return Curve(
