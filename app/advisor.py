@@ -103,7 +103,6 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
             for c, b in zip(curve.slots, curve.bytes or [], strict=False)
         ]
         self.hits.getAxis("top").setTicks([top[::step], []])
-        self.hits.setLabel("top", "expert memory" if curve.bytes else "")
         for now, new in self.lines:
             now.setPos(curve.current)
             new.setPos(suggested if suggested is not None else curve.current)
@@ -208,7 +207,8 @@ class AdvisorPanel(QWidget):
         title.setObjectName("title")
         hint = QLabel(
             "What more (or less) expert memory would buy: this session's routing replayed "
-            "through the cache at other budgets, after each reply, off the decode path."
+            "through the cache at other budgets (bottom axis: real slots per layer; top: "
+            "expert memory), after each reply, off the decode path."
         )
         hint.setObjectName("hint")
         hint.setWordWrap(True)
@@ -286,6 +286,7 @@ def save_png(curve, advice, path) -> None:
     import sys
 
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    import shiboken6
     from PySide6.QtWidgets import QApplication
 
     from app.inspector import BACKGROUND, FOREGROUND
@@ -305,6 +306,8 @@ def save_png(curve, advice, path) -> None:
     widget.resize(900, 620)
     widget.show()
     _app.processEvents()
-    if not widget.grab().save(str(path)):
-        raise OSError(f"could not write {path}")
+    saved = widget.grab().save(str(path))
     widget.close()
+    shiboken6.delete(widget)  # not left to PySide's exit clean-up (see app.main)
+    if not saved:
+        raise OSError(f"could not write {path}")

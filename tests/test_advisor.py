@@ -180,7 +180,7 @@ def test_server_serves_the_recorded_trace():
 
     from test_server import Served
 
-    served = Served(trace_tokens=64)
+    served = Served(trace_tokens=32)
     try:
         client = served.client()
         client.completions.create(model="m", prompt="Once upon a", max_tokens=40)
@@ -191,7 +191,7 @@ def test_server_serves_the_recorded_trace():
     path = Path(tempfile.mkdtemp()) / "served.npz"
     path.write_bytes(data)
     trace = load_trace(path)
-    assert trace.num_tokens == 64 and trace.ids.shape[1:] == (8, 4)
+    assert trace.num_tokens == 32 and trace.ids.shape[1:] == (8, 4)
 
 
 def test_advisor_panel(qtbot, tmp_path):
