@@ -264,9 +264,10 @@ class TraceRecorder:
         for calls in forwards:
             if len(calls) != n_layers:
                 continue  # cut short by a stop: its arrays may never be evaluated
-            block = np.stack([np.asarray(ids).reshape(-1, k) for _, ids in calls], axis=1).astype(
-                np.int16
-            )
+            rows = calls[0][1].size // k
+            block = np.empty((rows, n_layers, k), np.int16)
+            for li, (_, ids) in enumerate(calls):
+                block[:, li] = np.asarray(ids).reshape(rows, k)
             with self._lock:
                 self._blocks.append((block, self._segment_next))
                 self._tokens += len(block)
