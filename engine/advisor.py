@@ -307,3 +307,62 @@ def free_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
+    """Plots hit rate (and the estimated tokens/s, when there is one) vs budget, the
+    current and suggested budgets marked and the advice as the title, into the PNG
+    `path` (matplotlib, the `bench` extra, imported here only).
+
+    Raises:
+        ValueError: matplotlib is not installed.
+        OSError: the file cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError(
+            "--png needs matplotlib: pip install matplotlib (or the 'bench' extra)"
+        ) from None
+    rows = 2 if curve.tps else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 3 + 2.4 * rows), sharex=True, squeeze=False)
+    hits = axes[0][0]
+    for name, rates in curve.hit_rate.items():
+        label = "Belady's MIN (ceiling)" if name == BELADY else name.upper()
+        if name == curve.policy:
+            label += " (the session's policy)"
+        style = "--" if name == BELADY else "-"
+        hits.plot(curve.slots, [100 * r for r in rates], style, label=label)
+    hits.set_ylabel("hit rate %")
+    hits.set_ylim(0, 100)
+    hits.legend(loc="lower right")
+    if curve.bytes:
+        top = hits.secondary_xaxis("top")
+        top.set_xticks(curve.slots[:: max(1, len(curve.slots) // 6)])
+        top.set_xticklabels(
+            [human_bytes(b) for b in curve.bytes[:: max(1, len(curve.slots) // 6)]], fontsize=8
+        )
+    if curve.tps:
+        speed = axes[1][0]
+        speed.plot(curve.slots, curve.tps, "o-", color="tab:red", label="estimated")
+        speed.plot([curve.current], [curve.measured.decode_tps], "k*", ms=12, label="measured")
+        speed.set_ylabel("decode tok/s")
+        speed.set_ylim(0, 1.1 * max(max(curve.tps), curve.measured.decode_tps))
+        speed.legend(loc="lower right")
+    for (ax,) in axes:
+        ax.axvline(curve.current, color="tab:blue", lw=1)
+        if advice.slots != curve.current:
+            ax.axvline(advice.slots, color="tab:green", lw=1, ls="--")
+        ax.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("real slots per MoE layer")
+    fig.suptitle(advice.line, fontsize=9, wrap=True)
+    fig.tight_layout()
+    path = Path(path)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path

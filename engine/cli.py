@@ -194,6 +194,7 @@ def _advise(args) -> int:
         estimate_tps,
         free_memory_bytes,
         policy_of,
+        save_png,
         sweep,
         table,
     )
@@ -251,8 +252,6 @@ def _advise(args) -> int:
             )
         print(advice.line)
     if args.png:
-        from app.advisor import save_png
-
         save_png(curve, advice, args.png)
         print(f"wrote {args.png}", file=sys.stderr)
     return 0
@@ -395,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=256, help="tokens --prompt-file generates")
     p.add_argument("--save-trace", metavar="FILE.npz", help="write the trace --prompt-file records")
-    p.add_argument("--png", metavar="FILE.png", help="save the plot (needs the 'app' extra)")
+    p.add_argument(
+        "--png", metavar="FILE.png", help="save the plot (needs matplotlib, the 'bench' extra)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
     p.set_defaults(func=_advise)
