@@ -265,15 +265,12 @@ def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Ad
             curve.current, f"{head}: {rest}; the ceiling at this budget (Belady) is {belady_at:.0%}"
         )
     s = curve.slots[pick]
+    head = f"{curve.current} → {s} slots per layer"
     if curve.bytes is not None:
         delta = curve.bytes[pick] - curve.bytes[cur]
-        head = f"{'+' if delta > 0 else '-'}{human_bytes(abs(delta))} of expert memory"
-    else:
-        head = f"{'+' if s > curve.current else '-'}{abs(s - curve.current)} slots per layer"
-    line = (
-        f"{head} ({curve.current} → {s} slots per layer): hit rate "
-        f"{curve.at(curve.current):.0%} → {curve.at(s):.0%}"
-    )
+        sign = "+" if delta > 0 else "-"
+        head = f"{sign}{human_bytes(abs(delta))} of expert memory ({head})"
+    line = f"{head}: hit rate {curve.at(curve.current):.0%} → {curve.at(s):.0%}"
     if curve.tps:
         change = curve.tps[pick] / curve.tps[cur] - 1.0
         line += f", about {change:+.0%} tokens/s"

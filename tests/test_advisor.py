@@ -212,6 +212,7 @@ def test_advisor_panel(qtbot, tmp_path):
     with qtbot.waitSignal(w.advisor_runner.finished, timeout=180_000) as blocker:
         qtbot.mouseClick(w.chat.send_button, Qt.MouseButton.LeftButton)
     curve, advice = blocker.args
+    assert w.info.budget.pool_bytes == w.info.pool_bytes  # the advisor's bytes are the pool's
     assert curve.current == 8 and 8 in curve.slots and curve.tps is not None
     assert curve.measured.decode_tokens == len(w.last_reply.tokens)
     trace = w.engine.trace()
