@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import ServiceThread
+from engine.advisor import human_bytes
 
 POLICY_COLORS = {"lru": "#f0a030"}
 CURRENT_COLOR = "#7cc4ff"
@@ -121,8 +122,6 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
 
 
 def _short_bytes(n: float) -> str:
-    from engine.advisor import human_bytes
-
     return human_bytes(n).replace(".0 ", " ")
 
 
