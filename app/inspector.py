@@ -28,18 +28,11 @@ from app.monitor import (
     row_info,
 )
 from app.worker import ModelInfo
+from engine.advisor import human_bytes
 
 BACKGROUND = "#1b1d23"
 FOREGROUND = "#c9d1d9"
 WINDOW_SECONDS = 60.0
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _title(text: str) -> QLabel:
@@ -365,11 +358,11 @@ class InspectorPanel(QWidget):
             "side_hits": f"{t['side_hits']:,}",
             "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_issued']:,}",
             "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}",
-            "bytes_read": _human_bytes(t["bytes_read"]),
+            "bytes_read": human_bytes(t["bytes_read"]),
             "evictions": f"{t['evictions']:,}",
             "inflight": str(t["inflight"]),
-            "pool": _human_bytes(self.pool_bytes),
-            "rss": _human_bytes(process_rss_bytes()),
+            "pool": human_bytes(self.pool_bytes),
+            "rss": human_bytes(process_rss_bytes()),
             "forward": f"{snap.forward:,}",
         }
         for k, v in values.items():

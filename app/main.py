@@ -2,6 +2,7 @@
 
     expertstream-gui [--model PATH] [--expert-slots N] [--side-slots N] [...]
     expertstream-gui --screenshot PNG --prompt TEXT [--model PATH] [--max-tokens N]
+        [--tab advisor]
 
 The second form runs one chat turn, saves a PNG of the whole window while tokens are
 still being generated, and exits (with QT_QPA_PLATFORM=offscreen it needs no display).
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="Once upon a time", help="the message of --screenshot")
     p.add_argument("--max-tokens", type=int, default=64, help="reply length of --screenshot")
     p.add_argument(
+        "--tab",
+        choices=["inspector", "advisor"],
+        default="inspector",
+        help="the tab --screenshot shows (advisor: grabbed once the reply is analysed)",
+    )
+    p.add_argument(
         "--shot-at",
         type=int,
         help="grab after this many reply tokens (default: three quarters of --max-tokens)",
@@ -62,6 +69,8 @@ def has_display(environ=None) -> bool:
 
 
 def _screenshot(window, args, app) -> None:
+    from PySide6.QtCore import Qt
+
     """Sends --prompt once the model is loaded, grabs the window at the --shot-at-th
     token (or at the reply's end if it is shorter), then stops and quits."""
     shot_at = args.shot_at or max(1, args.max_tokens * 3 // 4)
@@ -72,6 +81,7 @@ def _screenshot(window, args, app) -> None:
             return
         window.chat.flush()
         window.poll()
+        app.processEvents()  # pending layout updates, e.g. of the advisor's new text
         if not window.grab().save(args.screenshot):
             print(f"expertstream-gui: could not write {args.screenshot}", file=sys.stderr)
             app.exit(1)
@@ -80,20 +90,33 @@ def _screenshot(window, args, app) -> None:
         print(f"saved {args.screenshot} {when}")
 
     def on_loaded(_info) -> None:
+        if args.tab == "advisor":
+            window.tabs.setCurrentWidget(window.advisor)
         window.chat.max_tokens.setValue(args.max_tokens)
         window.chat.prompt.setPlainText(args.prompt)
         window.send(args.prompt)
 
     def on_token(n: int) -> None:
-        if n >= shot_at and not state["saved"]:
+        if n >= shot_at and not state["saved"] and args.tab == "inspector":
             grab(f"at reply token {n} of at most {args.max_tokens}")
             window.stop()
 
     def on_done(reply) -> None:
         if reply is None:
             print("expertstream-gui: the reply failed (see the screenshot)", file=sys.stderr)
+        elif args.tab == "advisor":
+            return  # grabbed when the analysis of the reply is drawn
         grab(f"at the reply's end ({len(window.reply_tokens)} tokens)")
         app.exit(0 if state["saved"] and reply is not None else 1)
+
+    def on_analysed(*_) -> None:
+        grab(f"with the advisor's analysis of {len(window.reply_tokens)} reply tokens")
+        app.exit(0 if state["saved"] else 1)
+
+    def on_analysis_failed(message: str) -> None:
+        print(f"expertstream-gui: the advisor failed: {message}", file=sys.stderr)
+        grab("after the advisor failed")
+        app.exit(1)
 
     def on_load_failed(message: str) -> None:
         print(f"expertstream-gui: {message}", file=sys.stderr)
@@ -102,6 +125,9 @@ def _screenshot(window, args, app) -> None:
     window.modelLoaded.connect(on_loaded)
     window.tokenShown.connect(on_token)
     window.replyDone.connect(on_done)
+    if args.tab == "advisor":
+        window.advisor_runner.finished.connect(on_analysed, Qt.ConnectionType.QueuedConnection)
+        window.advisor_runner.failed.connect(on_analysis_failed)
     window.engine.worker.loadFailed.connect(on_load_failed)
 
 
@@ -117,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expertstream-gui: error: {e}", file=sys.stderr)
         return 2
 
+    import shiboken6
     from PySide6.QtWidgets import QApplication
 
     from app.window import MainWindow, apply_style
@@ -131,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     window.show()
     code = app.exec()
     window.close()
+    # Deleted now, while the QApplication lives: left to PySide's exit clean-up, the
+    # plots' graphics items can be destroyed after their scene (a crash at exit).
+    shiboken6.delete(window)
     return code
 
 

@@ -18,10 +18,12 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QProgressBar,
     QSplitter,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
+from app.advisor import AdvisorPanel, AdvisorRunner
 from app.chat import ChatPanel
 from app.controls import LIVE_LABELS, ControlsPanel, summary
 from app.conversation import ASSISTANT, USER, Conversation
@@ -73,6 +75,7 @@ class MainWindow(QMainWindow):
         self.last_reply: Reply | None = None
         self.tokens_received = 0
         self._clear_after_reply = False
+        self.decode = [0, 0.0]  # decode tokens and seconds of this model's replies
 
         self.engine = EngineClient()
         w = self.engine.worker
@@ -86,6 +89,18 @@ class MainWindow(QMainWindow):
         self.chat = ChatPanel()
         self.controls = ControlsPanel()
         self.inspector = InspectorPanel()
+        self.advisor = AdvisorPanel()
+        self.advisor_runner = AdvisorRunner()
+        self.advisor.trace_tokens.setValue(self.engine.worker.trace_tokens)
+        self.advisor.analyzeRequested.connect(self.analyze)
+        self.advisor.applyRequested.connect(self.apply_budget)
+        self.advisor.saveTraceRequested.connect(self.save_trace)
+        self.advisor.traceTokensChanged.connect(self.engine.set_trace_tokens)
+        self.advisor_runner.finished.connect(self.advisor.show_result)
+        self.advisor_runner.failed.connect(lambda m: self.advisor.status.setText(m))
+        self.advisor_runner.stopped.connect(
+            lambda: self.advisor.status.setText("Stopped for the reply; runs again after it.")
+        )
         self.chat.sendRequested.connect(self.send)
         self.chat.stopRequested.connect(self.stop)
         self.chat.newChatRequested.connect(self.new_chat)
@@ -101,7 +116,10 @@ class MainWindow(QMainWindow):
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 8, 10, 8)
-        right_layout.addWidget(self.inspector)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.inspector, "Inspector")
+        self.tabs.addTab(self.advisor, "Advisor")
+        right_layout.addWidget(self.tabs)
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(left)
         splitter.addWidget(right)
@@ -131,6 +149,7 @@ class MainWindow(QMainWindow):
         for text, key, slot in (
             ("&Open model…", QKeySequence.StandardKey.Open, self.open_model),
             ("&New chat", QKeySequence.StandardKey.New, self.new_chat),
+            ("Save routing &trace…", QKeySequence.StandardKey.Save, self.save_trace),
             ("&Quit", QKeySequence.StandardKey.Quit, self.close),
         ):
             action = QAction(text, self)
@@ -165,6 +184,7 @@ class MainWindow(QMainWindow):
         self.reply_tokens = []
         self.chat.figures.setText("Generating…")
         self._set_busy("generating")
+        self.advisor_runner.stop()  # the replay yields the GIL to the reply
         self.engine.generate(self.conversation, **self.chat.settings())
 
     def stop(self) -> None:
@@ -199,6 +219,66 @@ class MainWindow(QMainWindow):
             self._message("No model to rebuild: open one first.")
             return
         self.request_load(self.info.path, dataclasses.asdict(self.info.config) | fields)
+
+    def apply_budget(self, slots: int) -> None:
+        """Sets the expert slots to `slots` and rebuilds the pool (after the reply in
+        progress, if any)."""
+        self.controls.expert_slots.setValue(slots)
+        self.rebuild(self.controls.pool())
+
+    def analyze(self) -> None:
+        """Replays the session's routing at a sweep of budgets on the advisor thread
+        (refused while a reply runs: it runs again after it)."""
+        from engine.advisor import Measured, policy_of
+        from engine.store_cache import store_cache_dir
+
+        status = self.advisor.status.setText
+        if self.info is None or self.busy == "generating":
+            status("Runs after the reply." if self.info else "No model loaded.")
+            return
+        trace = self.engine.trace()
+        if trace is None or trace.num_tokens == 0:
+            status("No routing recorded yet: send a message (and keep some tokens).")
+            return
+        c, snap = self.info.config, self.engine.snapshot()
+        measured = None
+        t = snap.totals() if snap is not None else None
+        if self.decode[0] and t and t["read_seconds"] > 0:
+            measured = Measured(
+                decode_tps=self.decode[0] / self.decode[1],
+                read_Bps=t["bytes_read"] / t["read_seconds"],
+                hit_rate=t["hit_rate"],
+                decode_tokens=self.decode[0],
+            )
+        status(f"Replaying {trace.num_tokens:,} tokens…")
+        self.advisor_runner.analyze(
+            trace,
+            store_cache_dir() / "replay",
+            policy_of(c.policy, c.decay_every, c.autopin_frac),
+            c.expert_slots or self.info.num_experts,
+            c.autopin_frac,
+            self.info.budget,
+            measured,
+        )
+
+    def save_trace(self, path: str | None = None) -> None:
+        """Saves the session's routing trace as .npz (asks where when `path` is None)."""
+        trace = self.engine.trace()
+        if trace is None or trace.num_tokens == 0:
+            self._message("No routing recorded yet: send a message first.")
+            return
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(
+                self, "Save the routing trace", "trace.npz", "Routing traces (*.npz)"
+            )
+            if not path:
+                return
+        try:
+            trace.save(path)
+        except OSError as e:
+            self._message(f"Could not save the trace: {e}", error=True)
+            return
+        self._message(f"Saved {trace.num_tokens:,} tokens of routing to {path}.")
 
     def open_model(self, path: str | None = None) -> None:
         """Opens an mlx-lm MoE directory or an expert store (asks for it when None)."""
@@ -260,6 +340,7 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, info: ModelInfo) -> None:
         wanted = self.controls.live_settings() if self.info else {}
         self.info = info
+        self.decode = [0, 0.0]  # measured figures are this budget's
         self.progress.hide()
         self.controls.set_model(info)
         self.inspector.set_model(info)
@@ -300,6 +381,9 @@ class MainWindow(QMainWindow):
         self.conversation.add(ASSISTANT, reply.text)
         self.last_reply = reply
         self.chat.end_reply(reply)
+        if reply.decode_tps > 0 and len(reply.tokens) > 1:
+            self.decode[0] += len(reply.tokens)
+            self.decode[1] += len(reply.tokens) / reply.decode_tps
         self._message(
             f"Reply: {len(reply.tokens)} tokens in {reply.seconds:.1f} s"
             f"{' (stopped)' if reply.stopped else ''}."
@@ -307,6 +391,8 @@ class MainWindow(QMainWindow):
         self._end_reply()
         self.replyDone.emit(reply)
         self._run_pending()
+        if self.busy is None:
+            self.analyze()
 
     def _on_reply_failed(self, message: str, partial: str) -> None:
         if partial:
@@ -324,6 +410,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802  (Qt override)
         self.timer.stop()
+        self.advisor_runner.stop()
         self.pending = None  # a load queued behind the reply must not start once closed
         self.engine.shutdown()
         super().closeEvent(event)

@@ -11,8 +11,9 @@ The engine thread lives as long as the process. MLX keeps per-thread state whose
 destructor takes the GIL; a thread that ends while the interpreter is finalizing aborts
 the process ("terminate called without an active exception"), so it must not end.
 
-Two things the GUI thread calls directly, both thread-safe in the engine: `snapshot()`
-(numpy copies, polled by the inspector) and the live toggles `set_prefetch`,
+Things the GUI thread calls directly, thread-safe in the engine: `snapshot()` (numpy
+copies, polled by the inspector), `trace()` (the session's routing as numpy, recorded
+by `engine.trace.record` on the engine thread, for the advisor) and the live toggles `set_prefetch`,
 `set_side_lfu`, `set_sync` (they take effect at the next forward boundary / submission).
 """
 
@@ -29,6 +30,7 @@ from PySide6.QtCore import QObject, Signal
 from app.conversation import Conversation, prompt_ids
 
 LIVE_FIELDS = ("prefetch", "side_lfu", "sync")
+TRACE_TOKENS = 4096  # routing kept for the advisor, tokens (the app's default)
 
 
 class _Cancelled(Exception):
@@ -54,6 +56,7 @@ class ModelInfo:
     config: object
     chat_template: bool
     pool_bytes: int
+    budget: object  # engine.advisor.Budget
     load_seconds: float
     context: int | None
 
@@ -74,23 +77,25 @@ class Reply:
     peak_memory_bytes: int
 
 
-class _EngineThread:
-    """The process's engine thread: runs submitted callables one at a time, in order."""
+class ServiceThread:
+    """A thread of the process that runs submitted callables one at a time, in order,
+    and never ends (see the module docstring): the engine thread, the advisor's."""
 
-    _instance: "_EngineThread | None" = None
+    _instances: dict[str, "ServiceThread"] = {}
     _lock = threading.Lock()
 
-    def __init__(self):
+    def __init__(self, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="expertstream-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     @classmethod
-    def get(cls) -> "_EngineThread":
+    def get(cls, name: str = "expertstream-engine") -> "ServiceThread":
+        """The thread called `name`, started on first use."""
         with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
+            if name not in cls._instances:
+                cls._instances[name] = cls(name)
+            return cls._instances[name]
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._queue.put(fn)
@@ -123,6 +128,8 @@ class Worker(QObject):
         self._sm = None
         self._session = None  # engine.generate.ChatSession of the loaded model
         self._last_progress = 0.0
+        self.trace_tokens = TRACE_TOKENS
+        self._recorder = None  # engine.trace.TraceRecorder: the session's routing
 
     # called from the GUI thread
     def snapshot(self):
@@ -136,7 +143,27 @@ class Worker(QObject):
             if self._sm is not None:
                 getattr(self._sm, f"set_{name}")(on)
 
+    def trace(self):
+        """The session's routing trace so far (numpy; an engine.trace.Trace), or None
+        when nothing is recorded."""
+        rec = self._recorder
+        return None if rec is None else rec.trace("session")
+
     # run on the engine thread
+    def set_trace_tokens(self, tokens: int) -> None:
+        """Keeps the last `tokens` tokens of routing (0: stops recording, drops it)."""
+        self.trace_tokens = tokens
+        if tokens == 0:
+            if self._recorder is not None:
+                self._recorder.close()
+            self._recorder = None
+        elif self._recorder is not None:
+            self._recorder.set_max_tokens(tokens)
+        elif self._sm is not None:
+            from engine.trace import record
+
+            self._recorder = record(self._sm, tokens)
+
     def _progress(self, done: int, total: int) -> None:
         if self._cancel.is_set():
             raise _Cancelled
@@ -151,6 +178,7 @@ class Worker(QObject):
         in use stays until the new one has loaded."""
         t0 = time.monotonic()
         try:
+            from engine.advisor import Budget
             from engine.cache import pool_bytes
             from engine.config import StreamConfig
             from engine.generate import ChatSession
@@ -173,6 +201,7 @@ class Worker(QObject):
         with self._lock:
             self._sm = sm
         self._session = ChatSession(sm)
+        self._record(sm, old)
         del old  # freed here, on the engine thread
         self.loaded.emit(
             ModelInfo(
@@ -185,10 +214,26 @@ class Worker(QObject):
                 config=config,
                 chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
                 pool_bytes=pool_bytes(sm.cache),
+                budget=Budget.of(m, config),
                 load_seconds=time.monotonic() - t0,
                 context=store.config.get("max_position_embeddings"),
             )
         )
+
+    def _record(self, sm, old) -> None:
+        """Records `sm`'s routing; a rebuild of the same model keeps the trace so far
+        (routing does not depend on the cache)."""
+        from engine.trace import record
+
+        rec = self._recorder
+        if self.trace_tokens == 0:
+            return
+        if rec is not None and old is not None and old.store.path == sm.store.path:
+            rec.attach(sm)
+        else:
+            if rec is not None:
+                rec.close()
+            self._recorder = record(sm, self.trace_tokens)
 
     def generate(self, request: dict) -> None:
         """Generates a reply to `request["conversation"]` (a Conversation) with
@@ -239,6 +284,8 @@ class Worker(QObject):
         with self._lock:
             sm, self._sm = self._sm, None
         self._session = None
+        if self._recorder is not None:
+            self._recorder.close()
         del sm
 
 
@@ -257,7 +304,7 @@ class EngineClient:
         self._stop = threading.Event()
         self._cancel = threading.Event()
         self.worker = Worker(self._stop, self._cancel)
-        self._thread = _EngineThread.get()
+        self._thread = ServiceThread.get()
 
     def load(self, path: str | None, overrides: dict) -> None:
         """Queues a load of `path` (None: embedded model) with StreamConfig `overrides`."""
@@ -291,6 +338,14 @@ class EngineClient:
     def snapshot(self):
         """The loaded model's CacheSnapshot (thread-safe), or None."""
         return self.worker.snapshot()
+
+    def trace(self):
+        """The session's routing trace (numpy, thread-safe), or None."""
+        return self.worker.trace()
+
+    def set_trace_tokens(self, tokens: int) -> None:
+        """Queues a new bound of the recorded routing (0: off), applied between replies."""
+        self._thread.submit(lambda: self.worker.set_trace_tokens(tokens))
 
     def set_live(self, name: str, on: bool) -> None:
         """Sets a live toggle (prefetch, side_lfu, sync) on the loaded model now."""

@@ -1,52 +1,16 @@
 """Suite 2: cache policies replayed on routing traces through the real native cache.
 
-Each trace gets a small synthetic store with its layer and expert counts (records of a
-few KB, see `engine.synthetic.tiny_config`); every token's expert ids of every layer go
-through `ExpertCache.acquire`, at equal real-region capacity, under:
-
-- `lru`, `lfu` (frequency halving every 256 calls), `lfu-nodecay` (`decay_every=0`);
-- `lfu+autopin`: the engine's autopin (`engine.autopin.repin`) between generate calls
-  (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
-  top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
-  min(cap - top_k, floor(`AUTOPIN_FRAC` x cap))); calls left with fewer evictable slots
-  than missing experts stream the misses through the scratch rows (`load_scratch`), as
-  the engine does, and count as misses;
-- `lfu+oracle`: the side region (top_k rows, persistent LFU, SYNC fills) fed after each
-  layer's acquire with the true ids of the next layer (the perfect predictor); it holds
-  top_k rows more than the others, and its side hits were still reads, so its `hit_rate`
-  may pass Belady's at the same capacity: its `fetch_hit_rate` (1 - loads / lookups) is
-  bounded by Belady's at capacity + top_k instead;
-- `belady`: Belady's MIN, offline, in Python (`belady`): per layer, on a miss evict the
-  resident expert (not wanted by the current token) whose next use is furthest away. It is
-  optimal for any policy with the same capacity, so it is the ceiling of every demand
-  policy above (an invariant the tests check).
-
-Lookups are counted as the native cache counts them: distinct experts per (token, layer).
+The replay itself (`replay`, `belady`, the policies and their rules) is
+`engine.replay`, the one the budget advisor runs too; this suite sweeps capacities over
+the traces and sets each policy against Belady's MIN.
 """
 
-import math
 from pathlib import Path
 
-import numpy as np
-
-from engine import autopin
-from engine.cache import open_cache, snapshot
-from engine.config import StreamConfig
-from engine.store import ExpertStore
-from engine.synthetic import ensure_store, tiny_config
+from engine.replay import POLICIES, belady, replay, trace_store
 from engine.trace import Trace
 
-POLICIES = ("lru", "lfu", "lfu-nodecay", "lfu+autopin", "lfu+oracle")
-AUTOPIN_FRAC = 0.5
-REPIN_EVERY = 256
-_INF = math.inf
-
-
-def trace_store(trace: Trace, root: str | Path) -> ExpertStore:
-    """The tiny synthetic store for `trace`'s shape under `root` (made once)."""
-    name = f"trace-store-{trace.num_layers}x{trace.num_experts}x{trace.top_k}"
-    config = tiny_config(trace.num_layers, trace.num_experts, trace.top_k)
-    return ExpertStore(ensure_store(Path(root) / name, config, group_size=32))
+__all__ = ["POLICIES", "belady", "capacities", "policy_suite", "replay", "trace_store"]
 
 
 def capacities(num_experts: int, top_k: int) -> list[int]:
@@ -56,107 +20,6 @@ def capacities(num_experts: int, top_k: int) -> list[int]:
         return list(range(top_k, num_experts))
     fracs = (1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
     return sorted({max(top_k, round(num_experts * f)) for f in fracs} - {num_experts})
-
-
-def replay(store: ExpertStore, trace: Trace, capacity: int, policy: str) -> dict:
-    """Replays `trace` through a fresh native cache of `store` with `capacity` real slots
-    under `policy` (one of POLICIES). Returns the counters and rates."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy {policy!r} not in {POLICIES}")
-    k = trace.top_k
-    oracle = policy == "lfu+oracle"
-    cfg = StreamConfig(
-        expert_slots=capacity,
-        policy="lru" if policy == "lru" else "lfu",
-        decay_every=0 if policy == "lfu-nodecay" else 256,
-        side_slots=k if oracle else 0,
-        side_lfu=True,
-        sync=True,
-        uncached_io=False,
-        reader_threads=1,
-    )
-    cache = open_cache(store, cfg)
-    ids = np.ascontiguousarray(trace.ids, dtype=np.int32)
-    layers = trace.num_layers
-    repin_at = set()
-    budget = autopin.budget(capacity, k, AUTOPIN_FRAC)
-    if policy == "lfu+autopin" and budget > 0:
-        starts = trace.segments[trace.segments > 0]
-        repin_at = (
-            set(starts.tolist())
-            if len(starts)
-            else set(range(REPIN_EVERY, trace.num_tokens, REPIN_EVERY))
-        )
-    for t in range(trace.num_tokens):
-        if t in repin_at:
-            cache.drain()
-            autopin.repin(cache, budget)
-        row = ids[t]
-        for li in range(layers):
-            _, missing = cache.acquire(li, row[li])
-            for start in range(0, len(missing), cache.scratch_slots):
-                cache.load_scratch(li, missing[start : start + cache.scratch_slots])
-            if oracle and li + 1 < layers:
-                cache.prefetch(li + 1, row[li + 1])
-    cache.drain()
-    t = snapshot(cache).totals()
-    lookups = t["hits"] + t["misses"]
-    return {
-        "hits": t["hits"],
-        "misses": t["misses"],
-        "loads": t["loads"],
-        "side_hits": t["side_hits"],
-        "lookups": lookups,
-        "overcap_calls": t["overcap_calls"],
-        "hit_rate": t["hits"] / lookups if lookups else 0.0,
-        "fetch_hit_rate": 1.0 - t["loads"] / lookups if lookups else 0.0,
-    }
-
-
-def belady(trace: Trace, capacity: int) -> dict:
-    """Belady's MIN per layer with each token's experts requested together (none of
-    them may be evicted for another). Returns hits, lookups and hit_rate."""
-    hits = lookups = 0
-    for li in range(trace.num_layers):
-        steps = [list(dict.fromkeys(r.tolist())) for r in trace.ids[:, li]]
-        h, n = _belady_layer(steps, capacity)
-        hits += h
-        lookups += n
-    return {
-        "hits": hits,
-        "lookups": lookups,
-        "misses": lookups - hits,
-        "hit_rate": hits / lookups if lookups else 0.0,
-    }
-
-
-def _belady_layer(steps: list[list[int]], capacity: int) -> tuple[int, int]:
-    nxt: list[list[float]] = [[] for _ in steps]
-    last: dict[int, float] = {}
-    for t in range(len(steps) - 1, -1, -1):
-        nxt[t] = [last.get(e, _INF) for e in steps[t]]
-        for e in steps[t]:
-            last[e] = t
-    cache: dict[int, float] = {}  # expert -> its next use
-    hits = lookups = 0
-    for t, step in enumerate(steps):
-        lookups += len(step)
-        new = []
-        for e, n in zip(step, nxt[t], strict=True):
-            if e in cache:
-                hits += 1
-            else:
-                new.append(e)
-            cache[e] = n
-        over = len(cache) - capacity
-        if over > 0:
-            wanted = set(step)
-            victims = sorted((e for e in cache if e not in wanted), key=lambda e: -cache[e])
-            if len(victims) < over:
-                raise ValueError(f"capacity {capacity} < distinct experts of one token")
-            for e in victims[:over]:
-                del cache[e]
-    return hits, lookups
 
 
 def policy_suite(

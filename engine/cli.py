@@ -78,9 +78,8 @@ def _generate(args) -> int:
         from engine.trace import record
 
         with record(sm) as recorder:
-            recorder.begin_segment()
             code = _generate_with(sm, prompt, args)
-            path = recorder.trace(Path(args.record_trace).stem).save(args.record_trace)
+        path = recorder.trace(Path(args.record_trace).stem).save(args.record_trace)
         print(f"wrote routing trace {path}", file=sys.stderr)
         return code
     return _generate_with(sm, prompt, args)
@@ -136,7 +135,9 @@ def _serve(args) -> int:
     config = stream_config(args)
     model = Path(args.model) if args.model else default_model_path()
     print(f"loading {model}", file=sys.stderr)
-    engine = GenerationThread(lambda: load(model, config), args.max_queue)
+    if args.record_trace < 0:
+        raise ValueError(f"--record-trace {args.record_trace}: must be >= 0 tokens")
+    engine = GenerationThread(lambda: load(model, config), args.max_queue, args.record_trace)
     engine.start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
@@ -184,6 +185,109 @@ def _bench(argv: list[str]) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     return subprocess.call([sys.executable, "-m", "bench", *argv], env=env)
+
+
+def _advise(args) -> int:
+    from engine.advisor import (
+        Budget,
+        advise,
+        estimate_tps,
+        free_memory_bytes,
+        policy_of,
+        save_png,
+        sweep,
+        table,
+    )
+    from engine.model import resolve_store, store_cache_dir
+    from engine.trace import load_trace
+
+    if args.trace is None and args.prompt_file is None:
+        raise ValueError("give --trace FILE.npz, or --prompt-file FILE to record a fresh trace")
+    if args.trace is not None and args.prompt_file is not None:
+        raise ValueError("--trace and --prompt-file exclude each other: replay one trace")
+    config = stream_config(args)
+    measured = None
+    if args.prompt_file is not None:
+        trace, measured, store = _record_for_advice(args, config)
+    else:
+        trace = load_trace(args.trace)
+        store = resolve_store(args.model) if args.model else None
+    if store is not None:
+        m = store.manifest
+        if (len(m.layers), m.num_experts, m.top_k) != trace.shape:
+            raise ValueError(
+                f"--model {store.path}: {len(m.layers)} MoE layers x {m.num_experts} experts "
+                f"(top-{m.top_k}), but the trace is {trace.num_layers} x "
+                f"{trace.num_experts} (top-{trace.top_k})"
+            )
+    current = config.expert_slots or trace.num_experts
+    if not trace.top_k <= current <= trace.num_experts:
+        raise ValueError(
+            f"--expert-slots {current}: must be in [{trace.top_k}, {trace.num_experts}]"
+        )
+    policy = policy_of(config.policy, config.decay_every, config.autopin_frac)
+    print(
+        f"replaying {trace.num_tokens} tokens ({trace.name}) under {policy}, LRU and Belady's MIN",
+        file=sys.stderr,
+    )
+    curve = sweep(
+        trace, store_cache_dir() / "replay", policy, current, autopin_frac=config.autopin_frac
+    )
+    if store is not None:
+        estimate_tps(curve, Budget.of(store.manifest, config), measured)
+    advice = advise(curve, free_memory_bytes())
+    if args.json:
+        print(
+            json.dumps(
+                {"curve": curve.to_dict(), "advice": {"slots": advice.slots, "line": advice.line}}
+            )
+        )
+    else:
+        print(table(curve))
+        if measured is not None:
+            print(
+                f"measured: decode {measured.decode_tps:.1f} tok/s over {measured.decode_tokens} "
+                f"tokens, reads {measured.read_Bps / 1e6:.0f} MB/s, hit rate "
+                f"{measured.hit_rate:.1%} (side hits included); tok/s at other budgets: estimated"
+            )
+        print(advice.line)
+    if args.png:
+        save_png(curve, advice, args.png)
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def _record_for_advice(args, config):
+    """Generates from --prompt-file with the cache flags, recording the routing; returns
+    the trace, the measured figures and the store."""
+    from engine.advisor import Measured
+    from engine.generate import generate, prompt_tokens
+    from engine.model import load
+    from engine.resources import default_model_path
+    from engine.trace import record
+
+    try:
+        text = Path(args.prompt_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it ({e})") from None
+    if not text.strip():
+        raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    sm = load(args.model or default_model_path(), config)
+    with record(sm) as recorder:
+        result = generate(sm, prompt_tokens(sm, text, False), args.max_tokens)
+    trace = recorder.trace(Path(args.prompt_file).stem)
+    if args.save_trace:
+        print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
+    c = result.cache
+    measured = Measured(
+        decode_tps=result.decode_tps,
+        read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
+        hit_rate=c["hit_rate"],
+        decode_tokens=len(result.tokens),
+    )
+    return trace, measured, sm.store
 
 
 def _add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -259,8 +363,43 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (info: one line per request)",
     )
+    p.add_argument(
+        "--record-trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the routing of the last N tokens, served at GET /v1/trace as .npz "
+        "(for expertstream advise --trace; 0: off)",
+    )
     add_cache_flags(p)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "advise",
+        help="what more (or less) expert memory would buy: replay a routing trace at a "
+        "sweep of budgets",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--trace", metavar="FILE.npz", help="a recorded routing trace (or .json)")
+    p.add_argument(
+        "--model",
+        help="expert store or mlx-lm MoE model directory: gives the budgets in bytes; with "
+        "--prompt-file, the model to record (default: the embedded model)",
+    )
+    p.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="record a fresh trace: generate from this text with the cache flags, and "
+        "estimate tokens/s from what it measures",
+    )
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens --prompt-file generates")
+    p.add_argument("--save-trace", metavar="FILE.npz", help="write the trace --prompt-file records")
+    p.add_argument(
+        "--png", metavar="FILE.png", help="save the plot (needs matplotlib, the 'bench' extra)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=_advise)
 
     p = sub.add_parser(
         "cache",

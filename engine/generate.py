@@ -189,7 +189,8 @@ def generate(
     prompt_cache=None,
     cached_tokens: int = 0,
 ) -> GenerationResult:
-    """Generates a whole reply and updates autopin afterwards (when enabled).
+    """Generates a whole reply and updates autopin afterwards (when enabled); a trace
+    recorder of `sm` (`engine.trace.record`) gets the reply as one segment.
 
     Args:
         on_response: called with each mlx-lm GenerationResponse as it is produced.
@@ -205,6 +206,9 @@ def generate(
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
     sm.predictor.should_stop = stop
+    recorder = sm.predictor.recorder
+    if recorder is not None:
+        recorder.begin_segment()
     try:
         responses = stream_generate(
             sm, prompt, max_tokens, temperature, top_p, prompt_cache, cached_tokens
@@ -222,6 +226,8 @@ def generate(
         stopped = True
     finally:
         sm.predictor.should_stop = None
+        if recorder is not None:
+            recorder.settle()
     after = sm.snapshot().totals()
     if sm.config.autopin_frac > 0:  # re-pin between replies, and keep the set for next time
         pins = autopin.repin(sm.cache, sm.autopin_budget())

@@ -9,11 +9,14 @@ every MoE layer call, so its generation ends at the next one.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming or one JSON
 reply), `GET /v1/models`, `GET /v1/stats` (the expert cache's figures and tokens/s),
-`GET /health`. A request names no file: `model` is not used to pick or load anything.
+`GET /v1/trace` (the routing of the last N tokens as a `.npz` trace, with `--record-trace
+N`: `expertstream advise --trace` reads it), `GET /health`. A request names no file:
+`model` is not used to pick or load anything.
 """
 
 import asyncio
 import contextlib
+import io
 import json
 import math
 import queue
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat import ROLES, chat_ids, checked_ids, encode
@@ -154,12 +157,18 @@ class GenerationThread:
     Args:
         load: called on the thread; returns the StreamedModel.
         max_queue: jobs that may wait (beyond the one generating); more are refused.
+        trace_tokens: keep the routing of the last this many tokens (`recorder`, an
+            engine.trace.TraceRecorder; 0: none).
     """
 
-    def __init__(self, load: Callable[[], object], max_queue: int = 32):
+    def __init__(self, load: Callable[[], object], max_queue: int = 32, trace_tokens: int = 0):
         if max_queue < 1:
             raise ValueError(f"max_queue is {max_queue}: must be >= 1")
+        if trace_tokens < 0:
+            raise ValueError(f"trace_tokens is {trace_tokens}: must be >= 0")
         self._load = load
+        self._trace_tokens = trace_tokens
+        self.recorder = None
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -224,6 +233,10 @@ class GenerationThread:
     def _run(self) -> None:
         try:
             self.sm = self._load()
+            if self._trace_tokens:
+                from engine.trace import record
+
+                self.recorder = record(self.sm, self._trace_tokens)
         except BaseException as e:  # noqa: BLE001  (re-raised by start, on the caller's thread)
             self._load_error = e
             self._ready.set()
@@ -526,6 +539,19 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
         }
         return JSONResponse({"model": model_id, "cache": cache, "server": served})
 
+    async def trace(request: Request):
+        if engine.recorder is None:
+            raise RequestError(
+                None, "no routing is recorded: start the server with --record-trace N", 404
+            )
+        buf = io.BytesIO()
+        engine.recorder.trace(model_id).save(buf)
+        return Response(
+            buf.getvalue(),
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": 'attachment; filename="trace.npz"'},
+        )
+
     async def health(request: Request):
         alive = engine.thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "stopped"}, 200 if alive else 503)
@@ -550,6 +576,7 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
+            Route("/v1/trace", trace, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={

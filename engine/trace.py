@@ -3,10 +3,10 @@
 A `Trace` holds expert ids shaped `(tokens, moe_layers, top_k)` and the start token of
 each generate call (`segments`). Traces come from three places:
 
-- recorded from the engine: `record(sm)` sets the model's acquire hook
-  (`Predictor.on_acquire`) so that every MoE layer call also stores its ids
-  (`expertstream generate --record-trace FILE.npz`); while recording, every call takes
-  the synchronous path, which has the ids on the host; otherwise nothing changes;
+- recorded from the engine: `record(sm)` hands every MoE layer call's lazy ids array to
+  a `TraceRecorder` (`Predictor.recorder`), copied to numpy once evaluated
+  (`expertstream generate --record-trace FILE.npz`, the app, `expertstream serve
+  --record-trace N`); the calls take the path they would take unrecorded;
 - published traces: the HD-MoE Mixtral JSON files (`{"0": [[a, b], ...], ...}`, one key per
   MoE layer), read by `load_trace`;
 - generated: `random_trace` (uniform routing) and `local_trace` (temporal locality and
@@ -19,6 +19,7 @@ one forward mlx-lm runs ahead of the last token it returns.
 """
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,11 @@ class Trace:
     def top_k(self) -> int:
         return int(self.ids.shape[2])
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(MoE layers, experts per layer, top-k)."""
+        return (self.num_layers, self.num_experts, self.top_k)
+
     def head(self, tokens: int) -> "Trace":
         """The first `tokens` tokens (all if fewer)."""
         n = min(tokens, self.num_tokens)
@@ -77,9 +83,14 @@ class Trace:
             self.prefill[:n],
         )
 
-    def save(self, path: str | Path) -> Path:
-        """Writes the `.npz` form (see the module docstring)."""
-        path = Path(path)
+    def save(self, path):
+        """Writes the `.npz` form (see the module docstring) to `path` (a file name, or a
+        binary file object); returns it.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        path = path if hasattr(path, "write") else Path(path)
         np.savez_compressed(
             path,
             ids=self.ids.astype(np.int16),
@@ -180,23 +191,126 @@ def local_trace(
 
 
 class TraceRecorder:
-    """Records the routed expert ids of every MoE layer call of a `StreamedModel`.
+    """Records the routed expert ids of every MoE layer call of a `StreamedModel`, keeping
+    the last `max_tokens` tokens (all when None).
 
-    Use as a context manager (or call `close`): on exit the acquire hook is removed.
-    `begin_segment()` marks the start of a generate call.
+    It costs the decode almost nothing: each layer call hands over its lazy ids array
+    (`Predictor.recorder`), whatever path the call takes (nothing is forced onto the
+    synchronous path); the arrays of a forward are copied to numpy once a later forward
+    has begun two forwards on, when mlx-lm's pipelined loop has evaluated them, and the
+    rest by `settle()`. A forward cut short (a stop mid-forward) is dropped.
+
+    Threads: `route` and `settle` run on the model's thread (MLX arrays stay there);
+    `trace` may be called from any thread and then returns the settled forwards; on the
+    thread that created the recorder it settles first. Use as a context manager (or
+    call `close`): on exit the recorder settles and unhooks. `begin_segment()` marks the
+    start of a generate call.
+
+    Raises:
+        ValueError: max_tokens < 1.
     """
 
-    def __init__(self, sm):
+    def __init__(self, sm, max_tokens: int | None = None):
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"trace tokens {max_tokens}: must be >= 1")
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self._blocks: list[tuple[np.ndarray, bool]] = []  # (n, L, k) int16, starts a segment
+        self._tokens = 0  # rows in _blocks
+        self._pending: list[list] = []  # forwards not yet copied: [(layer, ids array), ...]
+        self._segment_next = False
+        self._sm = None
+        self.attach(sm)
+
+    def attach(self, sm) -> None:
+        """Records `sm` from now on (a rebuilt model of the same store keeps the trace so
+        far: routing does not depend on the cache). Call it on `sm`'s thread.
+
+        Raises:
+            ValueError: `sm` has another layer count, expert count or top-k.
+        """
+        m = sm.store.manifest
+        shape = (sm.cache.num_layers, m.num_experts, m.top_k)
+        if self._sm is not None:
+            if shape != self.shape:
+                raise ValueError(f"cannot continue a {self.shape} trace on a {shape} model")
+            self.close()
+        self.shape = shape
+        self._thread = threading.get_ident()
         self._sm = sm
-        self._calls: list[tuple[int, np.ndarray]] = []
-        self._segment_calls: list[int] = []
-        sm.predictor.on_acquire = lambda layer, ids: self._calls.append((layer, ids))
+        sm.predictor.recorder = self
+
+    def route(self, layer: int, ids) -> None:
+        """Takes one MoE layer call's ids (an MLX array, lazy or not, (..., k))."""
+        if not self._pending or layer <= self._pending[-1][-1][0]:
+            if len(self._pending) >= 2:  # evaluated by now in mlx-lm's pipelined loop
+                self._take(self._pending[:-1])
+                del self._pending[:-1]
+            self._pending.append([])
+        self._pending[-1].append((layer, ids))
 
     def begin_segment(self) -> None:
-        self._segment_calls.append(len(self._calls))
+        """Marks the next forward as the start of a generate call."""
+        self.settle()
+        self._segment_next = True
+
+    def settle(self) -> None:
+        """Copies every pending forward to numpy (waits for any still computing)."""
+        self._take(self._pending)
+        self._pending = []
+
+    def _take(self, forwards: list[list]) -> None:
+        n_layers, _, k = self.shape
+        for calls in forwards:
+            if len(calls) != n_layers:
+                continue  # cut short by a stop: its arrays may never be evaluated
+            rows = calls[0][1].size // k
+            block = np.empty((rows, n_layers, k), np.int16)
+            for li, (_, ids) in enumerate(calls):
+                block[:, li] = np.asarray(ids).reshape(rows, k)
+            with self._lock:
+                self._blocks.append((block, self._segment_next))
+                self._tokens += len(block)
+                self._segment_next = False
+                self._trim()
+
+    def _trim(self) -> None:
+        limit = self.max_tokens
+        while limit is not None and self._tokens > limit:
+            block, starts = self._blocks[0]
+            over = self._tokens - limit
+            if over >= len(block):
+                self._blocks.pop(0)
+                self._tokens -= len(block)
+            else:  # keep the tail of a long prefill
+                self._blocks[0] = (block[over:], starts)
+                self._tokens -= over
+
+    def set_max_tokens(self, max_tokens: int | None) -> None:
+        """Changes the bound (drops the oldest tokens beyond it); any thread.
+
+        Raises:
+            ValueError: max_tokens < 1.
+        """
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"trace tokens {max_tokens}: must be >= 1")
+        with self._lock:
+            self.max_tokens = max_tokens
+            self._trim()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the settled forwards."""
+        return self._tokens
 
     def close(self) -> None:
-        self._sm.predictor.on_acquire = None
+        """Settles and stops recording (the trace so far stays readable)."""
+        if self._sm is None:
+            return
+        self.settle()
+        if self._sm.predictor.recorder is self:
+            self._sm.predictor.recorder = None
+        self._sm = None
 
     def __enter__(self) -> "TraceRecorder":
         return self
@@ -205,56 +319,28 @@ class TraceRecorder:
         self.close()
 
     def trace(self, name: str = "recorded") -> Trace:
-        """The calls so far as a Trace: consecutive calls form one forward (a new one
-        starts when the layer index does not increase); a forward of n tokens gives n
-        trace rows.
-
-        Raises:
-            ValueError: a forward did not visit every MoE layer once (e.g. recording
-                started in the middle of a forward).
-        """
-        n_layers = self._sm.cache.num_layers
-        k = self._sm.store.manifest.top_k
-        rows, prefill, segments = [], [], []
-        seg_marks = set(self._segment_calls)
-        forward: list[np.ndarray] = []
-        token = 0
-
-        def flush():
-            nonlocal token
-            if not forward:
-                return
-            if len(forward) != n_layers:
-                raise ValueError(
-                    f"a recorded forward visited {len(forward)} of {n_layers} MoE layers"
-                )
-            block = np.stack(forward, axis=1)  # (n, L, k)
-            rows.append(block)
-            prefill.append(np.full(len(block), len(block) > 1, np.uint8))
-            token += len(block)
-            forward.clear()
-
-        last = n_layers
-        for i, (layer, ids) in enumerate(self._calls):
-            if layer <= last:
-                flush()
-            if i in seg_marks:
-                segments.append(token)
-            forward.append(ids.reshape(-1, k).astype(np.int32))
-            last = layer
-        flush()
-        if not rows:
-            ids = np.zeros((0, n_layers, k), np.int32)
-            return Trace(name, ids, self._sm.store.manifest.num_experts)
+        """The recorded tokens as a Trace: a forward of n tokens gives n rows (`prefill`
+        1 when n > 1), each generate call starts a segment."""
+        if self._sm is not None and threading.get_ident() == self._thread:
+            self.settle()
+        n_layers, num_experts, k = self.shape
+        with self._lock:
+            blocks = list(self._blocks)
+        if not blocks:
+            return Trace(name, np.zeros((0, n_layers, k), np.int32), num_experts)
+        sizes = [len(b) for b, _ in blocks]
+        starts = np.cumsum([0, *sizes[:-1]])
+        segments = {0} | {int(s) for s, (_, seg) in zip(starts, blocks, strict=True) if seg}
         return Trace(
             name,
-            np.concatenate(rows),
-            self._sm.store.manifest.num_experts,
-            np.asarray(sorted(set(segments) | {0}), np.int64),
-            np.concatenate(prefill),
+            np.concatenate([b for b, _ in blocks]).astype(np.int32),
+            num_experts,
+            np.asarray(sorted(segments), np.int64),
+            np.concatenate([np.full(n, n > 1, np.uint8) for n in sizes]),
         )
 
 
-def record(sm) -> TraceRecorder:
-    """Starts recording the routing of `sm` (a `StreamedModel`); see `TraceRecorder`."""
-    return TraceRecorder(sm)
+def record(sm, max_tokens: int | None = None) -> TraceRecorder:
+    """Starts recording the routing of `sm` (a `StreamedModel`), keeping the last
+    `max_tokens` tokens (all when None); see `TraceRecorder`."""
+    return TraceRecorder(sm, max_tokens)

@@ -38,8 +38,10 @@ def http(method: str, url: str, body: bytes | dict | None = None) -> tuple[int, 
 class Served:
     """A server on a free 127.0.0.1 port; `url` is its base URL."""
 
-    def __init__(self, max_queue: int = 32):
-        self.engine = GenerationThread(lambda: load(None, StreamConfig(expert_slots=8)), max_queue)
+    def __init__(self, max_queue: int = 32, trace_tokens: int = 0):
+        self.engine = GenerationThread(
+            lambda: load(None, StreamConfig(expert_slots=8)), max_queue, trace_tokens
+        )
         self.engine.start()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,235 @@
+"""The budget advisor: its replay is the policy benchmark's (same hit rates on the same
+trace), Belady's MIN bounds every policy it plots, the routing recorder costs the decode
+no path change and gives the ids the synchronous path sees, and `expertstream advise`,
+`serve --record-trace` and the app's Advisor panel work end to end."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from bench.common import timed_generate  # noqa: E402
+from bench.policy import policy_suite  # noqa: E402
+from engine import cli  # noqa: E402
+from engine.advisor import (  # noqa: E402
+    BELADY,
+    Budget,
+    Curve,
+    Measured,
+    advise,
+    budgets,
+    estimate_tps,
+    sweep,
+)
+from engine.config import StreamConfig  # noqa: E402
+from engine.model import load  # noqa: E402
+from engine.resources import default_model_path  # noqa: E402
+from engine.trace import load_trace, local_trace, record  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("replay-stores")
+
+
+@pytest.fixture(scope="module")
+def recorded(model_dirs):
+    """A trace recorded from a 4-layer, 8-expert, top-2 qwen3_moe over two replies."""
+    sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=3))
+    with record(sm) as rec:
+        for prompt, n in (([1, 2, 3, 4, 5, 6], 24), ([9, 8, 7], 16)):
+            rec.begin_segment()
+            timed_generate(sm.model, prompt, n)
+    return rec.trace("recorded")
+
+
+def test_advisor_replay_equals_the_policy_suite(recorded, root):
+    trace = local_trace(150, 3, 12, 2, reuse=0.5, seed=3, name="local")
+    for t in (recorded, trace):
+        slots = budgets(t.num_experts, t.top_k)
+        suite = policy_suite([t], root, caps={t.name: slots}, log=lambda *_: None)[0]
+        for policy in ("lfu", "lru"):
+            curve = sweep(t, root, policy, slots=slots)
+            assert curve.slots == suite["capacities"]
+            want = [r["fetch_hit_rate"] for r in suite["curves"][policy]]
+            assert curve.hit_rate[policy] == want, (t.name, policy)
+            assert curve.hit_rate[BELADY] == [b["hit_rate"] for b in suite["belady"]]
+        assert 0 < curve.hit_rate[BELADY][0] < curve.hit_rate[BELADY][-1] <= 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.integers(0, 10**6),
+    st.floats(0.0, 0.9),
+    st.sampled_from(["lfu", "lfu-nodecay", "lfu+autopin"]),
+)
+def test_belady_is_never_below_a_policy(root, seed, reuse, policy):
+    trace = local_trace(48, 2, 8, 2, reuse=reuse, skew=1.0, seed=seed)
+    trace.segments = np.array([0, 20, 35])
+    curve = sweep(trace, root, policy, slots=list(range(2, 9)), autopin_frac=0.5)
+    for name, rates in curve.hit_rate.items():
+        for c, r, b in zip(curve.slots, rates, curve.hit_rate[BELADY], strict=True):
+            assert r <= b + 1e-12, (name, c)
+    assert curve.hit_rate[BELADY][-1] == curve.hit_rate[policy][-1]  # all fit: compulsory
+
+
+def test_estimate_and_advice():
+    curve = Curve(
+        slots=[2, 4, 6, 8],
+        bytes=None,
+        hit_rate={
+            "lfu": [0.5, 0.7, 0.8, 0.8],
+            "lru": [0.4, 0.6, 0.8, 0.8],
+            BELADY: [0.6, 0.8, 0.9, 0.9],
+        },
+        policy="lfu",
+        current=4,
+        lookups_per_token=10.0,
+        tokens=100,
+    )
+    gib = 1 << 30
+    budget = Budget(
+        slots_per_layer=4, pool_bytes=4 * gib, slot_bytes=gib // 2, record_bytes=1_000_000
+    )
+    # 10 lookups x 30% misses x 1 ms per read = 3 ms of reads; 10 ms per token measured.
+    estimate_tps(curve, budget, Measured(100.0, 1e9, 0.7, 50))
+    assert curve.bytes == [3 * gib, 4 * gib, 5 * gib, 6 * gib]
+    assert curve.compute_s == pytest.approx(0.007)
+    assert curve.tps == pytest.approx([1 / 0.012, 100.0, 1 / 0.009, 1 / 0.009])
+    advice = advise(curve)
+    assert advice.slots == 6
+    assert advice.line == (
+        "+1.0 GiB of expert memory (4 → 6 slots per layer): hit rate 70% → 80%, about +11% "
+        "tokens/s; the ceiling at this budget (Belady) is 90%"
+    )
+    assert advise(curve, free_bytes=gib // 4).slots == 4  # no room for more: keep
+    curve.current = 8
+    assert advise(curve).slots == 6  # 2 slots less cost nothing
+
+
+def test_recorder_sees_what_the_sync_path_sees_and_changes_nothing(model_dirs):
+    path = model_dirs("qwen3_moe")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    sm = load(path, StreamConfig(expert_slots=3))
+    plain = timed_generate(sm.model, prompt, 12).tokens
+    sm = load(path, StreamConfig(expert_slots=3))
+    calls = []
+    sm.predictor.on_acquire = lambda layer, ids: calls.append((layer, ids))
+    synced = timed_generate(sm.model, prompt, 12).tokens
+    sm = load(path, StreamConfig(expert_slots=3))
+    with record(sm) as rec:
+        rec.begin_segment()
+        lazy = timed_generate(sm.model, prompt, 12).tokens
+    assert lazy == plain == synced
+    trace = rec.trace()
+    k = trace.top_k
+    want = np.concatenate(
+        [
+            np.stack([ids.reshape(-1, k) for _, ids in calls[i : i + trace.num_layers]], axis=1)
+            for i in range(0, len(calls), trace.num_layers)
+        ]
+    )
+    assert np.array_equal(trace.ids, want)
+    assert trace.prefill.tolist() == [1] * (len(prompt) - 1) + [0] * (
+        len(trace.ids) - len(prompt) + 1
+    )
+
+    bounded = record(sm, max_tokens=10)
+    for p in (prompt, prompt[:3]):
+        bounded.begin_segment()
+        timed_generate(sm.model, p, 12)
+    tail = bounded.trace()
+    assert tail.num_tokens == 10 and tail.segments.tolist() == [0]
+    bounded.close()
+    assert sm.predictor.recorder is None
+
+
+def test_advise_cli(recorded, tmp_path, capsys):
+    path = recorded.save(tmp_path / "run.npz")
+    assert cli.main(["advise", "--trace", str(path), "--expert-slots", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["curve"]["current"] == 3 and out["curve"]["tps"] is None
+    assert set(out["curve"]["hit_rate"]) == {"lfu", "lru", "belady"}
+    assert "slots per layer" in out["advice"]["line"]
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time there was a little cat")
+    png = tmp_path / "advice.png"
+    args = ["advise", "--prompt-file", str(prompt), "--max-tokens", "24", "--expert-slots", "8"]
+    assert cli.main([*args, "--png", str(png), "--save-trace", str(tmp_path / "fresh.npz")]) == 0
+    text = capsys.readouterr().out
+    assert "tok/s (est.)" in text and "measured: decode" in text and "Belady" in text
+    assert png.stat().st_size > 10_000
+    assert load_trace(tmp_path / "fresh.npz").num_tokens >= 24
+
+    assert cli.main(["advise"]) == 2
+    assert "--trace" in capsys.readouterr().err
+    assert cli.main(["advise", "--trace", str(path), "--model", str(default_model_path())]) == 2
+    assert "but the trace is" in capsys.readouterr().err
+
+
+def test_server_serves_the_recorded_trace():
+    import urllib.request
+
+    from test_server import Served
+
+    served = Served(trace_tokens=32)
+    try:
+        client = served.client()
+        client.completions.create(model="m", prompt="Once upon a", max_tokens=40)
+        with urllib.request.urlopen(f"{served.url}/v1/trace", timeout=60) as r:
+            data = r.read()
+    finally:
+        served.close()
+    path = Path(tempfile.mkdtemp()) / "served.npz"
+    path.write_bytes(data)
+    trace = load_trace(path)
+    assert trace.num_tokens == 32 and trace.ids.shape[1:] == (8, 4)
+
+
+def test_advisor_panel(qtbot, tmp_path):
+    from PySide6.QtCore import Qt
+
+    from app.window import MainWindow
+
+    w = MainWindow(
+        str(default_model_path()), {"expert_slots": 8, "side_slots": 4, "prefetch": True}
+    )
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.modelLoaded, timeout=180_000):
+        w.show()
+    w.tabs.setCurrentWidget(w.advisor)
+    w.chat.temperature.setValue(0.0)
+    w.chat.max_tokens.setValue(48)
+    w.chat.prompt.setPlainText("Once upon a time")
+    with qtbot.waitSignal(w.advisor_runner.finished, timeout=180_000) as blocker:
+        qtbot.mouseClick(w.chat.send_button, Qt.MouseButton.LeftButton)
+    curve, advice = blocker.args
+    assert w.info.budget.pool_bytes == w.info.pool_bytes  # the advisor's bytes are the pool's
+    assert curve.current == 8 and 8 in curve.slots and curve.tps is not None
+    assert curve.measured.decode_tokens == len(w.last_reply.tokens)
+    trace = w.engine.trace()
+    assert curve.tokens == trace.num_tokens > 48
+    # the panel's curve is the one a fresh sweep of the same trace gives
+    again = sweep(trace, tmp_path, "lfu", 8)
+    assert again.hit_rate == curve.hit_rate
+    assert w.advisor.advice_label.text().startswith(advice.line[:20].capitalize()[:1])
+    assert "Measured" in w.advisor.figures.text() and "Estimated" in w.advisor.figures.text()
+    w.advisor.plot.grab().save(str(tmp_path / "panel.png"))
+
+    w.save_trace(str(tmp_path / "session.npz"))
+    assert np.array_equal(load_trace(tmp_path / "session.npz").ids, trace.ids)
+
+    if advice.slots != 8:  # the button rebuilds with the suggestion; the trace is kept
+        with qtbot.waitSignal(w.modelLoaded, timeout=180_000):
+            qtbot.mouseClick(w.advisor.apply_button, Qt.MouseButton.LeftButton)
+        assert w.info.config.expert_slots == advice.slots
+        assert np.array_equal(w.engine.trace().ids, trace.ids)
+    w.close()
