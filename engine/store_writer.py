@@ -25,6 +25,7 @@ from engine.store import (
     Manifest,
     Segment,
     blob_name,
+    file_crc32,
     stride_for,
 )
 
@@ -47,6 +48,7 @@ class StoreWriter:
         self.num_experts = num_experts
         self.path = self.store_dir.parent / f".{self.store_dir.name}.tmp-{os.getpid()}"
         self.layers: list[LayerSpec] = []
+        self._dense: tuple[int, int] | None = None  # (crc32, bytes) of dense.safetensors
         self._done = False
 
     def __enter__(self) -> "StoreWriter":
@@ -69,7 +71,12 @@ class StoreWriter:
         except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
             raise OSError(f"cannot write {DENSE_FILE} ({e}); is the disk full?") from e
         weights.clear()
-        fsync_path(self.path / DENSE_FILE)
+        fd = os.open(self.path / DENSE_FILE, os.O_RDONLY)
+        try:
+            self._dense = file_crc32(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def write_layer(
         self,
@@ -133,13 +140,18 @@ class StoreWriter:
         Raises:
             FileExistsError: `store_dir` exists and not `force`.
             OSError: a write or rename failed.
+            ValueError: `write_dense` was not called.
         """
+        if self._dense is None:
+            raise ValueError(f"{self.store_dir}: the dense weights were not written")
         manifest = Manifest(
             model_type=model_type,
             num_experts=self.num_experts,
             top_k=top_k,
             num_hidden_layers=num_hidden_layers,
             layers=tuple(self.layers),
+            dense_bytes=self._dense[1],
+            dense_crc32=self._dense[0],
         )
         with open(self.path / MANIFEST_FILE, "w") as f:
             f.write(manifest_text(manifest.to_json()) + "\n")
