@@ -114,7 +114,11 @@ def set_path(data, path, value):
 MUTATIONS = [
     (("format",), "other", "format is 'other'"),
     (("version",), 3, "version 3 is not supported"),
-    (("version",), 1, r"version 1 is not supported \(this build reads 2\): convert the model again"),
+    (
+        ("version",),
+        1,
+        r"version 1 is not supported \(this build reads 2\): convert the model again",
+    ),
     (("version",), "1", "version is '1', expected an integer"),
     (("checksum",), "md5", "checksum is 'md5'"),
     (("num_experts",), 0, "num_experts is 0, expected >= 1"),
@@ -130,8 +134,16 @@ MUTATIONS = [
     (("layers", 0, "segments", 0, "dtype"), "float64", "'float64' is not a storable dtype"),
     (("layers", 0, "segments", 0, "key"), "gate_proj.qweight", "is not a segment key"),
     (("layers", 0, "segments", 3, "key"), "gate_proj.weight", "out of order or repeated"),
-    (("layers", 0, "segments", 0, "shape"), [-1, 8], r"not a list of integers in \[0, 2147483647\]"),
-    (("layers", 0, "segments", 0, "shape"), [2**31, 8], r"not a list of integers in \[0, 2147483647\]"),
+    (
+        ("layers", 0, "segments", 0, "shape"),
+        [-1, 8],
+        r"not a list of integers in \[0, 2147483647\]",
+    ),
+    (
+        ("layers", 0, "segments", 0, "shape"),
+        [2**31, 8],
+        r"not a list of integers in \[0, 2147483647\]",
+    ),
     # Sizes bounded by what the format allows: a stride is the record rounded up to 4096,
     # never more (a stride of 2**31 once allocated accordingly), counts and bits bounded.
     (("layers", 0, "stride"), 2**31, r"stride 2147483648 is not record_bytes 4608 rounded up"),
