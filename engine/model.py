@@ -46,6 +46,7 @@ from engine.store import (
 
 # store_cache_dir stays importable from here (the benchmarks use it).
 from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
+from engine.store_writer import remove_leftovers
 from engine.streamed_layer import StreamedExperts
 from engine.validate import check_against_weights, check_config
 
@@ -60,6 +61,7 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
         StoreError, UnsupportedModelError, NotMoEError: from validation and convert.
     """
     path = Path(path)
+    remove_leftovers(path.parent, path.name)  # a forced convert into it killed mid-way
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
@@ -76,6 +78,7 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
     where = path / "config.json"
     config = read_json_object(contained(path, "config.json"))
     model_classes(check_config(config, str(where)), where)  # fail fast, before hashing
+    remove_leftovers(store_cache_dir())  # conversions killed mid-way
     dest = store_for(path)
     if store_version(dest) != VERSION:  # absent, incomplete, or of an older format
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -357,6 +360,7 @@ def load(
 
     tokenizer = load_store_tokenizer(store)
     model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor)
+    remove_leftovers(store.path, autopin.PIN_FILE)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
         path = store.path / autopin.PIN_FILE
         n = store.manifest.num_experts

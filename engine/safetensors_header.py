@@ -119,7 +119,7 @@ def _tensor(name: str, entry, where: str, error: type[Exception]) -> TensorInfo:
     if not isinstance(entry, dict):
         raise error(f"{ctx} is not a JSON object")
     dtype = entry.get("dtype")
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise error(f"{ctx}: dtype {dtype!r} is not a safetensors dtype")
     shape = entry.get("shape")
     ok = isinstance(shape, list) and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)

@@ -394,7 +394,7 @@ def _parse_layer(
         last_rank = rank
         dtype = seg.get("dtype")
         _expect(
-            dtype in DTYPES,
+            isinstance(dtype, str) and dtype in DTYPES,
             where,
             f"{sctx}.dtype {dtype!r} is not a storable dtype ({', '.join(DTYPES)})",
         )

@@ -64,7 +64,8 @@ def make_wide_store(store_dir: Path, moe_intermediate: int) -> Path:
 
 def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypatch, capsys):
     """moe_intermediate_size 2**18 in config and manifest: 37.7 MB records, 1.5 GB of
-    pools and two 37.7 MB read buffers. With 1 GB available the load is refused, naming the size and its parts."""
+    pools and two 37.7 MB read buffers. With 1 GB available the load is refused, naming
+    the size and its parts."""
     make_wide_store(store_dir, 2**18)
     assert ExpertStore(store_dir).manifest.layers[0].record_bytes == 37748736
     monkeypatch.setattr(cache_mod, "available_bytes", lambda: 1_000_000_000)
