@@ -60,8 +60,8 @@ class PoolMemoryError(ValueError):
     says how much was asked for, why (layers x rows x record size), and what is left."""
 
 
-def pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
-    """(bytes, rows per layer) the native cache allocates for `store` under `config`:
+def planned_pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
+    """(bytes, rows per layer) the native cache will allocate for `store` under `config`:
     every MoE layer's pool of `expert_slots + 2 x side_slots + scratch_slots` records,
     plus one read buffer (a record's stride) per reader thread."""
     m = store.manifest
@@ -77,7 +77,7 @@ def check_pool_fits(store: ExpertStore, config: StreamConfig, available: int | N
     Raises:
         PoolMemoryError: naming the size asked for, the layers, rows and record size.
     """
-    need, rows = pool_bytes(store, config)
+    need, rows = planned_pool_bytes(store, config)
     if available is None or need <= available:
         return
     m = store.manifest
