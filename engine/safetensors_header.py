@@ -96,7 +96,9 @@ def parse_header(
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
-            ok = isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+            ok = entry is None or (  # MLX writes null when given no metadata
+                isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+            )
             if not ok:
                 raise error(f"{where}: __metadata__ is not an object of strings")
             continue

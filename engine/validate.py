@@ -169,8 +169,9 @@ def check_against_weights(
 
     Raises:
         error: `num_hidden_layers` (of the config or its text sub-config) is not an
-            integer, or names decoder layers that have no weights (under no prefix, e.g.
-            `model.`, does every `layers.<i>` below it have some), or `vocab_size` /
+            integer, or is not the number of decoder layers with weights (under no
+            prefix, e.g. `model.`, are `layers.<i>` exactly those below it, plus
+            `num_nextn_predict_layers` prediction layers), or `vocab_size` /
             `hidden_size` disagree with `model.embed_tokens.weight` / `model.norm.weight`.
     """
     by_prefix: dict[str, set[int]] = {}
@@ -179,13 +180,13 @@ def check_against_weights(
             by_prefix.setdefault(m["prefix"], set()).add(int(m["n"]))
     text = next((config[k] for k in SUB_CONFIGS if isinstance(config.get(k), dict)), {})
     n = config.get("num_hidden_layers", text.get("num_hidden_layers"))
-    if n is None:
-        check_layers = False  # mlx-lm derives it (checked against the model later)
-    elif type(n) is not int:
+    if n is not None and type(n) is not int:
         raise error(f"{where}: num_hidden_layers is {show(n)}, expected the number of layers")
-    else:
-        check_layers = True
-    if check_layers and not any(set(range(n)) <= present for present in by_prefix.values()):
+    # Multi-token-prediction layers (DeepSeek, GLM) have weights past num_hidden_layers.
+    mtp = config.get("num_nextn_predict_layers", text.get("num_nextn_predict_layers", 0))
+    mtp = mtp if type(mtp) is int and mtp >= 0 else 0
+    fits = (set(range(n)) <= present <= set(range(n + mtp)) for present in by_prefix.values())
+    if n is not None and not any(fits):  # n None: mlx-lm derives it from the model
         most = max(by_prefix.values(), key=len, default=set())
         found = f"layers {_ranges(sorted(most))}" if most else "no decoder layer"
         raise error(
