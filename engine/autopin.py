@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 
 from engine.cache import SLOT_PINNED, snapshot
+from engine.safe_io import read_json_object
 
 PIN_FILE = "autopin.json"
+MAX_PIN_BYTES = 16 << 20  # a pin set of 4096 layers x 256 experts is ~5 MB
 
 
 def budget(expert_slots: int, top_k: int, frac: float) -> int:
@@ -59,23 +61,35 @@ def repin(cache, k: int) -> list[list[int]]:
 
 
 def save(path: str | Path, pins: list[list[int]], num_experts: int) -> None:
-    """Writes the pin set to `path` (JSON, replaced atomically)."""
+    """Writes the pin set to `path` (JSON): into a temporary sibling, flushed to the disk,
+    then renamed over `path`, so a reader (or a run killed at any instant) finds the old
+    file or the new one, never a part of one."""
     path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"num_experts": num_experts, "pins": pins}))
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"num_experts": num_experts, "pins": pins}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load(path: str | Path, num_experts: int, num_layers: int, k: int) -> list[list[int]]:
     """The pin set saved at `path`, each layer's cut to `k` experts; [] when the file is
-    missing, unreadable, or of another model (expert or layer count)."""
+    missing, unreadable, not a regular file, larger than `MAX_PIN_BYTES`, or of another
+    model (expert or layer count, expert ids out of range)."""
     try:
-        saved = json.loads(Path(path).read_text())
+        saved = read_json_object(path, MAX_PIN_BYTES)
         pins = saved["pins"]
         ok = (
             saved["num_experts"] == num_experts
+            and isinstance(pins, list)
             and len(pins) == num_layers
-            and all(0 <= e < num_experts for layer in pins for e in layer)
+            and all(isinstance(layer, list) for layer in pins)
+            and all(type(e) is int and 0 <= e < num_experts for layer in pins for e in layer)
         )
     except (OSError, ValueError, KeyError, TypeError):
         return []

@@ -15,6 +15,7 @@ import numpy as np
 
 from engine import _ext
 from engine.config import StreamConfig, default_reader_threads
+from engine.memory import available_bytes
 from engine.store import ExpertStore
 
 ExpertCache = _ext.ExpertCache
@@ -54,6 +55,47 @@ STAT_KEYS = (
 )
 
 
+class PoolMemoryError(ValueError):
+    """The pools a StreamConfig asks for do not fit in the memory available; the message
+    says how much was asked for, why (layers x rows x record size), and what is left."""
+
+
+def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
+    """The reader threads the cache of `store` gets: `config.reader_threads`, or by
+    default `default_reader_threads(top_k)`."""
+    return config.reader_threads or default_reader_threads(store.manifest.top_k)
+
+
+def planned_pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
+    """(bytes, rows per layer) the native cache will allocate for `store` under `config`:
+    every MoE layer's pool of `expert_slots + 2 x side_slots + scratch_slots` records,
+    plus one read buffer (a record's stride) per reader thread."""
+    m = store.manifest
+    slots = m.num_experts if config.expert_slots is None else config.expert_slots
+    rows = slots + 2 * config.side_slots + (config.scratch_slots or m.top_k)
+    total = sum(rows * spec.record_bytes + 4 * m.num_experts for spec in m.layers)
+    return total + reader_threads(store, config) * max(s.stride for s in m.layers), rows
+
+
+def check_pool_fits(store: ExpertStore, config: StreamConfig, available: int | None) -> None:
+    """Refuses pools larger than `available` bytes (None: unknown, nothing refused).
+
+    Raises:
+        PoolMemoryError: naming the size asked for, the layers, rows and record size.
+    """
+    need, rows = planned_pool_bytes(store, config)
+    if available is None or need <= available:
+        return
+    m = store.manifest
+    largest = max(s.record_bytes for s in m.layers)
+    raise PoolMemoryError(
+        f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(m.layers)} MoE "
+        f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
+        f"up to {largest / 1e6:.1f} MB) but {available / 1e9:.2f} GB of memory is "
+        "available: lower --expert-slots (or --side-slots / --scratch-slots)"
+    )
+
+
 def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
     """Allocates the pools of every MoE layer of `store` and opens its blob files.
 
@@ -63,6 +105,8 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
     Raises:
         engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
         ValueError: expert_slots exceeds the store's expert count.
+        PoolMemoryError: the pools do not fit in the memory available (checked before
+            anything is allocated; also when the native allocation itself fails).
     """
     m = store.manifest
     slots = m.num_experts if config.expert_slots is None else config.expert_slots
@@ -70,6 +114,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
         raise ValueError(
             f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of {store.path}"
         )
+    check_pool_fits(store, config, available_bytes())
     layers = [
         {
             "layer": spec.layer,
@@ -90,21 +135,24 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
         }
         for spec in m.layers
     ]
-    return _ext.ExpertCache(
-        layers,
-        m.num_experts,
-        expert_slots=slots,
-        side_slots=config.side_slots,
-        scratch_slots=config.scratch_slots or m.top_k,
-        policy=config.policy,
-        decay_every=config.decay_every,
-        side_lfu=config.side_lfu,
-        sync=config.sync,
-        verify=config.verify_checksums,
-        uncached=config.uncached_io,
-        threads=config.reader_threads or default_reader_threads(m.top_k),
-        read_timeout=config.read_timeout_s,
-    )
+    try:
+        return _ext.ExpertCache(
+            layers,
+            m.num_experts,
+            expert_slots=slots,
+            side_slots=config.side_slots,
+            scratch_slots=config.scratch_slots or m.top_k,
+            policy=config.policy,
+            decay_every=config.decay_every,
+            side_lfu=config.side_lfu,
+            sync=config.sync,
+            verify=config.verify_checksums,
+            uncached=config.uncached_io,
+            threads=reader_threads(store, config),
+            read_timeout=config.read_timeout_s,
+        )
+    except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
+        raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ messages have no place in a plain continuation and are left out.
 """
 
 from collections.abc import Sequence
+from pathlib import Path
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 ROLES = (SYSTEM, USER, ASSISTANT)
@@ -66,10 +67,21 @@ def chat_ids(tokenizer, messages: Sequence[dict], vocab_size: int | None = None)
         try:
             ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
         except Exception as e:  # jinja2's TemplateError and the template's raise_exception
-            raise ValueError(f"the model's chat template refuses the conversation: {e}") from e
+            raise ValueError(
+                f"{template_source(tokenizer)}: the chat template refuses the conversation "
+                f"({type(e).__name__}: {e})"
+            ) from e
     else:
         ids = encode(tokenizer, plain_text(messages))
     return checked_ids(ids, vocab_size)
+
+
+def template_source(tokenizer) -> str:
+    """The file the tokenizer's chat template came from (for messages): the model
+    directory's `chat_template.jinja` when it has one, else its `tokenizer_config.json`."""
+    root = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+    jinja = root / "chat_template.jinja"
+    return str(jinja if jinja.is_file() else root / "tokenizer_config.json")
 
 
 def encode(tokenizer, text: str) -> list[int]:

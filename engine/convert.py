@@ -7,7 +7,6 @@ temporary sibling directory that is renamed into place only when complete.
 """
 
 import errno
-import json
 import re
 import shutil
 from collections.abc import Callable
@@ -29,6 +28,8 @@ from .experts import (
     top_k,
 )
 from .experts import quantization as quantization_of
+from .safe_io import check_regular, contained, read_json_object, regular_files
+from .safetensors_header import read_header
 from .store import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -39,6 +40,7 @@ from .store import (
     layout_segments,
 )
 from .store_writer import StoreWriter, fsync_path
+from .validate import check_against_weights, check_config
 
 # Other weight formats (pickle-based and others): never opened nor copied into a store;
 # named in the error when a model directory has no safetensors.
@@ -110,13 +112,16 @@ def convert(
     where = model_dir / CONFIG_FILE
     model_classes(config, where)
     _check_destination(model_dir, store_dir, force)
+    files = _weight_files(model_dir)
+    tensors = {k: t for f in files for k, t in read_header(f).items()}
+    check_against_weights(config, tensors, str(where), ", ".join(f.name for f in files))
 
     model = instantiate(config, where)
     experts = find_experts(model, where)
     num_experts = experts[0].num_experts
     k = top_k(config, num_experts, where)
     layers = num_hidden_layers(config, model, where)
-    weights = _load_weights(model_dir, model)
+    weights = _load_weights(files, model)
     plans = _plan_layers(config, experts, weights)
     if "lm_head" not in model:
         for key in [k for k in weights if k.startswith("lm_head.")]:
@@ -144,22 +149,17 @@ def _read_config(model_dir: Path) -> dict:
     if not model_dir.is_dir():
         raise FileNotFoundError(errno.ENOENT, "model directory does not exist", str(model_dir))
     try:
-        with open(path, "rb") as f:
-            config = json.load(f)
+        config = read_json_object(contained(model_dir, CONFIG_FILE))
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT, "missing; not an mlx-lm model directory", str(path)
         ) from None
-    except ValueError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: top level is not a JSON object")
     if "model_file" in config:
         raise ValueError(
             f"{path}: 'model_file' ({config['model_file']!r}) asks to run custom "
             "model code; converting such models is not supported"
         )
-    return config
+    return check_config(config, str(path))
 
 
 def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
@@ -180,9 +180,12 @@ def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
         )
 
 
-def _load_weights(model_dir: Path, model: nn.Module) -> dict[str, mx.array]:
-    """Lazily loaded, sanitized weights (per-expert checkpoints are stacked)."""
-    files = sorted(model_dir.glob("model*.safetensors"))
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The `model*.safetensors` files, each checked to be a regular file inside the
+    model directory (links out of it are refused)."""
+    files = [contained(model_dir, f.name) for f in sorted(model_dir.glob("model*.safetensors"))]
+    for f in files:
+        check_regular(f)
     if not files:
         others = sorted(p.name for p in model_dir.iterdir() if p.suffix in _UNREAD_WEIGHT_SUFFIXES)
         detail = "no model*.safetensors weights"
@@ -192,6 +195,11 @@ def _load_weights(model_dir: Path, model: nn.Module) -> dict[str, mx.array]:
                 "and other formats never are)"
             )
         raise FileNotFoundError(errno.ENOENT, detail, str(model_dir))
+    return files
+
+
+def _load_weights(files: list[Path], model: nn.Module) -> dict[str, mx.array]:
+    """Lazily loaded, sanitized weights (per-expert checkpoints are stacked)."""
     weights = {}
     for f in files:
         try:
@@ -355,12 +363,13 @@ def _record_parts(arrays: dict[str, mx.array], num_experts: int) -> list[np.ndar
 
 def aux_files(model_dir: Path) -> list[Path]:
     """The files of `model_dir` that go into its store as they are: config, generation
-    config, tokenizer and other plain files; never weights or code."""
+    config, tokenizer and other plain files; never weights or code, and only regular
+    files inside the model directory (`engine.safe_io.regular_files`: no FIFO, device or
+    link leading out of it)."""
     return [
         entry
-        for entry in sorted(model_dir.iterdir())
-        if entry.is_file()
-        and not entry.name.endswith((".safetensors", ".safetensors.index.json", ".py"))
+        for entry in regular_files(model_dir)
+        if not entry.name.endswith((".safetensors", ".safetensors.index.json", ".py"))
         and not entry.name.endswith(_UNREAD_WEIGHT_SUFFIXES)
         and entry.name != MANIFEST_FILE
         and re.fullmatch(r"layer\d+\.blob", entry.name) is None

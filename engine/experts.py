@@ -16,6 +16,8 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes
 
+from engine.safe_io import ModelFileError
+
 # The projections of each streamed module kind, in record order.
 KINDS = {"SwitchGLU": ("gate_proj", "up_proj", "down_proj"), "SwitchMLP": ("fc1", "fc2")}
 
@@ -121,13 +123,23 @@ def instantiate(config: dict, where: str | Path) -> nn.Module:
 
     Raises:
         UnsupportedModelError: see `model_classes`.
-        ValueError: the config does not build the model (a missing or invalid field).
+        engine.safe_io.ModelFileError: the config does not build the model (a missing or
+            invalid field; a ValueError).
     """
     model_class, args_class = model_classes(config, where)
     try:
         return model_class(args_class.from_dict(config))
-    except (TypeError, ValueError, KeyError, AttributeError, AssertionError) as e:
-        raise ValueError(f"{where}: not a valid {config['model_type']} config ({e!r})") from e
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        AssertionError,
+        ZeroDivisionError,
+        OverflowError,
+        IndexError,
+    ) as e:
+        raise ModelFileError(f"{where}: not a valid {config['model_type']} config ({e!r})") from e
 
 
 def find_experts(model: nn.Module, where: str | Path = "the model") -> list[ExpertModule]:

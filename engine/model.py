@@ -8,7 +8,6 @@ generates through mlx-lm's own `stream_generate`.
 """
 
 import errno
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,18 +33,22 @@ from engine.experts import (
 )
 from engine.experts import quantization as quantization_of
 from engine.predictor import Predictor
+from engine.safe_io import contained, read_json_object
 from engine.store import (
     DTYPES,
     MANIFEST_FILE,
+    VERSION,
     ExpertStore,
     LayerSpec,
     StoreError,
-    is_store,
+    store_version,
 )
 
 # store_cache_dir stays importable from here (the benchmarks use it).
 from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
+from engine.store_writer import remove_leftovers
 from engine.streamed_layer import StreamedExperts
+from engine.validate import check_against_weights, check_config
 
 
 def resolve_store(path: str | Path, progress=None) -> ExpertStore:
@@ -58,27 +61,26 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
         StoreError, UnsupportedModelError, NotMoEError: from validation and convert.
     """
     path = Path(path)
+    remove_leftovers(path.parent, path.name)  # a forced convert into it killed mid-way
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
         raise PermissionError(
             errno.EACCES, "cannot read the directory (permission denied)", str(path)
         )
-    manifest = path / MANIFEST_FILE
-    if is_store(path) or (manifest.is_file() and not os.access(manifest, os.R_OK)):
-        return ExpertStore(path)  # an unreadable manifest is reported, not taken for a model dir
-    if not (path / "config.json").is_file():
+    if os.path.lexists(path / MANIFEST_FILE):
+        return ExpertStore(path)  # a bad manifest is reported, not taken for a model dir
+    if not os.path.lexists(path / "config.json"):
         raise FileNotFoundError(
             f"{path} is neither an expert store (manifest.json) nor an mlx-lm model "
             "directory (config.json)"
         )
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"{path / 'config.json'}: invalid JSON ({e})") from None
-    model_classes(config, path / "config.json")  # fail fast, before hashing
+    where = path / "config.json"
+    config = read_json_object(contained(path, "config.json"))
+    model_classes(check_config(config, str(where)), where)  # fail fast, before hashing
+    remove_leftovers(store_cache_dir())  # conversions killed mid-way
     dest = store_for(path)
-    if not is_store(dest):
+    if store_version(dest) != VERSION:  # absent, incomplete, or of an older format
         dest.parent.mkdir(parents=True, exist_ok=True)
         convert(path, dest, force=dest.exists(), progress=progress)
     touch(dest)
@@ -332,6 +334,10 @@ def load(
     store = resolve_store(default_model_path() if path is None else path, progress)
     cfg = store.config
     where = store.path / "config.json"
+    check_config(cfg, str(where), StoreError)
+    model_classes(cfg, where)
+    dense = str(store.path / "dense.safetensors")
+    check_against_weights(cfg, store.dense_header(), str(where), dense, StoreError)
     model = instantiate(cfg, where)
     experts = find_experts(model, where)
     _check_store_matches_model(store, cfg, model, experts)
@@ -354,6 +360,7 @@ def load(
 
     tokenizer = load_store_tokenizer(store)
     model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor)
+    remove_leftovers(store.path, autopin.PIN_FILE)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
         path = store.path / autopin.PIN_FILE
         n = store.manifest.num_experts

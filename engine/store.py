@@ -7,12 +7,13 @@ names, segment keys, projections and dtypes (the native cache's own table,
 `engine._ext.DTYPE_NAMES`), the record layout (`layout_segments`), the manifest in
 frozen dataclasses (`Segment`, `LayerSpec`, `Manifest`) with its validation, and
 `ExpertStore`, whose `read_record` is the plain-Python reference reader that tests and
-`verify` use. Only JSON and safetensors are ever read from a store.
+`verify` use. Only JSON and safetensors are ever read from a store, and only from regular
+files (`engine.safe_io`).
 """
 
-import json
 import math
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine import _ext
+from engine.safe_io import MAX_TOKENIZER_BYTES, ModelFileError, read_json_object, stat_regular
+from engine.safetensors_header import TensorInfo, read_header
 
 FORMAT = "expertstream-store"
-VERSION = 1
+VERSION = 2
 CHECKSUM = "crc32"
 ALIGNMENT = 4096
 MANIFEST_FILE = "manifest.json"
@@ -38,7 +41,16 @@ SEGMENT_KEYS = tuple(f"{proj}.{param}" for proj in PROJECTIONS for param in PARA
 DTYPES = {name: getattr(mx, "bool_" if name == "bool" else name) for name in _ext.DTYPE_NAMES}
 
 
-class StoreError(ValueError):
+# Bounds of manifest values beyond what the blob files already bound.
+MAX_EXPERTS = 1 << 16
+MAX_LAYERS = 1 << 12
+MAX_DIM = 2**31 - 1  # MLX shapes are int32
+QUANT_BITS = (1, 8)
+QUANT_GROUP = (1, 4096)
+CRC_CHUNK = 8 << 20
+
+
+class StoreError(ModelFileError):
     """An expert store is missing, incomplete, inconsistent or corrupt.
 
     The message names the offending file and the field or value.
@@ -169,7 +181,9 @@ class Manifest:
         top_k: experts per token.
         num_hidden_layers: decoder layers of the model (MoE or not).
         layers: MoE layers in decoder order.
-        checksum: checksum algorithm of `LayerSpec.checksums` ("crc32").
+        dense_bytes: size of `dense.safetensors`, bytes.
+        dense_crc32: crc32 of the whole of `dense.safetensors`.
+        checksum: checksum algorithm of `LayerSpec.checksums` and `dense_crc32` ("crc32").
     """
 
     model_type: str
@@ -177,6 +191,8 @@ class Manifest:
     top_k: int
     num_hidden_layers: int
     layers: tuple[LayerSpec, ...]
+    dense_bytes: int
+    dense_crc32: int
     checksum: str = CHECKSUM
 
     def to_json(self) -> dict:
@@ -188,6 +204,8 @@ class Manifest:
             "top_k": self.top_k,
             "num_hidden_layers": self.num_hidden_layers,
             "checksum": self.checksum,
+            "dense_bytes": self.dense_bytes,
+            "dense_crc32": self.dense_crc32,
             "layers": [spec.to_json() for spec in self.layers],
         }
 
@@ -217,12 +235,16 @@ class Manifest:
         _expect(
             version == VERSION,
             where,
-            f"version {version} is not supported (this build reads {VERSION})",
+            f"version {version} is not supported (this build reads {VERSION}): convert the "
+            "model again (`expertstream convert --force`; stores converted on first use are "
+            "converted again by themselves)",
         )
         model_type = _str(data, "model_type", where)
-        num_experts = _int(data, "num_experts", where, lo=1)
+        num_experts = _int(data, "num_experts", where, lo=1, hi=MAX_EXPERTS)
         top_k = _int(data, "top_k", where, lo=1, hi=num_experts)
-        num_hidden_layers = _int(data, "num_hidden_layers", where, lo=1)
+        num_hidden_layers = _int(data, "num_hidden_layers", where, lo=1, hi=MAX_LAYERS)
+        dense_bytes = _int(data, "dense_bytes", where, lo=8)
+        dense_crc32 = _int(data, "dense_crc32", where, lo=0, hi=2**32 - 1)
         checksum = data.get("checksum")
         _expect(
             checksum == CHECKSUM,
@@ -245,10 +267,13 @@ class Manifest:
 
         for spec in layers:
             _check_blob(store_dir / spec.file, num_experts * spec.stride, spec)
+        dense = store_dir / DENSE_FILE
+        _expect(dense.exists(), str(dense), "missing")
+        size = stat_regular(dense, error=StoreError)
         _expect(
-            (store_dir / DENSE_FILE).is_file(),
-            str(store_dir / DENSE_FILE),
-            "missing",
+            size == dense_bytes,
+            str(dense),
+            f"{size} bytes, but the manifest's dense_bytes is {dense_bytes}",
         )
         config = read_config(store_dir)
         config_type = config.get("model_type")
@@ -263,6 +288,8 @@ class Manifest:
             top_k=top_k,
             num_hidden_layers=num_hidden_layers,
             layers=tuple(layers),
+            dense_bytes=dense_bytes,
+            dense_crc32=dense_crc32,
             checksum=checksum,
         )
 
@@ -342,6 +369,12 @@ def _parse_layer(
         where,
         f"{ctx}.stride {stride} is smaller than record_bytes {record_bytes}",
     )
+    _expect(
+        stride == stride_for(record_bytes),
+        where,
+        f"{ctx}.stride {stride} is not record_bytes {record_bytes} rounded up to "
+        f"{ALIGNMENT} ({stride_for(record_bytes)})",
+    )
 
     segments = []
     offset = 0
@@ -361,7 +394,7 @@ def _parse_layer(
         last_rank = rank
         dtype = seg.get("dtype")
         _expect(
-            dtype in DTYPES,
+            isinstance(dtype, str) and dtype in DTYPES,
             where,
             f"{sctx}.dtype {dtype!r} is not a storable dtype ({', '.join(DTYPES)})",
         )
@@ -369,9 +402,9 @@ def _parse_layer(
         _expect(
             isinstance(shape, list)
             and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
-            and all(d >= 0 for d in shape),
+            and all(0 <= d <= MAX_DIM for d in shape),
             where,
-            f"{sctx}.shape {shape!r} is not a list of non-negative integers",
+            f"{sctx}.shape {shape!r} is not a list of integers in [0, {MAX_DIM}]",
         )
         nbytes = _int(seg, "nbytes", f"{where}: {sctx}")
         want = math.prod(shape) * DTYPES[dtype].size
@@ -442,15 +475,15 @@ def _parse_quantization(q, has_scales: bool, where: str) -> dict | None:
         return None
     _expect(isinstance(q, dict), where, f"{q!r} is neither null nor an object")
     _expect(has_scales, where, "is set but the projection has no scales")
-    group_size = _int(q, "group_size", where, lo=1)
-    bits = _int(q, "bits", where, lo=1)
+    group_size = _int(q, "group_size", where, lo=QUANT_GROUP[0], hi=QUANT_GROUP[1])
+    bits = _int(q, "bits", where, lo=QUANT_BITS[0], hi=QUANT_BITS[1])
     mode = _str(q, "mode", where)
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
 
 def _check_blob(path: Path, want: int, spec: LayerSpec) -> None:
-    _expect(path.is_file(), str(path), f"blob of layer {spec.layer} is missing")
-    size = path.stat().st_size
+    _expect(path.exists(), str(path), f"blob of layer {spec.layer} is missing")
+    size = stat_regular(path, error=StoreError)
     _expect(
         size >= want,
         str(path),
@@ -465,16 +498,11 @@ def _check_blob(path: Path, want: int, spec: LayerSpec) -> None:
 
 def _read_json(path: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            data = json.load(f)
+        return read_json_object(path, error=StoreError)
     except FileNotFoundError:
         raise StoreError(f"{path}: missing") from None
     except OSError as e:
         raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
-    except ValueError as e:
-        raise StoreError(f"{path}: unreadable JSON ({e})") from None
-    _expect(isinstance(data, dict), str(path), "top level is not a JSON object")
-    return data
 
 
 def read_config(store_dir: str | Path) -> dict:
@@ -494,7 +522,7 @@ def load_manifest(store_dir: str | Path) -> Manifest:
             unreadable JSON, or any validation failure.
     """
     store_dir = Path(store_dir)
-    if not (store_dir / MANIFEST_FILE).is_file():
+    if not os.path.lexists(store_dir / MANIFEST_FILE):
         raise StoreError(
             f"{store_dir / MANIFEST_FILE}: missing; {store_dir} is not a complete expert store"
         )
@@ -508,11 +536,19 @@ def is_store(path: str | Path) -> bool:
     validates everything.
     """
     try:
-        with open(Path(path) / MANIFEST_FILE, "rb") as f:
-            data = json.load(f)
+        data = read_json_object(Path(path) / MANIFEST_FILE)
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and data.get("format") == FORMAT
+    return data.get("format") == FORMAT
+
+
+def store_version(path: str | Path) -> int | None:
+    """The manifest's `version` of the store at `path`, None when it is not a store."""
+    try:
+        data = read_json_object(Path(path) / MANIFEST_FILE)
+    except (OSError, ValueError):
+        return None
+    return data.get("version") if data.get("format") == FORMAT else None
 
 
 class ExpertStore:
@@ -529,6 +565,7 @@ class ExpertStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        _check_entries(self.path)
         self.manifest = load_manifest(self.path)
         self.config = read_config(self.path)
         self._by_layer = {spec.layer: spec for spec in self.manifest.layers}
@@ -554,15 +591,31 @@ class ExpertStore:
         """Path of the blob file of `spec`."""
         return self.path / spec.file
 
-    def dense_weights(self) -> dict[str, mx.array]:
-        """All non-expert weights, lazily loaded from `dense.safetensors`,
-        under mlx-lm's sanitized key names.
+    def dense_header(self) -> dict[str, TensorInfo]:
+        """The checked tensor table of `dense.safetensors` (engine.safetensors_header).
 
         Raises:
-            StoreError: the file cannot be read, or is not safetensors, or is shorter
-                than its header says (MLX refuses it; no zeros are read past the end).
+            StoreError: the header is malformed, or its offsets overlap, leave gaps or
+                disagree with a tensor's dtype and shape.
         """
         path = self.path / DENSE_FILE
+        try:
+            return read_header(path, StoreError)
+        except OSError as e:
+            raise StoreError(f"{path}: cannot load ({e.strerror or e})") from None
+
+    def dense_weights(self) -> dict[str, mx.array]:
+        """All non-expert weights, lazily loaded from `dense.safetensors`,
+        under mlx-lm's sanitized key names, once the file's crc32 and size match the
+        manifest's and its header is checked (`dense_header`).
+
+        Raises:
+            StoreError: the file cannot be read, its size or crc32 is not the manifest's,
+                its header is malformed, or MLX refuses it.
+        """
+        path = self.path / DENSE_FILE
+        self.dense_header()
+        _check_crc(path, self.manifest.dense_bytes, self.manifest.dense_crc32)
         try:
             return mx.load(str(path), format="safetensors")
         except (RuntimeError, ValueError, OSError) as e:
@@ -617,6 +670,62 @@ class ExpertStore:
             finally:
                 os.close(fd)
         return checked
+
+
+def file_crc32(fd: int) -> tuple[int, int]:
+    """(crc32, size in bytes) of the whole file open at `fd`, read in chunks."""
+    crc = size = 0
+    while chunk := os.pread(fd, CRC_CHUNK, size):
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+    return crc, size
+
+
+def _check_crc(path: Path, want_size: int, want_crc: int) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        crc, size = file_crc32(fd)
+    finally:
+        os.close(fd)
+    _expect(size == want_size, str(path), f"{size} bytes, the manifest says {want_size}")
+    _expect(
+        crc == want_crc,
+        str(path),
+        f"crc32 {crc:#010x} does not match the manifest's dense_crc32 {want_crc:#010x} "
+        "(the file is corrupt)",
+    )
+
+
+def _check_entries(store_dir: Path) -> None:
+    """Refuses a store holding anything but regular files of bounded size (a FIFO would
+    block the tokenizer's or MLX's reads, a device flood them); links are followed."""
+    try:
+        entries = sorted(store_dir.iterdir())
+    except OSError:
+        return  # load_manifest reports the directory
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            continue  # a dangling link: what the store needs is reported missing by name
+        except OSError as e:
+            raise StoreError(f"{entry}: cannot read ({e.strerror or e})") from None
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            stat_regular(entry, error=StoreError)  # raises, naming the kind
+        if not entry.name.endswith(".blob") and entry.name != DENSE_FILE:
+            _expect(
+                st.st_size <= MAX_TOKENIZER_BYTES,
+                str(entry),
+                f"{st.st_size} bytes, more than the {MAX_TOKENIZER_BYTES} a file of a store "
+                "other than weights may have",
+            )
 
 
 def _check_record(path: Path, spec: LayerSpec, e: int, data: bytes) -> None:

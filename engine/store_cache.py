@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.convert import aux_files
+from engine.safe_io import open_regular
 from engine.store import MANIFEST_FILE, is_store
 
 SAMPLE_BYTES = 1 << 20  # sampled from the start, middle and end of each weight file
@@ -39,6 +40,7 @@ def content_key(model_dir: Path) -> str:
 
     Raises:
         OSError: a file cannot be read.
+        engine.safe_io.ModelFileError: a weight file is not a regular file.
     """
     h = hashlib.sha256()
     for f in aux_files(model_dir):
@@ -47,7 +49,7 @@ def content_key(model_dir: Path) -> str:
         h.update(f.name.encode() + b"\0")
         size = f.stat().st_size
         h.update(str(size).encode())
-        with open(f, "rb") as fh:
+        with os.fdopen(open_regular(f), "rb") as fh:
             head = fh.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
             h.update(head + fh.read(min(n, size)))

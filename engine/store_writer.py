@@ -5,12 +5,15 @@ blob per MoE layer from its records (each written once, checksummed as it goes, 
 the stride), then the manifest; `finish` renames the complete directory into place. Any
 error, or leaving the `with` block without `finish`, removes the temporary directory, so
 a store directory is either complete or absent. Every file is fsynced before the rename.
+What a run killed mid-write leaves (`.NAME.tmp-PID`, `.NAME.old-PID`) is removed, or put
+back, by the next start (`remove_leftovers`).
 `engine.convert` (checkpoints) and `engine.synthetic` (random weights) both write through it.
 """
 
 import errno
 import json
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Iterable, Sequence
@@ -25,6 +28,7 @@ from engine.store import (
     Manifest,
     Segment,
     blob_name,
+    file_crc32,
     stride_for,
 )
 
@@ -47,9 +51,11 @@ class StoreWriter:
         self.num_experts = num_experts
         self.path = self.store_dir.parent / f".{self.store_dir.name}.tmp-{os.getpid()}"
         self.layers: list[LayerSpec] = []
+        self._dense: tuple[int, int] | None = None  # (crc32, bytes) of dense.safetensors
         self._done = False
 
     def __enter__(self) -> "StoreWriter":
+        remove_leftovers(self.store_dir.parent, self.store_dir.name)
         shutil.rmtree(self.path, ignore_errors=True)
         self.path.mkdir(parents=True)
         return self
@@ -69,7 +75,12 @@ class StoreWriter:
         except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
             raise OSError(f"cannot write {DENSE_FILE} ({e}); is the disk full?") from e
         weights.clear()
-        fsync_path(self.path / DENSE_FILE)
+        fd = os.open(self.path / DENSE_FILE, os.O_RDONLY)
+        try:
+            self._dense = file_crc32(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def write_layer(
         self,
@@ -133,13 +144,18 @@ class StoreWriter:
         Raises:
             FileExistsError: `store_dir` exists and not `force`.
             OSError: a write or rename failed.
+            ValueError: `write_dense` was not called.
         """
+        if self._dense is None:
+            raise ValueError(f"{self.store_dir}: the dense weights were not written")
         manifest = Manifest(
             model_type=model_type,
             num_experts=self.num_experts,
             top_k=top_k,
             num_hidden_layers=num_hidden_layers,
             layers=tuple(self.layers),
+            dense_bytes=self._dense[1],
+            dense_crc32=self._dense[0],
         )
         with open(self.path / MANIFEST_FILE, "w") as f:
             f.write(manifest_text(manifest.to_json()) + "\n")
@@ -214,6 +230,55 @@ def _install(tmp: Path, store_dir: Path, force: bool) -> None:
             raise
         shutil.rmtree(old, ignore_errors=True)
     fsync_dir(store_dir.parent)
+
+
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def remove_leftovers(directory: Path, name: str | None = None) -> list[Path]:
+    """Cleans up after runs killed while writing into `directory` (a store being
+    written, a store being replaced, a pin file being saved): `.NAME.tmp-PID` entries of
+    processes that are gone are removed, and `.NAME.old-PID` (a replaced store) is put
+    back as NAME when its replacement never arrived (the run died between the two
+    renames), else removed. Only leftovers of `name` when given. Best effort: a
+    directory that cannot be changed is left as it is.
+
+    Returns:
+        The entries removed or put back.
+    """
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    done = []
+    for entry in entries:
+        m = _LEFTOVER.fullmatch(entry.name)
+        if m is None or (name is not None and m["name"] != name) or _alive(int(m["pid"])):
+            continue
+        target = directory / m["name"]
+        try:
+            if m["kind"] == "old" and not os.path.lexists(target):
+                os.rename(entry, target)
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:
+            continue
+        done.append(entry)
+    return done
 
 
 def fsync_path(path: Path) -> None:

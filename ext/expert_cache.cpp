@@ -29,6 +29,21 @@ void check_layer(int li, int n) {
                             std::to_string(n) + ")");
 }
 
+// A failed allocation, with what was asked for and why (Python: MemoryError). MLX's
+// allocator returns a null buffer instead of throwing, which used to be written through.
+struct PoolAllocError : std::bad_alloc {
+  explicit PoolAllocError(std::string m) : msg(std::move(m)) {}
+  const char* what() const noexcept override { return msg.c_str(); }
+  std::string msg;
+};
+
+mx::allocator::Data checked_malloc(size_t bytes, const std::string& what) {
+  auto data = mx::allocator::malloc(bytes);
+  if (bytes > 0 && data.buffer().ptr() == nullptr)
+    throw PoolAllocError("cannot allocate " + std::to_string(bytes) + " bytes for " + what);
+  return data;
+}
+
 std::string duration_text(int ms) {
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s" : std::to_string(ms) + " ms";
 }
@@ -89,7 +104,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       mx::Shape shape{rows};
       shape.insert(shape.end(), seg.shape.begin(), seg.shape.end());
       size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(seg.nbytes);
-      mx::array a(mx::allocator::malloc(bytes), shape, seg.dtype);
+      mx::array a(checked_malloc(bytes, L.path + " segment " + seg.key + " (" +
+                                        std::to_string(rows) + " pool rows)"),
+                  shape, seg.dtype);
       if (a.nbytes() != bytes)
         throw std::invalid_argument(L.path + ": segment " + seg.key +
                                     " shape and dtype disagree with nbytes");
@@ -105,8 +122,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     real_.emplace_back(config_.cap, num_experts_, config_.policy, config_.decay_every);
     side_.push_back({SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)});
     loading_.emplace_back(config_.cap, 0);
-    mx::array table(mx::allocator::malloc(sizeof(int32_t) * num_experts_), {num_experts_},
-                    mx::int32);
+    mx::array table(checked_malloc(sizeof(int32_t) * num_experts_, L.path + " expert table"),
+                    {num_experts_}, mx::int32);
     std::fill_n(table.data<int32_t>(), num_experts_, -1);
     tables_.push_back(std::move(table));
     complete_.push_back(0);

@@ -92,13 +92,13 @@ def test_pickle_weights_are_never_loaded(model_dir, tmp_path, marker, name):
 
 def test_pickle_named_safetensors_is_refused(model_dir, tmp_path, marker):
     (model_dir / "model.safetensors").write_bytes(pickle.dumps({"w": Trap(marker)}))
-    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a valid safetensors file"):
         convert(model_dir, tmp_path / "store")
 
 
 def test_pickle_in_a_store_is_refused(store_dir, marker):
     (store_dir / "dense.safetensors").write_bytes(pickle.dumps({"w": Trap(marker)}))
-    with pytest.raises(StoreError, match=r"dense\.safetensors: cannot load"):
+    with pytest.raises(StoreError, match=r"dense\.safetensors: \d+ bytes, but the manifest's"):
         load(store_dir)
 
 

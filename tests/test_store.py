@@ -113,7 +113,12 @@ def set_path(data, path, value):
 
 MUTATIONS = [
     (("format",), "other", "format is 'other'"),
-    (("version",), 2, "version 2 is not supported"),
+    (("version",), 3, "version 3 is not supported"),
+    (
+        ("version",),
+        1,
+        r"version 1 is not supported \(this build reads 2\): convert the model again",
+    ),
     (("version",), "1", "version is '1', expected an integer"),
     (("checksum",), "md5", "checksum is 'md5'"),
     (("num_experts",), 0, "num_experts is 0, expected >= 1"),
@@ -129,7 +134,27 @@ MUTATIONS = [
     (("layers", 0, "segments", 0, "dtype"), "float64", "'float64' is not a storable dtype"),
     (("layers", 0, "segments", 0, "key"), "gate_proj.qweight", "is not a segment key"),
     (("layers", 0, "segments", 3, "key"), "gate_proj.weight", "out of order or repeated"),
-    (("layers", 0, "segments", 0, "shape"), [-1, 8], "not a list of non-negative integers"),
+    (
+        ("layers", 0, "segments", 0, "shape"),
+        [-1, 8],
+        r"not a list of integers in \[0, 2147483647\]",
+    ),
+    (
+        ("layers", 0, "segments", 0, "shape"),
+        [2**31, 8],
+        r"not a list of integers in \[0, 2147483647\]",
+    ),
+    # Sizes bounded by what the format allows: a stride is the record rounded up to 4096,
+    # never more (a stride of 2**31 once allocated accordingly), counts and bits bounded.
+    (("layers", 0, "stride"), 2**31, r"stride 2147483648 is not record_bytes 4608 rounded up"),
+    (("layers", 0, "stride"), 8192 + 4096, r"stride 12288 is not record_bytes 4608 rounded up"),
+    (("num_experts",), 2**31, r"num_experts is 2147483648, expected <= 65536"),
+    (("num_hidden_layers",), 10**6, r"num_hidden_layers is 1000000, expected <= 4096"),
+    (("layers", 0, "quantization", "up_proj", "bits"), 2**31, r"bits is 2147483648, expected <= 8"),
+    (("layers", 0, "quantization", "up_proj", "group_size"), 0, r"group_size is 0, expected >= 1"),
+    (("dense_bytes",), 5, r"dense_bytes is 5, expected >= 8"),
+    (("dense_crc32",), 2**32, r"dense_crc32 is 4294967296, expected <= 4294967295"),
+    (("dense_crc32",), None, r"dense_crc32 is None, expected an integer"),
     (("layers", 0, "checksums"), [0, 1], "checksums has 2 entries, expected 6"),
     (("layers", 0, "checksums", 0), -1, "not crc32 integers"),
     (("layers", 0, "moe_index"), 3, r"layers\[0\]\.moe_index is 3, expected 0"),
@@ -197,7 +222,7 @@ def test_config_model_type_must_match(store_dir):
 def test_unreadable_manifest(store_dir):
     (store_dir / "manifest.json").write_text("[1, 2")
     assert not is_store(store_dir)
-    with pytest.raises(StoreError, match=r"manifest\.json: unreadable JSON"):
+    with pytest.raises(StoreError, match=r"manifest\.json: invalid JSON"):
         ExpertStore(store_dir)
     (store_dir / "manifest.json").write_text("[]")
     with pytest.raises(StoreError, match="not a JSON object"):

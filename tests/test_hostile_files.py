@@ -1,0 +1,346 @@
+"""Hostile files in stores and model directories (issue 16, items 3-5 and 7): each kind
+ends in one error naming the file and the field, never a hang, a flood of memory, a
+traceback or a file from outside the model directory in a store.
+
+Kinds: files that are not regular files (a FIFO blocks an open for reading forever, a
+device such as /dev/zero never ends), files too large for their kind, config.json values
+of the wrong type, zero, negative or absurd, configs that disagree with the weights
+present, JSON nested too deeply, chat templates that do not compile or render, links out
+of a model directory.
+"""
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from engine.cli import main
+from engine.config import StreamConfig
+from engine.convert import convert
+from engine.model import load
+from engine.safe_io import MAX_JSON_BYTES, ModelFileError
+from engine.store import ExpertStore, StoreError
+from engine.store_cache import store_cache_dir
+
+SLOTS = StreamConfig(expert_slots=2)
+
+
+def write_tokenizer(directory: Path, **config) -> None:
+    vocab = {"[UNK]": 0, "The": 1, "cat": 2, "sat": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"} | config
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def store_dir(qwen_store, tmp_path):
+    path = Path(shutil.copytree(qwen_store.path, tmp_path / "store"))
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def model_dir(model_dirs, tmp_path):
+    path = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "model"))
+    write_tokenizer(path)
+    return path
+
+
+def finishes(fn, fifos=(), timeout: float = 30.0):
+    """fn()'s result or exception, failing the test if it has not returned within
+    `timeout` (then the FIFOs are opened for writing, which unblocks a reader)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001  (handed to the test)
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        for fifo in fifos:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout)
+        pytest.fail(f"blocked for more than {timeout} s")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def cli_error(capsys, *argv) -> str:
+    """The one line `expertstream ...` prints for a refused input (exit code 2)."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("expertstream: error: "), err
+    return lines[0]
+
+
+# ---- files that are not regular files (FIFOs, devices) ------------------------------
+
+STORE_FILES = [
+    "manifest.json",
+    "config.json",
+    "dense.safetensors",
+    "layer01.blob",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+
+
+@pytest.mark.parametrize("name", STORE_FILES)
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_store_file_that_is_not_regular(store_dir, name, kind):
+    path = store_dir / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+        what = "a FIFO"
+    else:
+        path.symlink_to(kind)
+        what = "a character device"
+    with pytest.raises(StoreError, match=rf"{name}: is {what}, not a regular file"):
+        finishes(lambda: load(store_dir, SLOTS), [path] if kind == "fifo" else [])
+
+
+def test_autopin_file_that_is_a_fifo(store_dir):
+    """The pin file is read at load with autopin on: a FIFO there is refused, unread."""
+    os.mkfifo(store_dir / "autopin.json")
+    with pytest.raises(StoreError, match=r"autopin\.json: is a FIFO"):
+        finishes(lambda: load(store_dir, SLOTS.replace(autopin_frac=0.5)))
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_model_dir_file_that_is_not_regular(model_dir, tmp_path, name, kind):
+    """Through load (which hashes the model directory first) and through convert."""
+    path = model_dir / name
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.symlink_to(kind)
+    message = rf"{name}: (is a FIFO, not a regular file|is a character device|a link to /dev/zero)"
+    fifos = [path] if kind == "fifo" else []
+    with pytest.raises(ModelFileError, match=message):
+        finishes(lambda: load(model_dir, SLOTS), fifos)
+    with pytest.raises(ModelFileError, match=message):
+        finishes(lambda: convert(model_dir, tmp_path / "store"), fifos)
+    assert not (tmp_path / "store").exists()
+
+
+def test_extra_files_that_are_not_regular_are_not_copied(model_dir, tmp_path):
+    """A FIFO or device among the tokenizer and other files is skipped, never opened."""
+    os.mkfifo(model_dir / "notes.txt")
+    (model_dir / "special_tokens_map.json").symlink_to("/dev/zero")
+    store = finishes(lambda: ExpertStore(convert(model_dir, tmp_path / "store")))
+    names = {p.name for p in store.path.iterdir()}
+    assert "notes.txt" not in names and "special_tokens_map.json" not in names
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= names
+    finishes(lambda: load(model_dir, SLOTS))  # content hashing skips them too
+
+
+# ---- sizes bounded by what the file and format allow ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "config.json"])
+def test_json_larger_than_its_kind_allows(store_dir, name):
+    """A (sparse) JSON file of more than 64 MiB is refused after reading at most that."""
+    os.truncate(store_dir / name, MAX_JSON_BYTES + 1)
+    with pytest.raises(StoreError, match=rf"{name}: more than {MAX_JSON_BYTES} bytes"):
+        load(store_dir, SLOTS)
+
+
+def test_safetensors_header_length_beyond_the_file(model_dir, tmp_path):
+    path = model_dir / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[:8] = (2**62).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=r"header length 4611686018427387904 does not fit"):
+        convert(model_dir, tmp_path / "store")
+
+
+# ---- config.json values ---------------------------------------------------------------
+
+INT_RANGE = r"expected an integer in \[{}, {}\]"
+CONFIGS = [
+    ({"hidden_size": "256"}, r'hidden_size is "256", ' + INT_RANGE.format(1, 65536)),
+    ({"hidden_size": 0}, r"hidden_size is 0, " + INT_RANGE.format(1, 65536)),
+    ({"hidden_size": None}, r"hidden_size is null, "),
+    ({"hidden_size": -64}, r"hidden_size is -64, "),
+    ({"hidden_size": 64.0}, r"hidden_size is 64.0, "),
+    ({"hidden_size": True}, r"hidden_size is true, "),
+    ({"num_attention_heads": 0}, r"num_attention_heads is 0, "),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads is 3, expected a divisor of"),
+    ({"head_dim": 0}, r"head_dim is 0, "),
+    ({"moe_intermediate_size": [32]}, r"moe_intermediate_size is \[32\], "),
+    ({"vocab_size": 0}, r"vocab_size is 0, "),
+    ({"vocab_size": 10**12}, r"vocab_size is 1000000000000, " + INT_RANGE.format(1, 2**24)),
+    ({"vocab_size": 4096}, r"vocab_size is 4096 but model\.embed_tokens\.weight .* 128 rows"),
+    ({"num_hidden_layers": 10**6}, r"num_hidden_layers is 1000000, "),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers is 0, "),
+    ({"num_hidden_layers": 3}, r"num_hidden_layers is 3 but .* holds layers 0-3"),
+    ({"num_hidden_layers": 4000}, r"num_hidden_layers is 4000 but .* holds layers 0-3"),
+    ({"max_position_embeddings": -1}, r"max_position_embeddings is -1, "),
+    ({"rope_theta": 0}, r"rope_theta is 0, expected a finite number > 0"),
+    ({"rope_theta": -10000.0}, r"rope_theta is -10000.0, expected a finite number > 0"),
+    ({"rope_theta": float("inf")}, r"rope_theta is Infinity, expected a finite number"),
+    ({"rope_theta": "1e4"}, r'rope_theta is "1e4", expected a finite number'),
+    ({"rms_norm_eps": -1e-6}, r"rms_norm_eps is -1e-06, expected a finite number >= 0"),
+    ({"tie_word_embeddings": "no"}, r'tie_word_embeddings is "no", expected true or false'),
+    ({"mlp_only_layers": [9]}, r"mlp_only_layers is \[9\], expected a list of layer indices"),
+    ({"quantization": {}}, r"quantization\.group_size is missing, "),
+    ({"quantization": []}, r"quantization is \[\], expected an object"),
+    ({"quantization": {"group_size": 32, "bits": 2**31}}, r"quantization\.bits is 2147483648, "),
+    ({"quantization": {"group_size": 0, "bits": 4}}, r"quantization\.group_size is 0, "),
+    (
+        {"quantization": {"group_size": 32, "bits": 4, "model.embed_tokens": 7}},
+        r"quantization\['model\.embed_tokens'\] is 7, expected an object or a bool",
+    ),
+]
+
+
+def patch_config(directory: Path, patch) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | patch if isinstance(patch, dict) else patch))
+
+
+@pytest.mark.parametrize(("patch", "message"), CONFIGS, ids=[str(p) for p, _ in CONFIGS])
+def test_config_values_in_a_store(store_dir, patch, message):
+    patch_config(store_dir, patch)
+    with pytest.raises(StoreError, match=rf"{store_dir}/config\.json: {message}"):
+        load(store_dir, SLOTS)
+
+
+@pytest.mark.parametrize(("patch", "message"), CONFIGS, ids=[str(p) for p, _ in CONFIGS])
+def test_config_values_in_a_model_dir(model_dir, tmp_path, patch, message):
+    patch_config(model_dir, patch)
+    with pytest.raises(ModelFileError, match=rf"{model_dir}/config\.json: {message}"):
+        convert(model_dir, tmp_path / "store")
+    before = set(store_cache_dir().iterdir()) if store_cache_dir().exists() else set()
+    with pytest.raises(ModelFileError, match=rf"{model_dir}/config\.json: {message}"):
+        load(model_dir, SLOTS)
+    assert not (tmp_path / "store").exists()
+    assert (set(store_cache_dir().iterdir()) if store_cache_dir().exists() else set()) == before
+
+
+NOT_OBJECTS = [
+    ("[1, 2, 3]", r"top level is list, not a JSON object"),
+    ('"config"', r"top level is str, not a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, r"JSON nested too deeply"),
+    ('{"a": ' * 100_000 + "1" + "}" * 100_000, r"JSON nested too deeply"),
+    ("\xff\xfe{}", r"invalid JSON"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), NOT_OBJECTS, ids=lambda v: str(v)[:12])
+@pytest.mark.parametrize("name", ["config.json", "manifest.json"])
+def test_json_that_is_not_an_object(store_dir, model_dir, capsys, name, text, message):
+    """Through load and the command line: one line naming the file."""
+    (store_dir / name).write_bytes(text.encode("latin-1"))
+    with pytest.raises(StoreError, match=rf"{name}: {message}"):
+        load(store_dir, SLOTS)
+    line = cli_error(capsys, "generate", "--model", str(store_dir))
+    assert f"{store_dir / name}: " in line
+    if name == "config.json":
+        (model_dir / name).write_bytes(text.encode("latin-1"))
+        line = cli_error(capsys, "generate", "--model", str(model_dir))
+        assert f"{model_dir / name}: " in line
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"hidden_size": "256"},
+        {"num_attention_heads": 0},
+        {"vocab_size": 10**12},
+        {"quantization": {}},
+    ],
+    ids=str,
+)
+def test_cli_prints_one_line(store_dir, model_dir, capsys, patch):
+    """The issue's examples through `expertstream generate`: one line, exit code 2."""
+    for directory in (store_dir, model_dir):
+        patch_config(directory, patch)
+        line = cli_error(capsys, "generate", "--model", str(directory), "--max-tokens", "2")
+        assert f"{directory / 'config.json'}: {next(iter(patch))}" in line.replace(
+            ".group_size", ""
+        )
+
+
+# ---- chat templates --------------------------------------------------------------------
+
+TEMPLATES = [
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ raise_exception('no chat here') }}", "no chat here"),
+    ("{% for m in messages %}{{ m.content.nope() }}{% endfor %}", "UndefinedError"),
+]
+
+
+@pytest.mark.parametrize(("template", "message"), TEMPLATES, ids=[m for _, m in TEMPLATES])
+def test_chat_template_that_fails(store_dir, capsys, template, message):
+    write_tokenizer(store_dir, chat_template=template)
+    line = cli_error(capsys, "generate", "--model", str(store_dir), "--chat", "--prompt", "The cat")
+    assert f"{store_dir / 'tokenizer_config.json'}: the chat template refuses" in line
+    assert message in line
+
+
+def test_chat_template_file_is_named(store_dir, capsys):
+    write_tokenizer(store_dir)
+    (store_dir / "chat_template.jinja").write_text("{{ 1 / 0 }}")
+    line = cli_error(capsys, "generate", "--model", str(store_dir), "--chat", "--prompt", "The cat")
+    assert f"{store_dir / 'chat_template.jinja'}: the chat template refuses" in line
+
+
+# ---- links out of the model directory --------------------------------------------------
+
+
+def test_convert_never_copies_a_link_out_of_the_model_dir(model_dir, tmp_path):
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not part of the model")
+    (model_dir / "notes.txt").symlink_to(outside)
+    (model_dir / "hostname").symlink_to("/etc/hostname")
+    (model_dir / "generation_config.json").symlink_to(outside)
+    (model_dir / "real.txt").write_text("kept")
+    (model_dir / "alias.txt").symlink_to("real.txt")  # a link inside: followed
+    store = ExpertStore(convert(model_dir, tmp_path / "store"))
+    names = {p.name for p in store.path.iterdir()}
+    assert not {"notes.txt", "hostname", "generation_config.json"} & names
+    assert (store.path / "alias.txt").read_text() == "kept"
+    assert not (store.path / "alias.txt").is_symlink()
+    for p in store.path.iterdir():
+        assert "not part of the model" not in p.read_bytes().decode(errors="replace")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_model_files_linked_from_outside_are_refused(model_dir, tmp_path, name):
+    real = tmp_path / f"elsewhere-{name}"
+    shutil.move(model_dir / name, real)
+    (model_dir / name).symlink_to(real)
+    with pytest.raises(ModelFileError, match=rf"{name}: a link to .*, outside the model directory"):
+        convert(model_dir, tmp_path / "store")
+
+
+def test_hugging_face_snapshot_links_are_followed(model_dir, tmp_path):
+    """A Hugging Face cache snapshot's files are links into the repository's blobs/: read."""
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(model_dir.iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    store = ExpertStore(convert(snapshot, tmp_path / "store"))
+    assert (store.path / "tokenizer.json").read_bytes() == (
+        model_dir / "tokenizer.json"
+    ).read_bytes()

@@ -1,0 +1,246 @@
+"""Consistent but impossible stores, and bytes changed on disk (issue 16, items 1, 2, 6).
+
+A store whose config and manifest agree on absurd sizes is refused before anything is
+allocated, with the size asked for and why; a failed native allocation is an error, not a
+crash. The dense weights are covered by a crc32 checked at load, and safetensors headers
+whose offsets overlap, leave gaps or disagree with a tensor's dtype and shape are refused
+(stores and model directories), so changed bytes never generate different tokens silently.
+"""
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from engine import cache as cache_mod
+from engine.cli import main
+from engine.config import StreamConfig
+from engine.convert import convert
+from engine.experts import find_experts, instantiate
+from engine.model import _expected_segments, load
+from engine.safe_io import ModelFileError
+from engine.store import VERSION, ExpertStore, StoreError, layout_segments, stride_for
+from engine.store_cache import store_cache_dir
+
+
+@pytest.fixture
+def store_dir(qwen_store, tmp_path):
+    return Path(shutil.copytree(qwen_store.path, tmp_path / "store"))
+
+
+def make_wide_store(store_dir: Path, moe_intermediate: int) -> Path:
+    """Makes the store's config and manifest agree on `moe_intermediate_size`, with
+    sparse all-zero blobs of the matching size and their true checksums."""
+    config = json.loads((store_dir / "config.json").read_text())
+    config["moe_intermediate_size"] = moe_intermediate
+    (store_dir / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    experts = find_experts(instantiate(config, "config.json"))
+    for raw, expert in zip(manifest["layers"], experts, strict=True):
+        keys = {s["key"] for s in raw["segments"]}
+        want = _expected_segments(expert, raw["quantization"], keys)
+        segments = layout_segments(
+            (s["key"], s["dtype"], want[s["key"]][1]) for s in raw["segments"]
+        )
+        record = sum(s.nbytes for s in segments)
+        raw |= {
+            "segments": [s.to_json() for s in segments],
+            "record_bytes": record,
+            "stride": stride_for(record),
+            "checksums": [zlib.crc32(bytes(record))] * manifest["num_experts"],
+        }
+        os.truncate(store_dir / raw["file"], 0)
+        os.truncate(store_dir / raw["file"], manifest["num_experts"] * stride_for(record))
+    (store_dir / "manifest.json").write_text(json.dumps(manifest))
+    return store_dir
+
+
+# ---- pools sized against the memory available (item 1) --------------------------------
+
+
+def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypatch, capsys):
+    """moe_intermediate_size 2**18 in config and manifest: 37.7 MB records, 1.5 GB of
+    pools and two 37.7 MB read buffers. With 1 GB available the load is refused, naming
+    the size and its parts."""
+    make_wide_store(store_dir, 2**18)
+    assert ExpertStore(store_dir).manifest.layers[0].record_bytes == 37748736
+    monkeypatch.setattr(cache_mod, "available_bytes", lambda: 1_000_000_000)
+    message = (
+        r"the expert pools need 1\.59 GB \(4 MoE layers x 10 rows \(expert_slots \+ 2 x "
+        r"side_slots \+ scratch_slots\) x records of up to 37\.7 MB\) but 1\.00 GB of memory "
+        r"is available: lower --expert-slots"
+    )
+    with pytest.raises(cache_mod.PoolMemoryError, match=message):
+        load(store_dir)
+    assert main(["generate", "--model", str(store_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the expert pools need 1.59 GB" in err[0]
+
+
+def test_pools_beyond_any_memory_are_refused(store_dir):
+    """Unpatched: a billion side slots ask for petabytes, refused by the real check."""
+    with pytest.raises(cache_mod.PoolMemoryError, match=r"the expert pools need \d+\.\d+ GB"):
+        load(store_dir, StreamConfig(expert_slots=2, side_slots=10**9))
+
+
+def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
+    """Past the Python check (here: switched off), the native cache checks every
+    allocation: 2**48 bytes cannot be mapped on any machine."""
+    make_wide_store(store_dir, 2**18)
+    monkeypatch.setattr(cache_mod, "available_bytes", lambda: None)
+    message = r"cannot allocate \d+ bytes for .*layer00\.blob segment gate_proj\.weight"
+    with pytest.raises(cache_mod.PoolMemoryError, match=message):
+        cache_mod.open_cache(ExpertStore(store_dir), StreamConfig(side_slots=2**24))
+
+
+# ---- dense weights: checksum and header (item 6) ----------------------------------------
+
+
+def refresh_manifest(store_dir: Path, crc: bool = True) -> None:
+    """Records the dense file's current size (and crc32), as if the store had been written
+    with it (so that only the header check, or only the checksum, can notice a change)."""
+    data = (store_dir / "dense.safetensors").read_bytes()
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    manifest["dense_bytes"] = len(data)
+    if crc:
+        manifest["dense_crc32"] = zlib.crc32(data)
+    (store_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def rewrite_header(path: Path, mutate) -> None:
+    """Applies `mutate(header)` to the safetensors header of `path`, data unchanged."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    mutate(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def tensor(header: dict, index: int) -> dict:
+    """The `index`-th tensor of the header in data order."""
+    entries = sorted(
+        (v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"]
+    )
+    return entries[index]
+
+
+def shift(by: int, ends: bool):
+    def mutate(header):
+        t = tensor(header, 3)
+        t["data_offsets"][0] += by
+        if ends:
+            t["data_offsets"][1] += by
+
+    return mutate
+
+
+def set_dtype(header):
+    tensor(header, 2)["dtype"] = "F16"
+
+
+def set_shape(header):
+    t = tensor(header, 2)
+    t["shape"] = t["shape"][::-1] + [1]
+    t["shape"][0] *= 2
+
+
+def swap_offsets(header):
+    a, b = tensor(header, 1), tensor(header, 2)
+    a["data_offsets"], b["data_offsets"] = b["data_offsets"], a["data_offsets"]
+
+
+def drop_last(header):
+    last = tensor(header, -1)
+    del header[next(k for k, v in header.items() if v is last)]
+
+
+HEADERS = [
+    (shift(1, ends=False), r"tensor '[^']+': data_offsets \[\d+, \d+\] span \d+ bytes but"),
+    (shift(2, ends=True), r"tensor '[^']+' at byte \d+ leaves a gap before it"),
+    (shift(-2, ends=True), r"tensor '[^']+' at byte \d+ overlaps the tensor before it"),
+    (set_dtype, r"tensor '[^']+': data_offsets \[\d+, \d+\] span \d+ bytes but F16\[.*\] has \d+"),
+    (set_shape, r"tensor '[^']+': data_offsets \[\d+, \d+\] span \d+ bytes but F32\[.*\] has \d+"),
+    (drop_last, r"the tensors cover \d+ bytes of a data buffer of \d+ bytes"),
+]
+HEADER_IDS = ["shift-begin-1", "shift-2", "shift-back-2", "dtype", "shape", "drop-last"]
+
+
+@pytest.mark.parametrize(("mutate", "message"), HEADERS, ids=HEADER_IDS)
+def test_dense_header_that_does_not_match_its_data(store_dir, mutate, message):
+    rewrite_header(store_dir / "dense.safetensors", mutate)
+    refresh_manifest(store_dir)
+    with pytest.raises(
+        StoreError, match=r"dense\.safetensors: not a valid safetensors file: " + message
+    ):
+        load(store_dir, StreamConfig(expert_slots=2))
+
+
+@pytest.mark.parametrize(("mutate", "message"), HEADERS, ids=HEADER_IDS)
+def test_model_header_that_does_not_match_its_data(model_dirs, tmp_path, mutate, message):
+    model_dir = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "model"))
+    rewrite_header(model_dir / "model.safetensors", mutate)
+    with pytest.raises(
+        ModelFileError, match=r"model\.safetensors: not a valid safetensors file: " + message
+    ):
+        convert(model_dir, tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_swapped_offsets_of_equal_tensors_are_caught_by_the_checksum(store_dir):
+    """Two tensors of one size trading places keep a valid header: the crc32 over the
+    whole file catches the change."""
+    path = store_dir / "dense.safetensors"
+    n = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    header = json.loads(path.read_bytes()[8 : 8 + n])
+    sizes = {}
+    for name, t in header.items():
+        if name != "__metadata__":
+            sizes.setdefault((t["dtype"], tuple(t["shape"])), []).append(name)
+    a, b = next(names for names in sizes.values() if len(names) >= 2)[:2]
+
+    def mutate(h):
+        h[a]["data_offsets"], h[b]["data_offsets"] = h[b]["data_offsets"], h[a]["data_offsets"]
+
+    rewrite_header(path, mutate)
+    refresh_manifest(store_dir, crc=False)
+    with pytest.raises(StoreError, match=r"dense\.safetensors: crc32 0x[0-9a-f]{8} does not match"):
+        load(store_dir, StreamConfig(expert_slots=2))
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_flipped_dense_byte_is_caught(store_dir, where):
+    path = store_dir / "dense.safetensors"
+    data = bytearray(path.read_bytes())
+    at = {"first": 8 + struct.unpack("<Q", data[:8])[0], "middle": len(data) // 2, "last": -1}[
+        where
+    ]
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        StoreError,
+        match=r"dense\.safetensors: crc32 0x[0-9a-f]{8} does not match the manifest's dense_crc32",
+    ):
+        load(store_dir, StreamConfig(expert_slots=2))
+
+
+def test_store_of_the_old_format_is_converted_again(model_dirs, tmp_path, monkeypatch):
+    """A version-1 store in the store cache (no dense checksum) is replaced by a new
+    conversion at the next load; given by path it is refused with what to do."""
+    monkeypatch.setenv("EXPERTSTREAM_CACHE", str(tmp_path / "cache"))
+    model_dir = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "model"))
+    cached = load(model_dir, StreamConfig(expert_slots=2)).store.path
+    manifest = json.loads((cached / "manifest.json").read_text())
+    for key in ("dense_bytes", "dense_crc32"):
+        del manifest[key]
+    (cached / "manifest.json").write_text(json.dumps(manifest | {"version": 1}))
+    with pytest.raises(StoreError, match=r"version 1 is not supported .* convert the model again"):
+        load(cached)
+    assert load(model_dir, StreamConfig(expert_slots=2)).store.path == cached
+    assert json.loads((cached / "manifest.json").read_text())["version"] == VERSION
+    assert [p.name for p in store_cache_dir().iterdir()] == [cached.name]
