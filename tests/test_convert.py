@@ -288,7 +288,9 @@ def test_find_experts_walks_the_model():
 
 
 def write_config(model_dir, config):
-    model_dir.mkdir()
+    """`config` beside the weights of a tiny qwen3_moe: convert refuses a directory
+    without weights before it builds any model, so a config's own faults need weights."""
+    make_random_model(model_dir, "qwen3_moe")
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
@@ -300,7 +302,7 @@ def write_config(model_dir, config):
         ({"hidden_size": 64}, UnsupportedModelError, "model_type is None"),
         ({"model_type": "dbrx"}, UnsupportedModelError, "'dbrx' is not supported: its experts"),
         (
-            {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2},
+            {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4},
             ValueError,
             "not a valid llama config.*intermediate_size",
         ),
@@ -340,8 +342,10 @@ def test_refuses_model_file_and_bad_config(tmp_path):
     (tmp_path / "b" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json: invalid JSON"):
         convert(tmp_path / "b", tmp_path / "s")
+    (tmp_path / "c").mkdir()  # a config without weights
+    (tmp_path / "c" / "config.json").write_text(json.dumps(make_config("olmoe")))
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        convert(write_config(tmp_path / "c", make_config("olmoe")), tmp_path / "s")
+        convert(tmp_path / "c", tmp_path / "s")
     assert not (tmp_path / "s").exists()
 
 
