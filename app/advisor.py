@@ -260,6 +260,10 @@ class AdvisorPanel(QWidget):
         layout.addLayout(buttons)
         layout.addWidget(self.status)
 
+    def show_stopped(self) -> None:
+        """Says that a reply stopped the analysis."""
+        self.status.setText("Stopped for the reply; runs again after it.")
+
     def show_result(self, curve, advice) -> None:
         """Draws a finished sweep and its advice."""
         self.curve, self.advice = curve, advice

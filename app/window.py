@@ -97,10 +97,10 @@ class MainWindow(QMainWindow):
         self.advisor.saveTraceRequested.connect(self.save_trace)
         self.advisor.traceTokensChanged.connect(self.engine.set_trace_tokens)
         self.advisor_runner.finished.connect(self.advisor.show_result)
-        self.advisor_runner.failed.connect(lambda m: self.advisor.status.setText(m))
-        self.advisor_runner.stopped.connect(
-            lambda: self.advisor.status.setText("Stopped for the reply; runs again after it.")
-        )
+        # bound methods of the panel's widgets, not lambdas: a sweep that ends after the
+        # window is gone then reaches no deleted widget
+        self.advisor_runner.failed.connect(self.advisor.status.setText)
+        self.advisor_runner.stopped.connect(self.advisor.show_stopped)
         self.chat.sendRequested.connect(self.send)
         self.chat.stopRequested.connect(self.stop)
         self.chat.newChatRequested.connect(self.new_chat)
