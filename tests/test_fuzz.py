@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers
+from test_hostile_files import write_tokenizer
 
 from engine import autopin
 from engine.chat import chat_ids
@@ -207,16 +207,6 @@ def test_fuzz_autopin_file(tmp_path, data):
 
 
 # ---- tokenizer files and chat templates ----------------------------------------------------
-
-
-def write_tokenizer(directory: Path) -> None:
-    vocab = {"[UNK]": 0, "The": 1, "cat": 2, "sat": 3}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
-    )
 
 
 @pytest.fixture(scope="module")
