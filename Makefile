@@ -37,6 +37,17 @@ tsan:
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 		build/tsan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 1 ))
 
+# The long soak (issue 16, docs/reliability.md), outside CI: asan and tsan as above with
+# SOAK_SECONDS per run (>= SOAK_MIN_OPS operations per sanitizer, else it fails), then the
+# Python state machine for SOAK_EXAMPLES examples; logs and summary in build/soak/.
+SOAK_SECONDS ?= 150
+SOAK_EXAMPLES ?= 500
+.PHONY: soak
+
+soak:
+	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_EXAMPLES=$(SOAK_EXAMPLES) PYTHON=$(PYTHON) MAKE=$(MAKE) \
+		scripts/soak.sh
+
 # Packaging (issue 7, packaging/README.md):
 #   make package      the wheel and sdist into dist/, then the desktop bundle into dist/bundle/
 #   make wheel        python -m build (the wheel is built from the sdist), in build/package-tools,

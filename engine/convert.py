@@ -113,15 +113,16 @@ def convert(
     model_classes(config, where)
     _check_destination(model_dir, store_dir, force)
     files = _weight_files(model_dir)
-    tensors = {k: t for f in files for k, t in read_header(f).items()}
-    check_against_weights(config, tensors, str(where), ", ".join(f.name for f in files))
+    if files:  # without weights, the model's own errors come first, then the missing files
+        tensors = {k: t for f in files for k, t in read_header(f).items()}
+        check_against_weights(config, tensors, str(where), ", ".join(f.name for f in files))
 
     model = instantiate(config, where)
     experts = find_experts(model, where)
     num_experts = experts[0].num_experts
     k = top_k(config, num_experts, where)
     layers = num_hidden_layers(config, model, where)
-    weights = _load_weights(files, model)
+    weights = _load_weights(files, model, model_dir)
     plans = _plan_layers(config, experts, weights)
     if "lm_head" not in model:
         for key in [k for k in weights if k.startswith("lm_head.")]:
@@ -186,6 +187,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
     files = [contained(model_dir, f.name) for f in sorted(model_dir.glob("model*.safetensors"))]
     for f in files:
         check_regular(f)
+    return files
+
+
+def _load_weights(files: list[Path], model: nn.Module, model_dir: Path) -> dict[str, mx.array]:
+    """Lazily loaded, sanitized weights (per-expert checkpoints are stacked).
+
+    Raises:
+        FileNotFoundError: no weight files (naming other formats found, never read).
+    """
     if not files:
         others = sorted(p.name for p in model_dir.iterdir() if p.suffix in _UNREAD_WEIGHT_SUFFIXES)
         detail = "no model*.safetensors weights"
@@ -195,11 +205,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
                 "and other formats never are)"
             )
         raise FileNotFoundError(errno.ENOENT, detail, str(model_dir))
-    return files
-
-
-def _load_weights(files: list[Path], model: nn.Module) -> dict[str, mx.array]:
-    """Lazily loaded, sanitized weights (per-expert checkpoints are stacked)."""
     weights = {}
     for f in files:
         try:

@@ -5,9 +5,11 @@ Every file the loaders read goes through here: it is opened without blocking
 such as `/dev/zero`, a socket or a directory under a file's name never blocks a load or
 floods memory; its size is bounded before anything is read; JSON is parsed with its
 nesting bounded by the interpreter's recursion limit (a `RecursionError` becomes an
-error naming the file). Files handed to other readers (MLX's safetensors loader, the
-tokenizer) are checked with `check_regular` first. Symbolic links are followed only to
-targets inside the directory they belong to (`inside`).
+error naming the file). Files handed to other readers are checked first: with
+`check_regular` (MLX's safetensors loader) or `stat_regular` without opening them (the
+native cache's blobs; `engine.store` checks every entry of a store this way before the
+tokenizer reads any). Symbolic links of a model directory are followed only to targets
+inside it (`contained`, `regular_files`).
 """
 
 import json
@@ -16,7 +18,8 @@ import stat
 from pathlib import Path
 
 # Sizes no legitimate file of its kind reaches (the largest real ones are far smaller:
-# configs of a few KB, manifests under a few MB, tokenizer.json files of tens of MB).
+# configs of a few KB, manifests under a few MB, tokenizer.json files of tens of MB);
+# MAX_TOKENIZER_BYTES bounds every file of a store other than its weights.
 MAX_JSON_BYTES = 64 << 20
 MAX_TOKENIZER_BYTES = 1 << 30
 
@@ -61,24 +64,19 @@ def open_regular(path: str | Path, error: type[Exception] = ModelFileError) -> i
     return fd
 
 
-def check_regular(
-    path: str | Path, limit: int | None = None, error: type[Exception] = ModelFileError
-) -> int:
-    """The size in bytes of `path`, checked to be a regular file of at most `limit` bytes
-    (for files another library reads).
+def check_regular(path: str | Path, error: type[Exception] = ModelFileError) -> int:
+    """The size in bytes of `path`, opened (without blocking) and checked to be a regular
+    file, for files another library reads (MLX's safetensors loader).
 
     Raises:
-        error: not a regular file, or larger than `limit`.
+        error: not a regular file.
         OSError: it cannot be opened.
     """
     fd = open_regular(path, error)
     try:
-        size = os.fstat(fd).st_size
+        return os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if limit is not None and size > limit:
-        raise error(f"{path}: {size} bytes, more than the {limit} a file of its kind may have")
-    return size
 
 
 def stat_regular(path: str | Path, error: type[Exception] = ModelFileError) -> int:

@@ -72,7 +72,8 @@ def check_config(config, where: str, error: type[Exception] = ModelFileError) ->
         error: naming `where` and the field: the top level is not an object; an
             `INT_FIELDS` value is not an integer in its range; a `FLOAT_FIELDS` value
             is not a finite number (`rope_theta` > 0, `rms_norm_eps` >= 0); a
-            `BOOL_FIELDS` value is not a boolean; `num_attention_heads` is not a
+            `BOOL_FIELDS` value is not a boolean (a float field may be a list, one per
+            layer); `num_attention_heads` is not a
             multiple of `num_key_value_heads`; `mlp_only_layers` is not a list of layer
             indices; `quantization` lacks `group_size`/`bits` or has them out of range.
     """
@@ -98,8 +99,12 @@ def _check_fields(config: dict, where: str, ctx: str, error: type[Exception]) ->
     for field, positive in FLOAT_FIELDS:
         if field in config:
             v = config[field]
-            ok = type(v) in (int, float) and math.isfinite(v) and (v > 0 if positive else v >= 0)
-            need(ok, field, "a finite number " + ("> 0" if positive else ">= 0"))
+            values = v if isinstance(v, list) and v else [v]  # or one per layer (Step 3.5)
+            ok = all(
+                type(x) in (int, float) and math.isfinite(x) and (x > 0 if positive else x >= 0)
+                for x in values
+            )
+            need(ok, field, "a finite number " + ("> 0" if positive else ">= 0") + " (or a list)")
     for field in BOOL_FIELDS:
         if field in config:
             need(type(config[field]) is bool, field, "true or false")

@@ -7,6 +7,7 @@ model type, configs without experts, `model_file`, invalid config JSON and missi
 weights, and ENOSPC injected into a blob write, fresh and forced (test_convert.py).
 """
 
+import gc
 import json
 import os
 import re
@@ -264,7 +265,12 @@ def run_unprivileged(fn, timeout=60.0) -> str | None:
             return f"{type(e).__name__}: {e}"
         return None
     r, w = os.pipe()
+    # The child's collector must not walk objects other threads (the app's engine thread,
+    # Qt's) were changing at the fork: once, under load, it crashed the child.
+    gc.freeze()
     pid = os.fork()
+    if pid:
+        gc.unfreeze()
     if pid == 0:
         try:
             os.close(r)

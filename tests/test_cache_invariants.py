@@ -8,6 +8,7 @@ too: a transient one (one bad read) must be invisible; a persistent one may fail
 with an error naming file, layer and expert, and with every invariant intact.
 """
 
+import os
 import random
 import re
 import threading
@@ -149,7 +150,8 @@ def test_cache_state_machine(qwen_store):
     run_state_machine_as_test(
         CacheMachine,
         settings=settings(
-            max_examples=60,
+            # `make soak` runs it longer (scripts/soak.sh)
+            max_examples=int(os.environ.get("ES_STATE_MACHINE_EXAMPLES", "60")),
             stateful_step_count=40,
             deadline=None,
             suppress_health_check=list(HealthCheck),

@@ -16,12 +16,13 @@ import json
 import os
 import shutil
 import struct
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers
+from test_hostile_files import write_tokenizer
 
 from engine import autopin
 from engine.chat import chat_ids
@@ -33,6 +34,7 @@ from engine.store import ExpertStore, Manifest, StoreError
 from engine.validate import check_against_weights, check_config
 
 EXAMPLES = int(os.environ.get("ES_FUZZ_EXAMPLES", "30"))
+SEEN = Counter()  # inputs tried per parser, and how many of them were refused
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -92,6 +94,22 @@ def mutated(draw, base):
     return obj
 
 
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    """Prints the inputs each parser got (run with -s to see them)."""
+    yield
+    names = sorted({k for k in SEEN if not k.endswith(" refused")})
+    print(
+        "\nfuzz inputs: "
+        + "; ".join(f"{n} {SEEN[n]} ({SEEN[n + ' refused']} refused)" for n in names)
+    )
+
+
+def seen(name: str, refused: bool) -> None:
+    SEEN[name] += 1
+    SEEN[name + " refused"] += refused
+
+
 @pytest.fixture(scope="module")
 def pristine(qwen_store, tmp_path_factory):
     """A store copy that no example writes to (parsers get their input in memory)."""
@@ -110,8 +128,10 @@ def test_fuzz_manifest(pristine):
         try:
             manifest = Manifest.from_json(data, pristine)
         except StoreError as e:
+            seen("manifest", True)
             assert str(pristine) in str(e)
-        else:  # accepted: it describes exactly the files present
+        else:
+            seen("manifest", False)  # accepted: it describes exactly the files present
             assert manifest.to_json()["layers"] == [s.to_json() for s in manifest.layers]
 
     run()
@@ -122,7 +142,9 @@ def test_fuzz_manifest(pristine):
 def test_fuzz_json_bytes(raw):
     try:
         parse_json(raw, "f.json")
+        seen("json bytes", False)
     except ModelFileError as e:
+        seen("json bytes", True)
         assert str(e).startswith("f.json: ")
 
 
@@ -143,7 +165,9 @@ def test_fuzz_config(pristine):
             check_config(config, "config.json")
             check_against_weights(config, tensors, "config.json", "dense.safetensors")
             find_experts(instantiate(config, "config.json"), "config.json")
+            seen("config", False)
         except (ModelFileError, UnsupportedModelError, NotMoEError) as e:
+            seen("config", True)
             assert str(e).startswith("config.json: ")
 
     run()
@@ -164,8 +188,10 @@ def test_fuzz_safetensors_header(pristine):
         try:
             tensors = parse_header(json.dumps(header).encode(), size, "h")
         except ModelFileError as e:
+            seen("safetensors header", True)
             assert str(e).startswith("h: ")
-        else:  # accepted: the tensors tile the buffer exactly
+        else:
+            seen("safetensors header", False)  # accepted: the tensors tile the buffer exactly
             spans = sorted((t.begin, t.end) for t in tensors.values())
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
             assert spans[-1][1] == size
@@ -188,7 +214,9 @@ def test_fuzz_safetensors_bytes(pristine, tmp_path, cut, flips):
     path.write_bytes(bytes(data))
     try:
         read_header(path)
+        seen("safetensors file", False)
     except ModelFileError as e:
+        seen("safetensors file", True)
         assert str(path) in str(e)
 
 
@@ -201,22 +229,13 @@ def test_fuzz_autopin_file(tmp_path, data):
     path = tmp_path / autopin.PIN_FILE
     path.write_text(json.dumps(data))
     pins = autopin.load(path, num_experts=8, num_layers=4, k=2)
+    seen("autopin.json", pins == [])
     assert pins == [] or (
         len(pins) == 4 and all(len(p) <= 2 and all(0 <= e < 8 for e in p) for p in pins)
     )
 
 
 # ---- tokenizer files and chat templates ----------------------------------------------------
-
-
-def write_tokenizer(directory: Path) -> None:
-    vocab = {"[UNK]": 0, "The": 1, "cat": 2, "sat": 3}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
-    )
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +259,9 @@ def test_fuzz_tokenizer_files(tokenizer_store):
         (path / name).write_text(json.dumps(data.draw(mutated(bases[name]))))
         try:
             load_store_tokenizer(tokenizer_store)
+            seen("tokenizer files", False)
         except StoreError as e:
+            seen("tokenizer files", True)
             assert str(path) in str(e)
         finally:
             (path / name).write_text(json.dumps(bases[name]))
@@ -278,7 +299,9 @@ def test_fuzz_chat_template(tokenizer_store):
         tok._tokenizer.chat_template = "".join(parts) or None
         try:
             ids = chat_ids(tok, messages)
+            seen("chat template", False)
         except ValueError as e:
+            seen("chat template", True)
             assert "the chat template refuses the conversation" in str(e) or "empty" in str(e)
         else:
             assert all(isinstance(i, int) for i in ids)
