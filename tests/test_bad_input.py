@@ -328,12 +328,6 @@ UNREADABLE = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the forked unprivileged child can stall or misreport once this process has MLX "
-    "and reader threads (fork in a threaded process); passes alone: to rework with a "
-    "fresh interpreter the unprivileged user can execute",
-)
 @pytest.mark.parametrize(
     ("which", "name", "message"), UNREADABLE, ids=[f"{w}/{n}" for w, n, _ in UNREADABLE]
 )
@@ -349,12 +343,6 @@ def test_unreadable_path_through_load(shared_dir, monkeypatch, which, name, mess
     assert not cache.exists()  # nothing converted or written
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the forked unprivileged child can stall or misreport once this process has MLX "
-    "and reader threads (fork in a threaded process); passes alone: to rework with a "
-    "fresh interpreter the unprivileged user can execute",
-)
 def test_unreadable_model_dir_and_unwritable_destination_for_convert(shared_dir):
     (shared_dir / "model" / "config.json").chmod(0)
     got = run_unprivileged(lambda: convert(shared_dir / "model", shared_dir / "out"))
