@@ -69,20 +69,26 @@ def has_display(environ=None) -> bool:
 
 
 def _screenshot(window, args, app) -> None:
-    from PySide6.QtCore import Qt
-
     """Sends --prompt once the model is loaded, grabs the window at the --shot-at-th
     token (or at the reply's end if it is shorter), then stops and quits."""
+    from PySide6.QtCore import Qt
+
     shot_at = args.shot_at or max(1, args.max_tokens * 3 // 4)
-    state = {"saved": False}
+    state = {"saved": False, "grabbing": False}
 
     def grab(when: str) -> None:
-        if state["saved"]:
+        # processEvents below delivers queued tokenShown/replyDone signals, which call
+        # grab again: without the guard each nested call saves over the last one and
+        # the reply runs on to its end instead of stopping at --shot-at.
+        if state["saved"] or state["grabbing"]:
             return
+        state["grabbing"] = True
         window.chat.flush()
         window.poll()
         app.processEvents()  # pending layout updates, e.g. of the advisor's new text
-        if not window.grab().save(args.screenshot):
+        saved = window.grab().save(args.screenshot)
+        state["grabbing"] = False
+        if not saved:
             print(f"expertstream-gui: could not write {args.screenshot}", file=sys.stderr)
             app.exit(1)
             return
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from app.window import MainWindow, apply_style
+    from app.worker import ServiceThread
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("ExpertStream")
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     # Deleted now, while the QApplication lives: left to PySide's exit clean-up, the
     # plots' graphics items can be destroyed after their scene (a crash at exit).
     shiboken6.delete(window)
+    ServiceThread.drain_all()
     return code
 
 

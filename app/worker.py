@@ -9,7 +9,10 @@ streams stay on the thread that made them. The engine is imported there too.
 
 The engine thread lives as long as the process. MLX keeps per-thread state whose
 destructor takes the GIL; a thread that ends while the interpreter is finalizing aborts
-the process ("terminate called without an active exception"), so it must not end.
+the process ("terminate called without an active exception"), so it must not end;
+and it must be idle by then: Python ends a daemon thread that wakes during
+finalization from inside its own thread-exit, which aborts the same way. So
+`expertstream-gui` calls `ServiceThread.drain_all` before it returns.
 
 Things the GUI thread calls directly, thread-safe in the engine: `snapshot()` (numpy
 copies, polled by the inspector), `trace()` (the session's routing as numpy, recorded
@@ -99,6 +102,21 @@ class ServiceThread:
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._queue.put(fn)
+
+    def drain(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for everything submitted so far to have run;
+        True when it has."""
+        done = threading.Event()
+        self.submit(done.set)
+        return done.wait(timeout)
+
+    @classmethod
+    def drain_all(cls, timeout: float = 60.0) -> bool:
+        """Drains every service thread (see the module docstring), each for up to
+        `timeout` seconds; True when all are idle."""
+        with cls._lock:
+            threads = list(cls._instances.values())
+        return all([t.drain(timeout) for t in threads])
 
     def _run(self) -> None:
         while True:
