@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.config import StreamConfig
-from engine.experts import ExpertModule, replace
+from engine.experts import ExpertMath, replace
 from engine.model import StreamedModel, load
 from engine.store import DTYPES, LayerSpec
 from engine.streamed_layer import StreamedExperts
@@ -53,13 +53,13 @@ class PeerExperts(StreamedExperts):
         path: str,
         num_experts: int,
         mode: str,
-        module: ExpertModule,
+        math: ExpertMath,
         counters: FetchCounters,
     ):
         nn.Module.__init__(self)
         if mode not in PEER_MODES:
             raise ValueError(f"peer mode {mode!r} not in {PEER_MODES}")
-        self._module = module
+        self._math = math
         self._quant = spec.quantization
         self._spec = spec
         self._mode = mode
@@ -116,8 +116,8 @@ def load_peer(store_path, mode: str) -> tuple[StreamedModel, FetchCounters]:
             str(sm.store.blob_path(spec)),
             sm.store.manifest.num_experts,
             mode,
-            layer._module,
+            layer._math,
             counters,
         )
-        replace(layer._module, peer)
+        replace(sm.model, spec.module, peer)
     return sm, counters

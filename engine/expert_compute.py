@@ -10,7 +10,7 @@ the resident model computes, bit for bit.
 import mlx.core as mx
 from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
-from engine.experts import ExpertModule
+from engine.experts import ExpertMath
 
 
 def project(
@@ -61,16 +61,17 @@ def expert_outputs(
     pool: dict[str, mx.array],
     rows: mx.array,
     quantization: dict,
-    module: ExpertModule,
+    math: ExpertMath,
 ) -> mx.array:
-    """`module`'s own `__call__` (SwitchGLU or SwitchMLP) with pool rows for expert ids.
+    """The streamed module's own `__call__` (SwitchGLU or SwitchMLP) with pool rows for
+    expert ids.
 
     Args:
         x: (..., D) hidden states.
         pool: see `project`.
         rows: (..., k) int32 pool rows holding the experts routed to each token.
         quantization: projection -> {"group_size", "bits", "mode"} or None.
-        module: the streamed module (its kind and activation).
+        math: the streamed module's kind and activation.
 
     Returns:
         (..., k, D) expert outputs, as the module returns them.
@@ -80,12 +81,12 @@ def expert_outputs(
     idx, inv_order = rows, None
     if do_sort:
         x, idx, inv_order = _gather_sort(x, rows)
-    if module.kind == "SwitchGLU":
+    if math.kind == "SwitchGLU":
         x_up = project("up_proj", x, pool, idx, quantization, do_sort)
         x_gate = project("gate_proj", x, pool, idx, quantization, do_sort)
-        x = project("down_proj", module.activation(x_up, x_gate), pool, idx, quantization, do_sort)
+        x = project("down_proj", math.activation(x_up, x_gate), pool, idx, quantization, do_sort)
     else:
-        x = module.activation(project("fc1", x, pool, idx, quantization, do_sort))
+        x = math.activation(project("fc1", x, pool, idx, quantization, do_sort))
         x = project("fc2", x, pool, idx, quantization, do_sort)
     if do_sort:
         x = _scatter_unsort(x, inv_order, rows.shape)

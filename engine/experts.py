@@ -7,6 +7,7 @@ prefix of its experts. Everything else (routers, shared experts, dense layers, a
 SSM and linear-attention layers and their caches) stays mlx-lm's own code, resident.
 """
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,15 +59,11 @@ class ExpertModule:
         layer: decoder layer index: the path's last number (`model.layers.<n>`,
             `transformer.h.<n>`, `backbone.layers.<n>`).
         module: the mlx-lm `SwitchGLU` or `SwitchMLP` (its parameters are never evaluated).
-        parent: the module holding it (the MoE block, where its router lives).
-        attr: its attribute name in `parent`.
     """
 
     path: str
     layer: int
     module: nn.Module
-    parent: nn.Module
-    attr: str
 
     @property
     def kind(self) -> str:
@@ -84,6 +81,11 @@ class ExpertModule:
         return self.module.activation
 
     @property
+    def math(self) -> "ExpertMath":
+        """What computing its experts needs (no reference back into the model)."""
+        return ExpertMath(self.kind, self.activation)
+
+    @property
     def num_experts(self) -> int:
         return self.module[self.projections[0]].weight.shape[0]
 
@@ -91,6 +93,15 @@ class ExpertModule:
     def hidden(self) -> int:
         """Model dimension: the input width of the first projection."""
         return self.module[self.projections[0]].weight.shape[-1]
+
+
+@dataclass(frozen=True)
+class ExpertMath:
+    """The computation of one stacked-experts module: `kind` ("SwitchGLU" or "SwitchMLP")
+    and its own `activation`; see `engine.expert_compute.expert_outputs`."""
+
+    kind: str
+    activation: Callable
 
 
 def model_classes(config: dict, where: str | Path) -> tuple[type, type]:
@@ -165,8 +176,7 @@ def find_experts(model: nn.Module, where: str | Path = "the model") -> list[Expe
         numbered = [int(p) for p in parts[:-1] if p.isdigit()]
         if not numbered:
             raise UnsupportedModelError(f"{where}: experts {path} are not in a decoder layer")
-        parent = _resolve(model, parts[:-1])
-        found.append(ExpertModule(path, numbered[-1], module, parent, parts[-1]))
+        found.append(ExpertModule(path, numbered[-1], module))
     if not found:
         raise NotMoEError(
             f"{where}: no layer of this {getattr(model, 'model_type', '')} model has routed "
@@ -257,8 +267,10 @@ def router_logits(model: nn.Module, expert: ExpertModule) -> Callable[[mx.array]
     up to the decoder layer (Gemma 4 routes in the layer, not in its `experts`). Among
     candidates: exactly `num_experts` outputs first, then names with "router" or "gate".
     Extra logits (LongCat's zero-computation experts) are cut off. None when not found.
-    The module is looked up again at every call: loading quantizes routers into new
-    modules.
+    The module is looked up again at every call (loading quantizes routers into new
+    modules), through a weak reference to `model`: the predictor that holds the function
+    is itself held by the model's streamed layers, and a strong one would make a cycle
+    that keeps a dropped model's pools alive until the garbage collector runs.
     """
     n, hidden = expert.num_experts, expert.hidden
     parts = expert.path.split(".")
@@ -298,11 +310,13 @@ def _resolve(model: nn.Module, names) -> nn.Module:
 
 
 def _logits(model: nn.Module, names, n: int, linear: bool) -> Callable[[mx.array], mx.array]:
+    ref = weakref.ref(model)
     if linear:
-        return lambda x: _resolve(model, names)(x)[..., :n]
-    return lambda x: (x @ _resolve(model, names)["weight"].T)[..., :n]
+        return lambda x: _resolve(ref(), names)(x)[..., :n]
+    return lambda x: (x @ _resolve(ref(), names)["weight"].T)[..., :n]
 
 
-def replace(expert: ExpertModule, new: nn.Module) -> None:
-    """Put `new` where `expert.module` was in the model."""
-    setattr(expert.parent, expert.attr, new)
+def replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Put `new` at module path `path` of `model` (where an expert module was)."""
+    *parents, name = path.split(".")
+    setattr(_resolve(model, parents), name, new)

@@ -345,7 +345,7 @@ def load(
     cache = cache_mod.open_cache(store, config)
     predictor = Predictor(cache, [router_logits(model, e) for e in experts], config)
     for moe_index, (expert, spec) in enumerate(zip(experts, store.manifest.layers, strict=True)):
-        replace(expert, StreamedExperts(predictor, moe_index, spec, expert))
+        replace(model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math))
 
     weights = store.dense_weights()
     if hasattr(model, "sanitize"):

@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.cache import PLAN_STREAM, PLAN_SYNC, PLAN_TABLE
 from engine.expert_compute import expert_outputs
-from engine.experts import ExpertModule
+from engine.experts import ExpertMath
 from engine.predictor import Predictor
 from engine.store import LayerSpec
 
@@ -39,12 +39,12 @@ class StreamedExperts(nn.Module):
         predictor: the model's `Predictor` (owns the cache).
         moe_index: this layer's position among MoE layers.
         spec: the store's `LayerSpec` of this layer (segments, quantization).
-        module: the replaced module (its kind and activation are kept).
+        math: the replaced module's kind and activation (`ExpertModule.math`).
     """
 
-    def __init__(self, predictor: Predictor, moe_index: int, spec: LayerSpec, module: ExpertModule):
+    def __init__(self, predictor: Predictor, moe_index: int, spec: LayerSpec, math: ExpertMath):
         super().__init__()
-        self._module = module
+        self._math = math
         self._predictor = predictor
         self._cache = predictor.cache
         self._index = moe_index
@@ -54,7 +54,7 @@ class StreamedExperts(nn.Module):
         self._table = self._cache.table(moe_index)
 
     def _experts(self, x: mx.array, rows: mx.array) -> mx.array:
-        return expert_outputs(x, self._pool, rows, self._quant, self._module)
+        return expert_outputs(x, self._pool, rows, self._quant, self._math)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x: (..., D) hidden states; indices: (..., k) routed expert ids.

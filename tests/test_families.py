@@ -7,7 +7,9 @@ expert_slots 1, top-k, half and all, then once more with prefetch on. The prompt
 enough (64 routed pairs) for SwitchGLU's sorted gather and the over-capacity path.
 """
 
+import gc
 import re
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,21 @@ def test_family_streams_bit_exact(tmp_path, model_type):
     sm.cache.drain()
     assert sm.cache.check() == ""
     assert sm.snapshot().totals()["prefetch_issued"] > 0
+
+
+def test_a_dropped_model_is_freed_without_the_garbage_collector(tmp_path):
+    """No reference cycle through the streamed layers or the predictor's routers: the
+    model, and with it the pools, go with the last reference, not at the next gc run."""
+    model_dir = make_family_model(tmp_path / "m", FAMILIES["gemma4"], quantization=Q4)
+    sm = load(model_dir, StreamConfig(expert_slots=1, side_slots=2, prefetch=True))
+    greedy(sm.model)
+    model, predictor = weakref.ref(sm.model), weakref.ref(sm.predictor)
+    gc.disable()
+    try:
+        del sm
+        assert model() is None and predictor() is None
+    finally:
+        gc.enable()
 
 
 def test_readme_lists_the_tested_families():
