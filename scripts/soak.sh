@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The long soak of issue 16 (`make soak`), outside CI: the native stress test under
-# ASan+UBSan and under TSan (`make asan` / `make tsan`, two seeds each, SOAK_SECONDS per
-# run), then the Python state machine of tests/test_cache_invariants.py for
+# ASan+UBSan and under TSan (`make asan` / `make tsan`, two seeds each, SOAK_ASAN_SECONDS
+# and SOAK_TSAN_SECONDS per run: TSan runs about 60% of ASan's operations per second), then the Python state machine of tests/test_cache_invariants.py for
 # SOAK_EXAMPLES examples. Fails on any sanitizer report, cache violation or state-machine
 # failure, and when a sanitizer ran fewer than SOAK_MIN_OPS operations in all (a loaded
 # machine: run again with a larger SOAK_SECONDS). Logs and the summary go to build/soak/.
 set -euo pipefail
-SOAK_SECONDS=${SOAK_SECONDS:-150}
+SOAK_ASAN_SECONDS=${SOAK_ASAN_SECONDS:-200}
+SOAK_TSAN_SECONDS=${SOAK_TSAN_SECONDS:-340}
 SOAK_SEED=${SOAK_SEED:-16}
 SOAK_EXAMPLES=${SOAK_EXAMPLES:-500}
 SOAK_MIN_OPS=${SOAK_MIN_OPS:-1000000}
@@ -18,7 +19,9 @@ mkdir -p "$out"
 
 for san in asan tsan; do
   start=$(date +%s)
-  "$MAKE" --no-print-directory "$san" STRESS_SECONDS="$SOAK_SECONDS" STRESS_SEED="$SOAK_SEED" \
+  seconds=$SOAK_ASAN_SECONDS
+  [[ $san == tsan ]] && seconds=$SOAK_TSAN_SECONDS
+  "$MAKE" --no-print-directory "$san" STRESS_SECONDS="$seconds" STRESS_SEED="$SOAK_SEED" \
     2>&1 | tee "$out/$san.log"
   ops=$(grep -Eo '^[0-9]+ operations' "$out/$san.log" | awk '{s += $1} END {print s + 0}')
   violations=$(grep -Eo '[0-9]+ violations' "$out/$san.log" | awk '{s += $1} END {print s + 0}')
@@ -26,7 +29,7 @@ for san in asan tsan; do
   line="$san: $ops operations, $violations violations, $reports sanitizer reports, $(( $(date +%s) - start )) s ($(grep -E '^[0-9]+ operations' "$out/$san.log" | tr '\n' ';'))"
   echo "$line" | tee -a "$out/summary.txt"
   if (( ops < SOAK_MIN_OPS )); then
-    echo "soak: $san ran $ops operations, fewer than $SOAK_MIN_OPS: run with a larger SOAK_SECONDS" >&2
+    echo "soak: $san ran $ops operations, fewer than $SOAK_MIN_OPS: give it more seconds" >&2
     exit 1
   fi
 done

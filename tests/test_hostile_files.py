@@ -344,3 +344,26 @@ def test_hugging_face_snapshot_links_are_followed(model_dir, tmp_path):
     assert (store.path / "tokenizer.json").read_bytes() == (
         model_dir / "tokenizer.json"
     ).read_bytes()
+
+
+# ---- the same errors in the app and the server -----------------------------------------
+
+
+def test_app_and_server_show_one_line(store_dir, capsys):
+    """The app's load failure (shown in its status line and chat) and `expertstream serve`
+    give the same one line naming the file and the field."""
+    import threading
+
+    from app.worker import Worker
+
+    patch_config(store_dir, {"hidden_size": "256"})
+    want = f'{store_dir / "config.json"}: hidden_size is "256", expected an integer'
+    worker = Worker(threading.Event(), threading.Event())
+    failed = []
+    worker.loadFailed.connect(failed.append)
+    worker.load(str(store_dir), {})
+    assert len(failed) == 1 and "\n" not in failed[0] and want in failed[0], failed
+    assert main(["serve", "--model", str(store_dir), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # "loading ...", then the error
+    assert err[0].startswith("loading ") and len(err) == 2 and want in err[1], err
+    assert err[1].startswith("expertstream: error: ")
