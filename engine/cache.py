@@ -150,6 +150,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
             uncached=config.uncached_io,
             threads=reader_threads(store, config),
             read_timeout=config.read_timeout_s,
+            top_k=m.top_k,
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
         raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None

@@ -9,6 +9,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+# Real-region eviction policies of the native cache (ext/real_region.h says what each
+# does); the first is the default.
+EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
+
 
 class ConfigError(ValueError):
     """A StreamConfig field out of range: `field`, `value`, and `what` it must be."""
@@ -44,8 +48,13 @@ class StreamConfig:
         cutoff: first MoE layer index that uses `ahead_hi`; None means half the MoE layers.
         side_lfu: persistent LFU side region (True) or legacy double buffer (False).
         sync: fill the side region synchronously where the prefetch is submitted.
-        policy: real-region eviction, "lfu" (frequency with periodic halving) or "lru".
-        decay_every: acquire calls per layer between LFU halvings (0: never).
+        policy: real-region eviction, one of `EVICTION_POLICIES`: "predictive" (evict the
+            expert least likely to be wanted at the next token, learned online from
+            transitions, cross-layer co-activation, frequency and recency), "lfu"
+            (frequency with periodic halving), "lru", "lfu-da" (LFU with dynamic aging) or
+            "s3-fifo".
+        decay_every: acquire calls per layer between LFU halvings (0: never); the LFU
+            frequencies (autopin's input) are counted under every policy.
         autopin_frac: fraction of `expert_slots` that autopin may pin (0 disables autopin).
         scratch_slots: experts per over-capacity chunk: a call whose misses exceed the
             evictable slots streams them through this many scratch rows, chunk by chunk
@@ -70,7 +79,7 @@ class StreamConfig:
     cutoff: int | None = None
     side_lfu: bool = True
     sync: bool = False
-    policy: str = "lfu"
+    policy: str = EVICTION_POLICIES[0]
     decay_every: int = 256
     autopin_frac: float = 0.0
     scratch_slots: int | None = None
@@ -94,7 +103,12 @@ class StreamConfig:
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
         need(self.cutoff is None or self.cutoff >= 0, "cutoff", self.cutoff, "must be >= 0")
-        need(self.policy in ("lfu", "lru"), "policy", self.policy, "must be 'lfu' or 'lru'")
+        need(
+            self.policy in EVICTION_POLICIES,
+            "policy",
+            self.policy,
+            f"must be one of {', '.join(EVICTION_POLICIES)}",
+        )
         need(self.decay_every >= 0, "decay_every", self.decay_every, "must be >= 0")
         need(0.0 <= self.autopin_frac < 1.0, "autopin_frac", self.autopin_frac, "must be in [0, 1)")
         need(

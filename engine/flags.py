@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.config import ConfigError, StreamConfig
+from engine.config import EVICTION_POLICIES, ConfigError, StreamConfig
 
 # The seed's environment variables and the StreamConfig field each one sets.
 ENV_FIELDS = {
@@ -53,7 +53,7 @@ FLAGS = (
     Flag("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),
     Flag("--lfu", "side_lfu", None, "persistent LFU side region (--no-lfu: double buffer)"),
     Flag("--sync", "sync", None, "fill the side region synchronously (diagnostic)"),
-    Flag("--policy", "policy", str, "real-region eviction", choices=("lfu", "lru")),
+    Flag("--policy", "policy", str, "real-region eviction", choices=EVICTION_POLICIES),
     Flag("--autopin-frac", "autopin_frac", float, "fraction of the expert slots autopin pins"),
     Flag(
         "--scratch-slots",

@@ -5,7 +5,9 @@ A trace gets a small synthetic store with its layer and expert counts (records o
 KB, see `engine.synthetic.tiny_config`); every token's expert ids of every layer go
 through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, under:
 
-- `lru`, `lfu` (frequency halving every 256 calls), `lfu-nodecay` (`decay_every=0`);
+- the native eviction policies (`engine.config.EVICTION_POLICIES`, see
+  ext/real_region.h): `predictive` (the default), `lru`, `lfu` (frequency halving every
+  256 calls), `lfu-da`, `s3-fifo`; and `lfu-nodecay` (`decay_every=0`);
 - `lfu+autopin`: the engine's autopin (`engine.autopin.repin`) between generate calls
   (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
   top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
@@ -35,12 +37,12 @@ import numpy as np
 
 from engine import autopin
 from engine.cache import open_cache, snapshot
-from engine.config import StreamConfig
+from engine.config import EVICTION_POLICIES, StreamConfig
 from engine.store import ExpertStore
 from engine.synthetic import ensure_store, tiny_config
 from engine.trace import Trace
 
-POLICIES = ("lru", "lfu", "lfu-nodecay", "lfu+autopin", "lfu+oracle")
+POLICIES = (*EVICTION_POLICIES, "lfu-nodecay", "lfu+autopin", "lfu+oracle")
 AUTOPIN_FRAC = 0.5
 REPIN_EVERY = 256
 _INF = math.inf
@@ -82,7 +84,7 @@ def replay(
     oracle = policy == "lfu+oracle"
     cfg = StreamConfig(
         expert_slots=capacity,
-        policy="lru" if policy == "lru" else "lfu",
+        policy=policy if policy in EVICTION_POLICIES else "lfu",
         decay_every=0 if policy == "lfu-nodecay" else 256,
         side_slots=k if oracle else 0,
         side_lfu=True,

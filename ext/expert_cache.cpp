@@ -130,6 +130,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     fill_tickets_.emplace_back(2 * static_cast<size_t>(config_.spec));
   }
   stats_.resize(layers_.size());
+  last_experts_.resize(layers_.size());
+  last_forward_.assign(layers_.size(), 0);
+  router_hint_.resize(layers_.size());
   readers_ = std::make_unique<ReaderPool>(config_.threads);
 }
 
@@ -376,8 +379,17 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     } else {
       row_of[e] = -1;
     }
-    R.touch(e, tick_);
   }
+  CallContext ctx;
+  for (int up : {1, 2})
+    if (li >= up && last_forward_[li - up] == forward_)
+      (up == 1 ? ctx.above1 : ctx.above2) = last_experts_[li - up];
+  ctx.router = std::move(router_hint_[li]);
+  router_hint_[li].clear();
+  ctx.one_token = config_.top_k <= 0 || n <= static_cast<size_t>(config_.top_k);
+  R.use(order, tick_, ctx);
+  last_experts_[li] = order;
+  last_forward_[li] = forward_;
   std::vector<int> missing;
   for (int e : order)
     if (row_of[e] < 0) missing.push_back(e);
@@ -432,6 +444,21 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   }
   for (size_t i = 0; i < n; ++i) local[i] = row_of[ids[i]];
   return {};
+}
+
+void ExpertCache::hint(int li, const float* probs, size_t n) {
+  check_layer(li, num_layers());
+  if (n != static_cast<size_t>(num_experts_))
+    throw std::invalid_argument("router hint of MoE layer " + std::to_string(li) + " has " +
+                                std::to_string(n) + " values, expected " +
+                                std::to_string(num_experts_));
+  for (size_t e = 0; e < n; ++e)
+    if (!(probs[e] >= 0.f && probs[e] <= 1.f))
+      throw std::invalid_argument("router hint of MoE layer " + std::to_string(li) +
+                                  ": probability of expert " + std::to_string(e) + " is " +
+                                  std::to_string(probs[e]) + ", not in [0, 1]");
+  std::lock_guard<std::mutex> lk(mu_);
+  router_hint_[li].assign(probs, probs + n);
 }
 
 std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts) {
@@ -630,6 +657,8 @@ void ExpertCache::reset() {
   for (size_t li = 0; li < real_.size(); ++li) {
     real_[li] = RealRegion(config_.cap, num_experts_, config_.policy, config_.decay_every);
     complete_[li] = 0;  // plan() refills the table once every expert is resident again
+    last_experts_[li].clear();
+    router_hint_[li].clear();
     for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
   }
   last_li_ = -1;

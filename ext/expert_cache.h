@@ -54,7 +54,8 @@ struct CacheConfig {
   int cap = 1;           // real-region slots per layer
   int spec = 0;          // side-region rows per generation
   int scratch = 1;       // over-capacity chunk rows
-  Policy policy = Policy::kLFU;
+  Policy policy = Policy::kPredictive;
+  int top_k = 0;          // experts per token: calls of at most top_k ids are one token (0: all)
   int decay_every = 256;  // acquire calls per layer between LFU halvings (0: never)
   bool side_lfu = true;
   bool sync = false;
@@ -130,6 +131,11 @@ class ExpertCache {
   // synchronous call first evaluates everything its ids depend on.
   std::vector<int> acquire(int li, const int32_t* ids, int32_t* local, size_t n);
 
+  // The router probabilities (num_experts values, softmax over the experts) of the one
+  // token the next acquire of MoE layer li routes: evidence for the predictive policy
+  // (which unchosen experts were close). Used by that acquire only.
+  void hint(int li, const float* probs, size_t n);
+
   // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.
   std::vector<int> load_scratch(int li, const std::vector<int>& experts);
 
@@ -196,6 +202,11 @@ class ExpertCache {
   std::vector<mx::array> tables_;               // [li]: (num_experts,) int32, see plan()
   std::vector<uint8_t> complete_;               // [li]: tables_[li] is filled
   std::vector<LayerStats> stats_;
+  // Per layer: the distinct experts of its last acquire and that call's forward (the
+  // predictive policy's cross-layer evidence), and the router hint for its next one.
+  std::vector<std::vector<int>> last_experts_;
+  std::vector<uint64_t> last_forward_;
+  std::vector<std::vector<float>> router_hint_;
   std::vector<std::vector<std::shared_ptr<FillTicket>>> fill_tickets_;  // [li][gen*spec+row]
   std::exception_ptr stream_error_;  // see set_stream_error
   uint64_t fills_settled_ = 0;  // fills published or released: drain's progress measure

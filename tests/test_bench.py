@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 from bench import routing_traces_dir, run_suite
 from bench.disk import engine_at_depth
 from bench.policy import POLICIES, belady, replay, trace_store
-from engine.config import StreamConfig
+from engine.config import EVICTION_POLICIES, StreamConfig
 from engine.model import load
 from engine.store import ExpertStore
 from engine.synthetic import QWEN3_30B_A3B, expert_segments, store_bytes, tiny_config, write_store
 from engine.trace import Trace, load_trace, local_trace, random_trace, record, reuse_rate
 
-DEMAND = ("lru", "lfu", "lfu-nodecay", "lfu+autopin")
+NATIVE = (*EVICTION_POLICIES, "lfu-nodecay")  # demand policies without scratch streaming
+DEMAND = (*NATIVE, "lfu+autopin")
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,7 @@ def test_belady_bounds_native_policies(policy_root, seed, reuse):
             assert r["lookups"] == belady(trace, cap)["lookups"]
             bound = b if p != "lfu+oracle" else belady(trace, min(cap + 2, 6))["hit_rate"]
             assert r["fetch_hit_rate"] <= bound + 1e-12, (cap, p)
-            if p in ("lru", "lfu", "lfu-nodecay"):
+            if p in NATIVE:
                 assert r["hits"] == r["lookups"] - r["loads"]
 
 
