@@ -7,9 +7,10 @@ namespace es {
 
 namespace {
 
-// Pseudo-count of every (a, e) pair at the start, so that an unseen context predicts
-// uniformly instead of dividing by zero.
-constexpr float kPrior = 0.1f;
+// Pseudo-counts: a context's conditional starts at the expert's popularity, worth kAlpha
+// observations per context expert; popularity starts uniform, worth kBeta calls.
+constexpr double kAlpha = 2.0;
+constexpr double kBeta = 1.0;
 constexpr float kLearningRate = 0.03f;
 constexpr double kRecencyCalls = 8.0;  // recency feature: exp(-calls since last use / this)
 constexpr double kFloor = 1e-3;        // log floor of the frequency and router features
@@ -20,15 +21,20 @@ bool finite_non_negative(float v) { return std::isfinite(v) && v >= 0.f; }
 
 NextUseModel::NextUseModel(int num_experts)
     : num_experts_(num_experts),
-      tables_(static_cast<size_t>(kTables) * num_experts * num_experts, kPrior),
-      row_totals_(static_cast<size_t>(kTables) * num_experts, kPrior * num_experts),
+      tables_(static_cast<size_t>(kTables) * num_experts * num_experts, 0.f),
+      row_totals_(static_cast<size_t>(kTables) * num_experts, 0.f),
       fast_(num_experts, 0.f),
       slow_(num_experts, 0.f),
       last_use_(num_experts, 0),
       w_(kFeatures, 0.f),
       score_(num_experts, 0.f),
       stamp_(num_experts, 0) {
-  w_[1] = 1.f;  // start as "the lag-1 transition decides" until the weights are learned
+  // Until the weights are learned: popularity plus half of each context's evidence (a
+  // damped naive Bayes) and some recency; the bias is set at the first token
+  // (observe). This start is what beat LFU on the first 100 tokens of the traces.
+  w_[kLag1] = w_[kLag2] = w_[kAbove1] = w_[kAbove2] = 0.5f;
+  w_[kPopularity] = 1.f;
+  w_[kRecency] = 0.5f;
 }
 
 void NextUseModel::count(int which, const std::vector<int>& from, const std::vector<int>& to) {
@@ -39,31 +45,37 @@ void NextUseModel::count(int which, const std::vector<int>& from, const std::vec
   }
 }
 
-double NextUseModel::conditional(int which, const std::vector<int>& given, int e) const {
-  if (given.empty()) return 1.0 / num_experts_;
+double NextUseModel::popularity(int e) const {
+  const double u = slow_decay_.unit;
+  return (slow_[e] / u + kBeta / num_experts_) / (slow_total_ / u + kBeta);
+}
+
+double NextUseModel::lift(int which, const std::vector<int>& given, int e, double pop) const {
+  if (given.empty()) return 0.0;
   double num = 0, den = 0;
   for (int a : given) {
     num += table(which, a, e);
     den += row_totals_[static_cast<size_t>(which) * num_experts_ + a];
   }
-  return num / den;
+  const double u = table_decay_.unit, prior = kAlpha * static_cast<double>(given.size());
+  return std::log((num / u + prior * pop) / (den / u + prior) / pop);
 }
 
 void NextUseModel::features(int e, const std::vector<int>& experts,
                             const std::vector<float>& router, float* x) const {
-  const double E = num_experts_;
+  const double E = num_experts_, pop = popularity(e);
   static const std::vector<int> none;
-  x[0] = 1.f;
-  x[1] = static_cast<float>(std::log(E * conditional(kLag1, experts, e)));
-  x[2] = static_cast<float>(std::log(E * conditional(kLag2, prev_one_token_ ? prev_ : none, e)));
-  x[3] = static_cast<float>(std::log(E * conditional(kAbove1, above1_, e)));
-  x[4] = static_cast<float>(
+  x[kBias] = 1.f;
+  x[kLag1] = static_cast<float>(lift(kLagTable1, experts, e, pop));
+  x[kLag2] = static_cast<float>(lift(kLagTable2, prev_one_token_ ? prev_ : none, e, pop));
+  x[kAbove1] = static_cast<float>(lift(kAboveTable1, above1_, e, pop));
+  x[kAbove2] = static_cast<float>(lift(kAboveTable2, above2_, e, pop));
+  x[kRecentFrequency] = static_cast<float>(
       std::log(fast_total_ > 0 ? E * fast_[e] / fast_total_ + kFloor : 1.0 + kFloor));
-  x[5] = static_cast<float>(
-      std::log(slow_total_ > 0 ? E * slow_[e] / slow_total_ + kFloor : 1.0 + kFloor));
-  x[6] = static_cast<float>(std::exp(-static_cast<double>(calls_ - last_use_[e]) / kRecencyCalls));
-  x[7] = static_cast<float>(std::log(E * conditional(kAbove2, above2_, e)));
-  x[8] = router.empty() ? 0.f : static_cast<float>(std::log(E * router[e] + kFloor));
+  x[kPopularity] = static_cast<float>(std::log(E * pop));
+  x[kRecency] =
+      static_cast<float>(std::exp(-static_cast<double>(calls_ - last_use_[e]) / kRecencyCalls));
+  x[kRouter] = router.empty() ? 0.f : static_cast<float>(std::log(E * router[e] + kFloor));
 }
 
 void NextUseModel::learn(const std::vector<int>& experts) {
@@ -97,14 +109,20 @@ void NextUseModel::observe(const std::vector<int>& experts, const std::vector<in
                            const std::vector<int>& above2, const std::vector<float>& router,
                            bool one_token, const std::vector<int>& candidates) {
   ++calls_;
+  if (one_token && !bias_set_) {
+    // Start the bias at the base rate: k of E experts are wanted at each token.
+    const double k = static_cast<double>(experts.size());
+    if (k > 0 && k < num_experts_) w_[kBias] = static_cast<float>(std::log(k / (num_experts_ - k)));
+    bias_set_ = true;
+  }
   if (one_token && !scored_.empty()) learn(experts);
 
   table_decay_.advance();
   if (one_token && prev_one_token_) {
-    count(kLag1, prev_, experts);
-    count(kAbove1, prev_above1_, experts);
-    count(kAbove2, prev_above2_, experts);
-    if (prev2_one_token_) count(kLag2, prev2_, experts);
+    count(kLagTable1, prev_, experts);
+    count(kAboveTable1, prev_above1_, experts);
+    count(kAboveTable2, prev_above2_, experts);
+    if (prev2_one_token_) count(kLagTable2, prev2_, experts);
   }
   if (table_decay_.due()) rescale_tables();
 

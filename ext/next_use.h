@@ -10,7 +10,10 @@
 //     it) for token t-1, e chosen here for token t", applied to this token's choice there;
 //   - frequency with aging at two rates (fast and slow), and recency;
 //   - the router's probabilities for this token, when the engine hands them over (hint).
-// Each expert gets a feature vector of these (log-probabilities relative to uniform); an
+// Each expert gets a feature vector of these: for each context (the previous tokens, the
+// layers above) the log lift log(P(e | context) / P(e)), with the conditional shrunk
+// towards the expert's popularity P(e) while the context has few observations; the log
+// popularity itself; the log recent frequency; recency; the log router probability. An
 // online logistic regression (one weight vector per layer, SGD on the experts it scored
 // at the previous call against which of them this call wanted) turns it into a logit.
 // Every count decays exponentially per call; the decay is kept lazy (increments grow by
@@ -29,7 +32,19 @@ namespace es {
 
 class NextUseModel {
  public:
-  static constexpr int kFeatures = 9;
+  // Feature indices (also of weights()).
+  enum Feature {
+    kBias = 0,
+    kLag1,             // lift of this token's experts here (lag-1 transition)
+    kLag2,             // lift of the previous token's experts here (lag 2)
+    kAbove1,           // lift of this token's experts at the previous MoE layer
+    kAbove2,           // ... and at the one before it
+    kRecentFrequency,  // log share of recent uses (fast aging)
+    kPopularity,       // log share of uses (slow aging)
+    kRecency,          // exp(-calls since last use / 8)
+    kRouter,           // log router probability (0 without a hint)
+    kFeatures
+  };
 
   explicit NextUseModel(int num_experts);
 
@@ -76,14 +91,16 @@ class NextUseModel {
     return row_totals_[static_cast<size_t>(which) * num_experts_ + a];
   }
   void count(int which, const std::vector<int>& from, const std::vector<int>& to);
-  double conditional(int which, const std::vector<int>& given, int e) const;
+  double popularity(int e) const;
+  // log(P(e | given) / pop) from table `which`; 0 when `given` is empty.
+  double lift(int which, const std::vector<int>& given, int e, double pop) const;
   void features(int e, const std::vector<int>& experts, const std::vector<float>& router,
                 float* x) const;
   void learn(const std::vector<int>& experts);
   void rescale_tables();
   void rescale_freq(std::vector<float>& f, double& total, Decay& d);
 
-  enum Table { kLag1 = 0, kLag2, kAbove1, kAbove2, kTables };
+  enum Table { kLagTable1 = 0, kLagTable2, kAboveTable1, kAboveTable2, kTables };
 
   int num_experts_;
   uint64_t calls_ = 0;
@@ -98,6 +115,7 @@ class NextUseModel {
   std::vector<int> prev_, prev2_, prev_above1_, prev_above2_;
   bool prev_one_token_ = false, prev2_one_token_ = false;
   std::vector<float> w_;
+  bool bias_set_ = false;
   std::vector<float> score_;
   // Experts scored at the last one-token call and their features, to learn from.
   std::vector<int> scored_;
