@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig
-from engine.replay import POLICIES, belady, replay, trace_store
+from engine.replay import POLICIES, ROUTER_ONLY, belady, replay, trace_store
 from engine.store import ExpertStore
 from engine.trace import Trace
 
@@ -113,7 +113,7 @@ def policy_suite(
         for c in cs:
             res["belady"].append(belady(trace, c))
             res["belady_plus_k"].append(belady(trace, min(c + trace.top_k, trace.num_experts)))
-        for policy in POLICIES:
+        for policy in POLICIES + (ROUTER_ONLY if trace.router_ids is not None else ()):
             res["curves"][policy] = [replay(store, trace, c, policy) for c in cs]
             res["of_belady"][policy] = [
                 r["hit_rate"] / b["hit_rate"] if b["hit_rate"] else 0.0

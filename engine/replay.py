@@ -7,7 +7,10 @@ through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, 
 
 - the native eviction policies (`engine.config.EVICTION_POLICIES`, see
   ext/real_region.h): `predictive` (the default), `lru`, `lfu` (frequency halving every
-  256 calls), `lfu-da`, `s3-fifo`; and `lfu-nodecay` (`decay_every=0`);
+  256 calls), `lfu-da`, `s3-fifo`; and `lfu-nodecay` (`decay_every=0`). Where a trace
+  holds router scores (recorded from the engine), every call is preceded by a `hint` with
+  the token's router probabilities (top m recorded, the rest spread evenly), and
+  `predictive-ids` (in `ROUTER_ONLY`) replays the predictive policy without them;
 - `lfu+autopin`: the engine's autopin (`engine.autopin.repin`) between generate calls
   (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
   top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
@@ -43,6 +46,7 @@ from engine.synthetic import ensure_store, tiny_config
 from engine.trace import Trace
 
 POLICIES = (*EVICTION_POLICIES, "lfu-nodecay", "lfu+autopin", "lfu+oracle")
+ROUTER_ONLY = ("predictive-ids",)  # for traces with router scores
 AUTOPIN_FRAC = 0.5
 REPIN_EVERY = 256
 _INF = math.inf
@@ -68,7 +72,8 @@ def replay(
     stop: Callable[[], bool] | None = None,
 ) -> dict:
     """Replays `trace` through a fresh native cache of `store` with `capacity` real slots
-    under `policy` (one of POLICIES; `autopin_frac` is lfu+autopin's fraction).
+    under `policy` (one of POLICIES, or ROUTER_ONLY for a trace with router scores;
+    `autopin_frac` is lfu+autopin's fraction).
 
     Returns:
         counters hits, misses, loads, side_hits, lookups, overcap_calls (ints) and the
@@ -78,8 +83,10 @@ def replay(
         ValueError: unknown policy, or capacity outside [1, num_experts].
         ReplayStopped: `stop()` returned True.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy {policy!r} not in {POLICIES}")
+    if policy not in POLICIES + ROUTER_ONLY:
+        raise ValueError(f"policy {policy!r} not in {POLICIES + ROUTER_ONLY}")
+    hints = trace.router_ids is not None and policy != "predictive-ids"
+    policy = policy.removesuffix("-ids")
     k = trace.top_k
     oracle = policy == "lfu+oracle"
     cfg = StreamConfig(
@@ -111,7 +118,10 @@ def replay(
             cache.drain()
             autopin.repin(cache, budget)
         row = ids[t]
+        dense = trace.router_dense(t) if hints else None
         for li in range(layers):
+            if hints:
+                cache.hint(li, dense[li])
             _, missing = cache.acquire(li, row[li])
             for start in range(0, len(missing), cache.scratch_slots):
                 cache.load_scratch(li, missing[start : start + cache.scratch_slots])

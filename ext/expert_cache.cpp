@@ -448,17 +448,22 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
 
 void ExpertCache::hint(int li, const float* probs, size_t n) {
   check_layer(li, num_layers());
-  if (n != static_cast<size_t>(num_experts_))
+  const auto E = static_cast<size_t>(num_experts_);
+  if (n == 0 || n % E != 0)
     throw std::invalid_argument("router hint of MoE layer " + std::to_string(li) + " has " +
-                                std::to_string(n) + " values, expected " +
-                                std::to_string(num_experts_));
-  for (size_t e = 0; e < n; ++e)
-    if (!(probs[e] >= 0.f && probs[e] <= 1.f))
+                                std::to_string(n) + " values, not a multiple of " +
+                                std::to_string(num_experts_) + " experts");
+  for (size_t i = 0; i < n; ++i)
+    if (!(probs[i] >= 0.f && probs[i] <= 1.f))
       throw std::invalid_argument("router hint of MoE layer " + std::to_string(li) +
-                                  ": probability of expert " + std::to_string(e) + " is " +
-                                  std::to_string(probs[e]) + ", not in [0, 1]");
+                                  ": probability of expert " + std::to_string(i % E) + " is " +
+                                  std::to_string(probs[i]) + ", not in [0, 1]");
   std::lock_guard<std::mutex> lk(mu_);
-  router_hint_[li].assign(probs, probs + n);
+  if (n == E) {
+    router_hint_[li].assign(probs, probs + n);
+  } else {
+    router_hint_[li].clear();  // several tokens: no one token's evidence
+  }
 }
 
 std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts) {

@@ -131,9 +131,10 @@ class ExpertCache {
   // synchronous call first evaluates everything its ids depend on.
   std::vector<int> acquire(int li, const int32_t* ids, int32_t* local, size_t n);
 
-  // The router probabilities (num_experts values, softmax over the experts) of the one
-  // token the next acquire of MoE layer li routes: evidence for the predictive policy
-  // (which unchosen experts were close). Used by that acquire only.
+  // The router probabilities (softmax over the experts, num_experts values per token) of
+  // the tokens the next acquire of MoE layer li routes: evidence for the predictive
+  // policy (which unchosen experts were close), used by that acquire only and only when
+  // it routes one token (n == num_experts).
   void hint(int li, const float* probs, size_t n);
 
   // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.

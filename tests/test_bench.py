@@ -157,9 +157,18 @@ def test_recorded_trace_round_trips(model_dirs, tmp_path):
     assert int(trace.prefill.sum()) >= 4
     lookups = sm.snapshot().totals()
     assert lookups["hits"] + lookups["misses"] > 0
+    # The router's top k of every (token, layer) are the experts it routed to.
+    k = m.top_k
+    assert trace.router_ids.shape == (*trace.ids.shape[:2], min(8, m.num_experts))
+    assert np.array_equal(np.sort(trace.router_ids[..., :k], -1), np.sort(trace.ids, -1))
+    probs = trace.router_probs
+    assert np.all(probs[..., :-1] >= probs[..., 1:]) and np.all(probs.sum(-1) <= 1 + 1e-5)
+    assert np.allclose(trace.router_dense(0).sum(-1), 1.0, atol=1e-5)
     back = load_trace(trace.save(tmp_path / "rt.npz"))
     assert np.array_equal(back.ids, trace.ids) and back.num_experts == m.num_experts
     assert np.array_equal(back.segments, trace.segments)
+    assert np.array_equal(back.router_ids, trace.router_ids)
+    assert np.array_equal(back.router_probs, trace.router_probs)
 
 
 def test_generated_traces():
