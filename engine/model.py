@@ -352,7 +352,7 @@ def load(
         weights = model.sanitize(weights)
     _quantize_dense(model, cfg, weights)
     # nn.quantize put new (quantized) gate modules in the blocks: route with those.
-    coordinator.routers = [block.gate for _, block in blocks]
+    predictor.routers = [block.gate for _, block in blocks]
     model.eval()
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -6,7 +6,7 @@ enter."""
 import numpy as np
 import pytest
 
-from engine.bench.policy import belady, replay, trace_store
+from bench.policy import belady, replay, trace_store
 from engine.cache import open_cache
 from engine.config import EVICTION_POLICIES, StreamConfig
 from engine.trace import Trace, random_trace
