@@ -76,7 +76,7 @@ def policy_markdown(traces: list[dict]) -> str:
         "last two columns give 1 − reads/lookups of those two, which Belady bounds "
         "(at capacity + top_k for `lfu+oracle`, which holds top_k side rows more).\n",
     ]
-    extra = ("lfu+autopin", "lfu+oracle")
+    extra = ("lfu+autopin", "predictive+autopin", "lfu+oracle")
     for t in traces:
         pols = list(t["curves"])
         out.append(

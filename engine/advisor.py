@@ -120,7 +120,8 @@ def policy_of(policy: str, decay_every: int, autopin_frac: float) -> str:
     """The replay policy (`engine.replay.POLICIES`) of a StreamConfig's eviction
     settings."""
     if autopin_frac > 0:
-        return "lfu+autopin"
+        pinned = f"{policy}+autopin"
+        return pinned if pinned in POLICIES else "lfu+autopin"
     if policy == "lfu" and decay_every == 0:
         return "lfu-nodecay"
     return policy

@@ -52,6 +52,7 @@ STAT_KEYS = (
     "read_seconds",
     "read_errors",
     "acquire_seconds",
+    "pins_dropped",
 )
 
 
@@ -170,7 +171,8 @@ class CacheSnapshot:
             acquire_seconds in seconds: time reading records, and time inside acquire
             calls with their demand reads; bytes_read in bytes; the rest counts;
             read_errors: reads that failed or timed out after their retry, demand and
-            prefetch).
+            prefetch; pins_dropped: pins the cache dropped because they cost hits, see
+            engine.autopin).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
     """

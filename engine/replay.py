@@ -11,7 +11,8 @@ through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, 
   holds router scores (recorded from the engine), every call is preceded by a `hint` with
   the token's router probabilities (top m recorded, the rest spread evenly), and
   `predictive-ids` (in `ROUTER_ONLY`) replays the predictive policy without them;
-- `lfu+autopin`: the engine's autopin (`engine.autopin.repin`) between generate calls
+- `lfu+autopin`, `predictive+autopin`: that policy with the engine's autopin
+  (`engine.autopin.repin`, pins dropped where they cost hits) between generate calls
   (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
   top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
   min(cap - top_k, floor(autopin_frac x cap))); calls left with fewer evictable slots
@@ -45,7 +46,13 @@ from engine.store import ExpertStore
 from engine.synthetic import ensure_store, tiny_config
 from engine.trace import Trace
 
-POLICIES = (*EVICTION_POLICIES, "lfu-nodecay", "lfu+autopin", "lfu+oracle")
+POLICIES = (
+    *EVICTION_POLICIES,
+    "lfu-nodecay",
+    "lfu+autopin",
+    "predictive+autopin",
+    "lfu+oracle",
+)
 ROUTER_ONLY = ("predictive-ids",)  # for traces with router scores
 AUTOPIN_FRAC = 0.5
 REPIN_EVERY = 256
@@ -73,11 +80,12 @@ def replay(
 ) -> dict:
     """Replays `trace` through a fresh native cache of `store` with `capacity` real slots
     under `policy` (one of POLICIES, or ROUTER_ONLY for a trace with router scores;
-    `autopin_frac` is lfu+autopin's fraction).
+    `autopin_frac` is the +autopin policies' fraction).
 
     Returns:
-        counters hits, misses, loads, side_hits, lookups, overcap_calls (ints) and the
-        rates hit_rate (hits / lookups) and fetch_hit_rate (1 - loads / lookups).
+        counters hits, misses, loads, side_hits, lookups, overcap_calls, pins_dropped
+        (ints) and the rates hit_rate (hits / lookups) and fetch_hit_rate
+        (1 - loads / lookups).
 
     Raises:
         ValueError: unknown policy, or capacity outside [1, num_experts].
@@ -86,12 +94,12 @@ def replay(
     if policy not in POLICIES + ROUTER_ONLY:
         raise ValueError(f"policy {policy!r} not in {POLICIES + ROUTER_ONLY}")
     hints = trace.router_ids is not None and policy != "predictive-ids"
-    policy = policy.removesuffix("-ids")
+    base, _, extra = policy.removesuffix("-ids").partition("+")
     k = trace.top_k
-    oracle = policy == "lfu+oracle"
+    oracle = extra == "oracle"
     cfg = StreamConfig(
         expert_slots=capacity,
-        policy=policy if policy in EVICTION_POLICIES else "lfu",
+        policy=base if base in EVICTION_POLICIES else "lfu",
         decay_every=0 if policy == "lfu-nodecay" else 256,
         side_slots=k if oracle else 0,
         side_lfu=True,
@@ -104,7 +112,7 @@ def replay(
     layers = trace.num_layers
     repin_at = set()
     budget = autopin.budget(capacity, k, autopin_frac)
-    if policy == "lfu+autopin" and budget > 0:
+    if extra == "autopin" and budget > 0:
         starts = trace.segments[trace.segments > 0]
         repin_at = (
             set(starts.tolist())
@@ -137,6 +145,7 @@ def replay(
         "side_hits": t["side_hits"],
         "lookups": lookups,
         "overcap_calls": t["overcap_calls"],
+        "pins_dropped": t["pins_dropped"],
         "hit_rate": t["hits"] / lookups if lookups else 0.0,
         "fetch_hit_rate": 1.0 - t["loads"] / lookups if lookups else 0.0,
     }

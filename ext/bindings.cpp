@@ -80,6 +80,7 @@ nb::dict stats_dict(const es::LayerStats& s) {
   d["read_seconds"] = static_cast<double>(s.read_seconds_us) * 1e-6;
   d["read_errors"] = s.read_errors;
   d["acquire_seconds"] = static_cast<double>(s.acquire_seconds_us) * 1e-6;
+  d["pins_dropped"] = s.pins_dropped;
   return d;
 }
 

@@ -698,6 +698,7 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   s.freq.resize(num_experts_);
   for (int e = 0; e < num_experts_; ++e) s.freq[e] = R.freq(e);
   s.stats = stats_[li];
+  s.stats.pins_dropped = R.pins_dropped();
   return s;
 }
 

@@ -72,6 +72,7 @@ struct LayerStats {
   uint64_t evictions = 0, overcap_calls = 0, read_seconds_us = 0;
   uint64_t read_errors = 0;  // reads failed or given up on (demand and prefetch)
   uint64_t acquire_seconds_us = 0;  // wall time in acquire and load_scratch, reads included
+  uint64_t pins_dropped = 0;  // pins the real region dropped because they cost hits
 };
 
 struct LayerSnapshot {

@@ -44,10 +44,12 @@ RealRegion::RealRegion(int cap, int num_experts, Policy policy, int decay_every)
 
 void RealRegion::set_policy(Policy p) {
   policy_ = p;
-  if (p == Policy::kPredictive && !model_) model_ = std::make_unique<NextUseModel>(num_experts());
+  if (p == Policy::kPredictive && !model_ && !borrowed_model_)
+    model_ = std::make_unique<NextUseModel>(num_experts());
+  if (shadow_) shadow_ = make_shadow();  // compare with the new policy from here on
 }
 
-void RealRegion::use(const std::vector<int>& experts, uint64_t tick, const CallContext& ctx) {
+void RealRegion::count_use(const std::vector<int>& experts, uint64_t tick) {
   for (int e : experts) {
     freq_[e] += 1.f;
     int s = expert_slot_[e];
@@ -56,14 +58,79 @@ void RealRegion::use(const std::vector<int>& experts, uint64_t tick, const CallC
     da_key_[s] = da_floor_ + ++da_uses_[s];
     fifo_uses_[s] = std::min<uint8_t>(fifo_uses_[s] + 1, kFifoMaxUses);
   }
-  if (policy_ != Policy::kPredictive) return;
-  scratch_.clear();
-  for (int e : slot_expert_)
-    if (e >= 0) scratch_.push_back(e);
-  model_->observe(experts, ctx.above1, ctx.above2, ctx.router, ctx.one_token, scratch_);
+}
+
+void RealRegion::use(const std::vector<int>& experts, uint64_t tick, const CallContext& ctx) {
+  count_use(experts, tick);
+  if (policy_ == Policy::kPredictive) {
+    scratch_.clear();
+    for (int e : slot_expert_)
+      if (e >= 0) scratch_.push_back(e);
+    if (shadow_)  // the shadow's residents are scored too: it evicts by the same model
+      for (int e : shadow_->slot_expert_)
+        if (e >= 0) scratch_.push_back(e);
+    model_->observe(experts, ctx.above1, ctx.above2, ctx.router, ctx.one_token, scratch_);
+  }
+  if (shadow_) compare_with_shadow(experts, tick);
+}
+
+void RealRegion::compare_with_shadow(const std::vector<int>& experts, uint64_t tick) {
+  for (int e : experts) {
+    pinned_hits_ += expert_slot_[e] >= 0;
+    shadow_hits_ += shadow_->expert_slot_[e] >= 0;
+  }
+  shadow_->shadow_call(experts, tick);
+  if (shadow_hits_ <= pinned_hits_) return;
+  // The pins have cost a hit: drop the least used one and compare afresh.
+  int weakest = -1;
+  for (int e = 0; e < num_experts(); ++e)
+    if (pinned_[e] && (weakest < 0 || freq_[e] < freq_[weakest])) weakest = e;
+  set_pinned(weakest, false);  // the last pin gone ends the shadow (set_pinned)
+  ++pins_dropped_;
+  if (shadow_) shadow_ = make_shadow();
+  pinned_hits_ = shadow_hits_ = 0;
+}
+
+void RealRegion::shadow_call(const std::vector<int>& experts, uint64_t tick) {
+  count_use(experts, tick);
+  std::vector<uint8_t> busy(cap(), 0);
+  for (int e : experts)
+    if (expert_slot_[e] >= 0) busy[expert_slot_[e]] = 1;
+  for (int e : experts) {
+    if (expert_slot_[e] >= 0) continue;
+    int slot = choose_victim(busy);
+    if (slot < 0) return;  // more experts than slots (a prefill): the rest stream
+    busy[slot] = 1;
+    assign(slot, e, tick);
+  }
+  end_call();
+}
+
+std::unique_ptr<RealRegion> RealRegion::make_shadow() const {
+  auto r = std::make_unique<RealRegion>(0, 0, Policy::kLRU, decay_every_);
+  r->policy_ = policy_;
+  r->calls_ = calls_;
+  r->slot_expert_ = slot_expert_;
+  r->expert_slot_ = expert_slot_;
+  r->last_use_ = last_use_;
+  r->loaded_at_ = loaded_at_;
+  r->freq_ = freq_;
+  r->pinned_.assign(pinned_.size(), 0);
+  r->da_uses_ = da_uses_;
+  r->da_key_ = da_key_;
+  r->da_floor_ = da_floor_;
+  r->fifo_main_ = fifo_main_;
+  r->fifo_seq_ = fifo_seq_;
+  r->fifo_uses_ = fifo_uses_;
+  r->ghost_at_ = ghost_at_;
+  r->fifo_clock_ = fifo_clock_;
+  r->ghost_clock_ = ghost_clock_;
+  r->borrowed_model_ = model();
+  return r;
 }
 
 void RealRegion::end_call() {
+  if (shadow_) shadow_->end_call();
   if (decay_every_ <= 0 || ++calls_ < decay_every_) return;
   calls_ = 0;
   for (auto& f : freq_) f *= 0.5f;
@@ -96,7 +163,7 @@ int RealRegion::choose_victim(const std::vector<uint8_t>& busy) {
         better = da_key_[s] < da_key_[best] || (da_key_[s] == da_key_[best] && older);
         break;
       case Policy::kPredictive: {
-        float x = model_->score(e), y = model_->score(b);
+        float x = model()->score(e), y = model()->score(b);
         better = x < y || (x == y && older);
         break;
       }
@@ -176,6 +243,12 @@ void RealRegion::set_pinned(int expert, bool pinned) {
   if (static_cast<bool>(pinned_[expert]) == pinned) return;
   pinned_[expert] = pinned;
   pinned_count_ += pinned ? 1 : -1;
+  if (pinned_count_ == 0) {
+    shadow_.reset();
+  } else if (!shadow_) {
+    shadow_ = make_shadow();
+    pinned_hits_ = shadow_hits_ = 0;
+  }
 }
 
 std::string RealRegion::check() const {
@@ -206,6 +279,12 @@ std::string RealRegion::check() const {
       return "expert " + std::to_string(e) + " is resident and in the s3-fifo ghost list";
   }
   if (pinned != pinned_count_) return "pinned count mismatch";
+  if ((pinned_count_ > 0) != static_cast<bool>(shadow_))
+    return "a shadow region exists without pins, or pins without one";
+  if (shadow_) {
+    if (shadow_->pinned_count_ != 0) return "the shadow region has pins";
+    if (auto msg = shadow_->check(); !msg.empty()) return "shadow region: " + msg;
+  }
   if (model_) return model_->check();
   return {};
 }

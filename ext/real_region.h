@@ -16,6 +16,13 @@
 //               (NextUseModel: transitions, cross-layer co-activation, frequency,
 //               recency, router hints, learned online); ties: least recently used.
 // The LFU frequencies are counted under every policy: autopin and the snapshot use them.
+//
+// Pins never cost hits for long: while any expert is pinned, a shadow of the region (the
+// same policy, no pins, started from the region's state when the first pin was set) is
+// fed the same calls. When the shadow has had more real-region hits than the pinned
+// region, the pinned expert of lowest LFU frequency is unpinned (counted in
+// pins_dropped(), which autopin takes off its budget) and the shadow restarts from the
+// region's state.
 #pragma once
 
 #include <cstdint>
@@ -69,6 +76,8 @@ class RealRegion {
   void clear(int slot);
 
   void set_pinned(int expert, bool pinned);
+  // Pins dropped because they cost hits (see above), since construction.
+  uint64_t pins_dropped() const { return pins_dropped_; }
   void set_policy(Policy p);
   Policy policy() const { return policy_; }
 
@@ -79,6 +88,15 @@ class RealRegion {
  private:
   bool candidate(int slot, const std::vector<uint8_t>& busy) const;
   int s3fifo_victim(const std::vector<uint8_t>& busy);
+  // Frequency, recency and the per-slot policy state of one call's experts.
+  void count_use(const std::vector<int>& experts, uint64_t tick);
+  const NextUseModel* model() const { return model_ ? model_.get() : borrowed_model_; }
+  // A copy of this region's slots and policy state without pins, scoring with this
+  // region's model.
+  std::unique_ptr<RealRegion> make_shadow() const;
+  // The shadow's side of one call: counts, then loads its misses (no I/O).
+  void shadow_call(const std::vector<int>& experts, uint64_t tick);
+  void compare_with_shadow(const std::vector<int>& experts, uint64_t tick);
 
   Policy policy_;
   int decay_every_;
@@ -102,9 +120,13 @@ class RealRegion {
   std::vector<uint8_t> fifo_uses_;   // cap
   std::vector<uint64_t> ghost_at_;   // num_experts, 0 = not in the ghost list
   uint64_t fifo_clock_ = 0, ghost_clock_ = 0;
-  // predictive: made when the policy is first set to it.
+  // predictive: made when the policy is first set to it (a shadow borrows its region's).
   std::unique_ptr<NextUseModel> model_;
+  const NextUseModel* borrowed_model_ = nullptr;
   std::vector<int> scratch_;  // residents, reused per call
+  // Pins against the region without them (see the top of this file).
+  std::unique_ptr<RealRegion> shadow_;
+  uint64_t pinned_hits_ = 0, shadow_hits_ = 0, pins_dropped_ = 0;
 };
 
 }  // namespace es

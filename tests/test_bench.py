@@ -20,7 +20,7 @@ from engine.synthetic import QWEN3_30B_A3B, expert_segments, store_bytes, tiny_c
 from engine.trace import Trace, load_trace, local_trace, random_trace, record, reuse_rate
 
 NATIVE = (*EVICTION_POLICIES, "lfu-nodecay")  # demand policies without scratch streaming
-DEMAND = (*NATIVE, "lfu+autopin")
+DEMAND = (*NATIVE, "lfu+autopin", "predictive+autopin")
 
 
 @pytest.fixture(scope="module")

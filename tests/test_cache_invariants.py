@@ -1,7 +1,8 @@
 """Invariants of the native cache under random operation sequences and concurrency.
 
 After every step: each real region's slot<->expert maps agree (no expert in two slots),
-pinned experts are resident, the eviction policy's counts are consistent (LFU
+pinned experts are resident (and never evicted, unless the cache dropped the pin because
+it cost hits), the eviction policy's counts are consistent (LFU
 frequencies, lfu-da keys, s3-fifo queues, the predictive model's tables and totals), and
 per (layer, bank) free + in flight + published == side rows with no
 row owned twice (ExpertCache.check()). Every row a caller is handed, and every published
@@ -69,10 +70,21 @@ class CacheMachine(RuleBasedStateMachine):
         li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1, max_size=6)
     )
     def acquire(self, li, ids):
+        before = self.cache.snapshot(li)["stats"]["pins_dropped"]
         try:
             acquire_and_check(self.checker, self.cache, li, ids)
         except ExpertReadError as err:
             self.read_failed(li, err)
+        snap = self.cache.snapshot(li)
+        # A pin that cost hits is dropped by the cache (then it may be evicted): exactly
+        # as many of ours stopped being pinned as the cache says it dropped.
+        gone = {
+            (layer, e)
+            for layer, e in self.pinned
+            if layer == li and snap["slot_state"][snap["slot_expert"] == e].tolist() != [2]
+        }
+        assert len(gone) == snap["stats"]["pins_dropped"] - before
+        self.pinned -= gone
 
     @rule(
         li=st.integers(0, 3),
