@@ -62,6 +62,14 @@ def test_quick_suite_writes_sane_results(quick):
         assert io["engine_buffered"]["resident_after"] > io["engine"]["resident_after"]
     assert [d["depth"] for d in io["depth"]] == [1, 4]
     assert all(d["raw_MBps"] > 0 and d["engine_MBps"] > 0 for d in io["depth"])
+    cost = data["policy_cost"]
+    assert all(r["ns_per_call"] > 0 for r in cost["per_call"].values())
+    assert {"off", "off@lfu"} <= {r["name"].split()[-1] for r in cost["decode"]}
+    pred = data["prediction"]
+    assert {r["distance"] for r in pred["rows"]} == {1, 2}
+    for r in pred["rows"]:
+        assert 0.0 <= r["recall"] <= 1.0 and 0.0 <= r["precision"] <= 1.0
+        assert r["precision"] == pytest.approx(r["recall"] * pred["top_k"] / pred["budget"])
     for name in data["plots"]:
         assert (out / name).stat().st_size > 0
 
