@@ -53,6 +53,8 @@ STAT_KEYS = (
     "read_errors",
     "acquire_seconds",
     "pins_dropped",
+    "promotions",
+    "promotions_declined",
 )
 
 
@@ -172,7 +174,9 @@ class CacheSnapshot:
             calls with their demand reads; bytes_read in bytes; the rest counts;
             read_errors: reads that failed or timed out after their retry, demand and
             prefetch; pins_dropped: pins the cache dropped because they cost hits, see
-            engine.autopin).
+            engine.autopin; promotions: side hits copied into the real region, and
+            promotions_declined: side hits left in their side row because no slot was
+            free of the call's experts and pins or the policy kept every occupant).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
     """

@@ -81,6 +81,8 @@ nb::dict stats_dict(const es::LayerStats& s) {
   d["read_errors"] = s.read_errors;
   d["acquire_seconds"] = static_cast<double>(s.acquire_seconds_us) * 1e-6;
   d["pins_dropped"] = s.pins_dropped;
+  d["promotions"] = s.promotions;
+  d["promotions_declined"] = s.promotions_declined;
   return d;
 }
 

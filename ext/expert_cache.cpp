@@ -153,6 +153,15 @@ void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
   }
 }
 
+void ExpertCache::copy_row(int li, int from, int to) {
+  const auto& L = layers_[li];
+  for (size_t s = 0; s < L.segments.size(); ++s) {
+    const auto n = static_cast<size_t>(L.segments[s].nbytes);
+    std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(to) * n,
+                pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n);
+  }
+}
+
 std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
                                             std::vector<uint8_t>& landed, uint64_t* micros) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -420,6 +429,25 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     loads.emplace_back(e, slot);
   }
   st.misses += loads.size();
+  // Side hits move into the real region (a row copy, no read), into the slots the misses
+  // left, so that their next use is a real hit whatever the side region does meanwhile.
+  for (int e : order) {
+    int row = row_of[e];
+    if (row < config_.cap) continue;  // a real hit or a miss
+    int slot = R.promotion_slot(e, busy);
+    if (slot < 0) {
+      ++st.promotions_declined;
+      continue;
+    }
+    busy[slot] = 1;
+    if (R.expert_at(slot) >= 0) {
+      ++st.evictions;
+      R.clear(slot);
+    }
+    copy_row(li, row, slot);
+    R.assign(slot, e, tick_);  // this call still reads the side row (the fence holds it)
+    ++st.promotions;
+  }
   R.end_call();
   if (!loads.empty()) {
     lk.unlock();

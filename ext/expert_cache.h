@@ -73,6 +73,9 @@ struct LayerStats {
   uint64_t read_errors = 0;  // reads failed or given up on (demand and prefetch)
   uint64_t acquire_seconds_us = 0;  // wall time in acquire and load_scratch, reads included
   uint64_t pins_dropped = 0;  // pins the real region dropped because they cost hits
+  // Side hits copied into the real region (no read), and side hits not copied because no
+  // slot was free of this call's experts and pins or the policy kept every occupant.
+  uint64_t promotions = 0, promotions_declined = 0;
 };
 
 struct LayerSnapshot {
@@ -180,6 +183,7 @@ class ExpertCache {
   int read_gen() const;
   int fill_gen() const;
   void copy_record(int li, const uint8_t* buf, int row);
+  void copy_row(int li, int from, int to);
   // Reads each (expert, row) of layer li on the reader threads into its row and waits.
   // landed[i] tells whether load i's row now holds its expert. Returns the first error
   // (in load order) once every read has landed, failed or been given up, else null;

@@ -177,6 +177,16 @@ int RealRegion::choose_victim(const std::vector<uint8_t>& busy) {
   return best;
 }
 
+int RealRegion::promotion_slot(int expert, const std::vector<uint8_t>& busy) {
+  if (policy_ != Policy::kLFU && policy_ != Policy::kPredictive) return choose_victim(busy);
+  int slot = choose_victim(busy);  // no side effects under these two policies
+  if (slot < 0 || slot_expert_[slot] < 0) return slot;
+  int victim = slot_expert_[slot];
+  bool better = policy_ == Policy::kLFU ? freq_[expert] > freq_[victim]
+                                        : model()->score(expert) > model()->score(victim);
+  return better ? slot : -1;
+}
+
 int RealRegion::s3fifo_victim(const std::vector<uint8_t>& busy) {
   const int small_target = std::max(1, cap() / 10);
   const uint64_t ghost_cap = static_cast<uint64_t>(std::max(1, cap() - small_target));

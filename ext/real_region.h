@@ -70,6 +70,11 @@ class RealRegion {
   // Chooses the slot a new expert goes to, never a pinned slot or one with busy[slot] set;
   // -1 when none is left. Advances the policy's own queues (s3-fifo) and aging (lfu-da).
   int choose_victim(const std::vector<uint8_t>& busy);
+  // The slot a side-hit `expert` (not resident, just used) should be copied into, or -1:
+  // none is free of busy and pinned, or the policy would rather keep every occupant
+  // (lfu: no occupant used less often; predictive: none less likely to be wanted next;
+  // lru, lfu-da and s3-fifo admit it as they admit a miss).
+  int promotion_slot(int expert, const std::vector<uint8_t>& busy);
   // Puts `expert` in `slot` (evicting its occupant); returns the evicted expert or -1.
   int assign(int slot, int expert, uint64_t tick);
   // Empties `slot` (a load into it failed).
