@@ -335,7 +335,7 @@ class InspectorPanel(QWidget):
         """Shapes the plots for `info` and restarts the time series."""
         c = info.config
         n = len(info.layers)
-        self.occupancy.set_shape(n, c.expert_slots or info.num_experts, c.side_slots)
+        self.occupancy.set_shape(n, max(info.slots), c.side_slots)
         self.frequency.set_shape(n, info.num_experts)
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()

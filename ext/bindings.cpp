@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -131,8 +132,10 @@ Args:
         [0, 86400] (0: forever).
     top_k: experts per token; calls of at most top_k ids teach the predictive policy
         (0: every call does).
+    layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
+        expert_slots for every layer), each in [1, num_experts].
 
-Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.
+Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
 
 Raises:
     ValueError: a count or option out of range, an unknown dtype, segments that do not
@@ -141,8 +144,10 @@ Raises:
 
 const char* kNumLayers = "MoE layers (pools).";
 const char* kNumExperts = "Experts per MoE layer (records per blob).";
-const char* kRows = "Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.";
-const char* kExpertSlots = "Real-region slots per layer.";
+const char* kRows =
+    "Pool rows of MoE layer `layer`: its real slots + 2 * side_slots + scratch_slots.";
+const char* kExpertSlots = "Real-region slots of the largest MoE layer (layer_slots: each's).";
+const char* kLayerSlots = "Real-region slots of each MoE layer (list of int, in MoE order).";
 const char* kSideSlots = "Side-region rows per bank (two banks).";
 const char* kScratchSlots = "Scratch rows per layer: experts per chunk of an over-capacity call.";
 
@@ -370,11 +375,13 @@ NB_MODULE(_ext, m) {
           [](Cache* self, nb::list layers, int num_experts, int expert_slots, int side_slots,
              int scratch_slots,
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
-             bool uncached, int threads, double read_timeout, int top_k) {
+             bool uncached, int threads, double read_timeout, int top_k,
+             const std::vector<int>& layer_slots) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
             c.cap = expert_slots;
+            c.layer_caps = layer_slots;
             c.spec = side_slots;
             c.scratch = scratch_slots;
             c.policy = es::policy_from_name(policy);
@@ -396,14 +403,30 @@ NB_MODULE(_ext, m) {
           "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = 0, "scratch_slots"_a = 1,
           "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
           "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
-          "read_timeout"_a = 30.0, "top_k"_a = 0, doc::kInit)
+          "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
+          doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
                    doc::kNumExperts)
-      .def_prop_ro("rows", [](const Cache& c) { return c.impl->rows(); }, doc::kRows)
-      .def_prop_ro("expert_slots", [](const Cache& c) { return c.impl->config().cap; },
-                   doc::kExpertSlots)
+      .def("rows", [](const Cache& c, int li) { return c.impl->rows(li); }, "layer"_a,
+           doc::kRows)
+      .def_prop_ro(
+          "layer_slots",
+          [](const Cache& c) {
+            std::vector<int> v;
+            for (int li = 0; li < c.impl->num_layers(); ++li) v.push_back(c.impl->cap(li));
+            return v;
+          },
+          doc::kLayerSlots)
+      .def_prop_ro(
+          "expert_slots",
+          [](const Cache& c) {
+            int m = 0;
+            for (int li = 0; li < c.impl->num_layers(); ++li) m = std::max(m, c.impl->cap(li));
+            return m;
+          },
+          doc::kExpertSlots)
       .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
                    doc::kSideSlots)
       .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },

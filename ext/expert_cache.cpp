@@ -83,14 +83,20 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       side_lfu_(config.side_lfu),
       sync_(config.sync) {
   if (num_experts_ < 1) throw std::invalid_argument("num_experts must be >= 1");
-  if (config_.cap < 1 || config_.cap > num_experts_)
-    throw std::invalid_argument("expert slots (cap) must be in [1, " +
-                                std::to_string(num_experts_) + "], got " +
-                                std::to_string(config_.cap));
+  if (!config_.layer_caps.empty() && config_.layer_caps.size() != layers_.size())
+    throw std::invalid_argument("expert slots per layer: " +
+                                std::to_string(config_.layer_caps.size()) + " values for " +
+                                std::to_string(layers_.size()) + " MoE layers");
+  caps_ = config_.layer_caps.empty() ? std::vector<int>(layers_.size(), config_.cap)
+                                     : config_.layer_caps;
+  for (int c : caps_)
+    if (c < 1 || c > num_experts_)
+      throw std::invalid_argument("expert slots (cap) must be in [1, " +
+                                  std::to_string(num_experts_) + "], got " + std::to_string(c));
   if (config_.spec < 0) throw std::invalid_argument("side rows (spec) must be >= 0");
   if (config_.scratch < 1) throw std::invalid_argument("scratch rows must be >= 1");
-  const int rows = this->rows();
   for (size_t li = 0; li < layers_.size(); ++li) {
+    const int rows = this->rows(static_cast<int>(li));
     const auto& L = layers_[li];
     files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
                                                 L.record_bytes, L.checksums, config_.uncached));
@@ -119,9 +125,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
                                   " bytes, record_bytes is " + std::to_string(L.record_bytes));
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
-    real_.emplace_back(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    real_.emplace_back(caps_[li], num_experts_, config_.policy, config_.decay_every);
     side_.push_back({SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)});
-    loading_.emplace_back(config_.cap, 0);
+    loading_.emplace_back(caps_[li], 0);
     mx::array table(checked_malloc(sizeof(int32_t) * num_experts_, L.path + " expert table"),
                     {num_experts_}, mx::int32);
     std::fill_n(table.data<int32_t>(), num_experts_, -1);
@@ -325,7 +331,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
   raise_stream_error();
   std::lock_guard<std::mutex> lk(mu_);
   auto& R = real_[li];
-  if (!complete_[li] && config_.cap == num_experts_) {
+  if (!complete_[li] && caps_[li] == num_experts_) {
     bool all = true;
     for (int e = 0; e < num_experts_ && all; ++e) all = R.slot_of(e) >= 0;
     if (all) {
@@ -338,7 +344,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
     stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;
   }
-  return n <= config_.cap - R.pinned_count() ? kPlanStream : kPlanSync;
+  return n <= caps_[li] - R.pinned_count() ? kPlanStream : kPlanSync;
 }
 
 std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
@@ -360,13 +366,14 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   auto& R = real_[li];
   auto& S = side_[li][read_gen()];
   auto& st = stats_[li];
-  const int side_base = config_.cap + read_gen() * config_.spec;
+  const int cap = caps_[li];
+  const int side_base = cap + read_gen() * config_.spec;
   ++tick_;
 
   // Distinct experts of this call, in first-seen order, with their row (-1: miss).
   std::unordered_map<int, int> row_of;
   std::vector<int> order;
-  std::vector<uint8_t> busy(config_.cap, 0);
+  std::vector<uint8_t> busy(cap, 0);
   for (size_t i = 0; i < n; ++i) {
     int e = ids[i];
     if (e < 0 || e >= num_experts_)
@@ -404,7 +411,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     if (row_of[e] < 0) missing.push_back(e);
 
   int evictable = 0;
-  for (int s = 0; s < config_.cap; ++s) {
+  for (int s = 0; s < cap; ++s) {
     int e = R.expert_at(s);
     evictable += !busy[s] && (e < 0 || !R.pinned(e));
   }
@@ -433,7 +440,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   // left, so that their next use is a real hit whatever the side region does meanwhile.
   for (int e : order) {
     int row = row_of[e];
-    if (row < config_.cap) continue;  // a real hit or a miss
+    if (row < cap) continue;  // a real hit or a miss
     int slot = R.promotion_slot(e, busy);
     if (slot < 0) {
       ++st.promotions_declined;
@@ -500,7 +507,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
     throw std::invalid_argument("load_scratch: " + std::to_string(experts.size()) +
                                 " experts for " + std::to_string(config_.scratch) +
                                 " scratch rows");
-  const int base = config_.cap + 2 * config_.spec;
+  const int base = caps_[li] + 2 * config_.spec;
   std::vector<std::pair<int, int>> loads;
   std::vector<int> rows;
   for (size_t i = 0; i < experts.size(); ++i) {
@@ -542,7 +549,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     }
     int expect = kPending;
     if (read && t->state.compare_exchange_strong(expect, kCopying)) {
-      copy_record(li, buf, config_.cap + gen * config_.spec + row);
+      copy_record(li, buf, caps_[li] + gen * config_.spec + row);
       landed = true;
     }
   }
@@ -619,11 +626,11 @@ void ExpertCache::pin(int li, int expert) {
   std::unique_lock<std::mutex> lk(mu_);
   auto& R = real_[li];
   if (R.slot_of(expert) < 0) {
-    if (R.pinned_count() + 1 >= config_.cap)
+    if (R.pinned_count() + 1 >= caps_[li])
       throw std::invalid_argument("pinning expert " + std::to_string(expert) + " of MoE layer " +
                                   std::to_string(li) + " would leave no evictable slot (cap " +
-                                  std::to_string(config_.cap) + ")");
-    std::vector<uint8_t> busy(config_.cap, 0);
+                                  std::to_string(caps_[li]) + ")");
+    std::vector<uint8_t> busy(caps_[li], 0);
     int slot = R.choose_victim(busy);
     if (R.expert_at(slot) >= 0) {
       ++stats_[li].evictions;
@@ -642,10 +649,10 @@ void ExpertCache::pin(int li, int expert) {
     R.assign(slot, expert, ++tick_);
     ++stats_[li].loads;
     stats_[li].bytes_read += static_cast<uint64_t>(layers_[li].stride);
-  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= config_.cap) {
+  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= caps_[li]) {
     throw std::invalid_argument("pinning expert " + std::to_string(expert) +
                                 " would leave no evictable slot (cap " +
-                                std::to_string(config_.cap) + ")");
+                                std::to_string(caps_[li]) + ")");
   }
   R.set_pinned(expert, true);
 }
@@ -688,7 +695,7 @@ void ExpertCache::reset() {
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
   for (size_t li = 0; li < real_.size(); ++li) {
-    real_[li] = RealRegion(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    real_[li] = RealRegion(caps_[li], num_experts_, config_.policy, config_.decay_every);
     complete_[li] = 0;  // plan() refills the table once every expert is resident again
     last_experts_[li].clear();
     router_hint_[li].clear();
@@ -702,9 +709,9 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   std::lock_guard<std::mutex> lk(mu_);
   const auto& R = real_[li];
   LayerSnapshot s;
-  s.slot_expert.resize(config_.cap);
-  s.slot_state.resize(config_.cap);
-  for (int k = 0; k < config_.cap; ++k) {
+  s.slot_expert.resize(caps_[li]);
+  s.slot_state.resize(caps_[li]);
+  for (int k = 0; k < caps_[li]; ++k) {
     int e = R.expert_at(k);
     s.slot_expert[k] = e;
     SlotState state = e < 0 ? SlotState::kEmpty

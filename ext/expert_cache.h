@@ -52,6 +52,7 @@ struct LayerSpec {
 
 struct CacheConfig {
   int cap = 1;           // real-region slots per layer
+  std::vector<int> layer_caps;  // per MoE layer, overriding cap when not empty
   int spec = 0;          // side-region rows per generation
   int scratch = 1;       // over-capacity chunk rows
   Policy policy = Policy::kPredictive;
@@ -95,7 +96,9 @@ class ExpertCache {
   int num_layers() const { return static_cast<int>(layers_.size()); }
   int num_experts() const { return num_experts_; }
   const CacheConfig& config() const { return config_; }
-  int rows() const { return config_.cap + 2 * config_.spec + config_.scratch; }
+  // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
+  int cap(int li) const { return caps_.at(li); }
+  int rows(int li) const { return caps_.at(li) + 2 * config_.spec + config_.scratch; }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
   // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
   //   kPlanTable  the layer is complete (every expert has a real slot, which it keeps
@@ -196,6 +199,7 @@ class ExpertCache {
   std::vector<LayerSpec> layers_;
   int num_experts_;
   CacheConfig config_;
+  std::vector<int> caps_;  // [li] real-region slots
   std::vector<std::vector<mx::array>> pools_;
   std::vector<std::vector<uint8_t*>> pool_ptrs_;
   std::vector<std::unique_ptr<BlobFile>> files_;
