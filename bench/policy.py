@@ -12,7 +12,6 @@ every policy), so the difference between two policies is what the policy itself 
 
 import statistics
 import time
-
 from pathlib import Path
 
 import numpy as np

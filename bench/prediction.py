@@ -108,6 +108,8 @@ def prediction_suite(
         pairs = 0
         for L in range(layers - d):
             T = L + d
+            if sm.predictor.routers[T] is None:  # a family whose router is not found
+                continue
             logits = sm.predictor.routers[T](mx.array(hidden[L])).astype(mx.float32)
             router = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
             cond, pop = _coact_logprobs(ids[L], ids[T], E)
@@ -119,6 +121,8 @@ def prediction_suite(
                 acc.setdefault(name, []).append(_hits(_topb(s[decode], b), truth))
             pairs += 1
         n = int(decode.sum()) * pairs
+        if n == 0:
+            continue
         for name, hits in acc.items():
             total = sum(hits)
             rows.append(

@@ -351,8 +351,6 @@ def load(
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     _quantize_dense(model, cfg, weights)
-    # nn.quantize put new (quantized) gate modules in the blocks: route with those.
-    predictor.routers = [block.gate for _, block in blocks]
     model.eval()
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -274,8 +274,8 @@ class TraceRecorder:
             raise ValueError(f"trace tokens {max_tokens}: must be >= 1")
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        # (ids (n, L, k) int16, router ids (n, L, m) int16, router probs (n, L, m) float32,
-        # starts a segment)
+        # (ids (n, L, k) int16, router ids (n, L, m) int16 and router probs (n, L, m) float32
+        # or None (no router found), starts a segment)
         self._blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = []
         self._tokens = 0  # rows in _blocks
         # forwards not yet copied: [(layer, ids, router ids, router probs arrays), ...]
@@ -311,8 +311,11 @@ class TraceRecorder:
                 self._take(self._pending[:-1])
                 del self._pending[:-1]
             self._pending.append([])
-        logits = self._sm.predictor.routers[layer](x).astype(mx.float32)
-        probs = mx.softmax(logits, axis=-1)
+        router = self._sm.predictor.routers[layer]
+        if router is None:  # a family whose router the engine cannot find: ids only
+            self._pending[-1].append((layer, ids, None, None))
+            return
+        probs = mx.softmax(router(x.reshape(-1, x.shape[-1])).astype(mx.float32), axis=-1)
         top = mx.argsort(-probs, axis=-1)[..., : self._router_top]
         self._pending[-1].append((layer, ids, top, mx.take_along_axis(probs, top, axis=-1)))
 
@@ -334,13 +337,16 @@ class TraceRecorder:
                 continue  # cut short by a stop: its arrays may never be evaluated
             rows = calls[0][1].size // k
             block = np.empty((rows, n_layers, k), np.int16)
-            top = np.empty((rows, n_layers, m), np.int16)
-            probs = np.empty((rows, n_layers, m), np.float32)
-            mx.eval([a for _, _, t, p in calls for a in (t, p)])
-            for li, (_, ids, t, p) in enumerate(calls):
+            for li, (_, ids, _, _) in enumerate(calls):
                 block[:, li] = np.asarray(ids).reshape(rows, k)
-                top[:, li] = np.asarray(t).reshape(rows, m)
-                probs[:, li] = np.asarray(p).reshape(rows, m)
+            top = probs = None
+            if all(t is not None for _, _, t, _ in calls):
+                top = np.empty((rows, n_layers, m), np.int16)
+                probs = np.empty((rows, n_layers, m), np.float32)
+                mx.eval([a for _, _, t, p in calls for a in (t, p)])
+                for li, (_, _, t, p) in enumerate(calls):
+                    top[:, li] = np.asarray(t).reshape(rows, m)
+                    probs[:, li] = np.asarray(p).reshape(rows, m)
             with self._lock:
                 self._blocks.append((block, top, probs, self._segment_next))
                 self._tokens += len(block)
@@ -356,7 +362,8 @@ class TraceRecorder:
                 self._blocks.pop(0)
                 self._tokens -= len(block)
             else:  # keep the tail of a long prefill
-                self._blocks[0] = (block[over:], top[over:], probs[over:], starts)
+                cut = (None, None) if top is None else (top[over:], probs[over:])
+                self._blocks[0] = (block[over:], *cut, starts)
                 self._tokens -= over
 
     def set_max_tokens(self, max_tokens: int | None) -> None:
@@ -404,14 +411,15 @@ class TraceRecorder:
         sizes = [len(b[0]) for b in blocks]
         starts = np.cumsum([0, *sizes[:-1]])
         segments = {0} | {int(s) for s, b in zip(starts, blocks, strict=True) if b[3]}
+        scored = all(b[1] is not None for b in blocks)  # router scores for every token
         return Trace(
             name,
             np.concatenate([b[0] for b in blocks]).astype(np.int32),
             num_experts,
             np.asarray(sorted(segments), np.int64),
             np.concatenate([np.full(n, n > 1, np.uint8) for n in sizes]),
-            np.concatenate([b[1] for b in blocks]).astype(np.int32),
-            np.concatenate([b[2] for b in blocks]),
+            np.concatenate([b[1] for b in blocks]).astype(np.int32) if scored else None,
+            np.concatenate([b[2] for b in blocks]) if scored else None,
         )
 
 
