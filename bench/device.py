@@ -49,7 +49,7 @@ def decode(model, prompt: list[int], tokens: int) -> tuple[list[int], float, flo
 
 def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
     """One decode run through the engine; cache figures per decode token."""
-    sm.predictor.on_acquire = (lambda layer, ids, x: None) if sync_path else None
+    sm.predictor.on_acquire = (lambda layer, ids: None) if sync_path else None
     out, t0, t_first, before = [], time.perf_counter(), None, None
     for y, _ in generate_step(mx.array(prompt), sm.model, max_tokens=tokens):
         out.append(int(y))

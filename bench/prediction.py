@@ -14,8 +14,9 @@ number of fills:
 - `router+coact`: the router's log-probabilities plus `weight` x the co-activation
   log-lift log(P(e | L's experts) / P(e)), top `budget`.
 
-The hidden states and routed ids come from the engine's acquire hook (every call takes
-the synchronous path while it is set); the routers are the model's own (the predictor's).
+The hidden states come from the predictor's per-layer entry (`prefetch_token`, wrapped)
+and the routed ids from the engine's acquire hook (every call takes the synchronous path
+while it is set); the routers are the model's own (the predictor's).
 Timing is not part of it: "in time" depends on the storage, which suite 1 measures.
 """
 
@@ -35,18 +36,27 @@ def capture(model_path, prompts: list[list[int]], max_tokens: int):
     from bench.common import timed_generate
 
     sm = load(model_path, StreamConfig())
-    calls: list[tuple[int, np.ndarray, np.ndarray]] = []
+    hidden_calls: list[tuple[int, np.ndarray]] = []
+    id_calls: list[tuple[int, np.ndarray]] = []
+    prefetch_token = sm.predictor.prefetch_token
 
-    def hook(layer, ids, x):
-        h = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
-        calls.append((layer, ids.reshape(len(h), -1), h))
+    def tap(layer, x):  # sees every MoE layer call's hidden states, before its ids
+        h = np.asarray(x.astype(mx.float32))
+        hidden_calls.append((layer, h.reshape(-1, h.shape[-1])))
+        return prefetch_token(layer, x)
 
-    sm.predictor.on_acquire = hook
+    sm.predictor.prefetch_token = tap
+    sm.predictor.on_acquire = lambda layer, ids: id_calls.append((layer, ids))
     try:
         for p in prompts:
             timed_generate(sm.model, p, max_tokens)
     finally:
         sm.predictor.on_acquire = None
+        sm.predictor.prefetch_token = prefetch_token
+    calls = [
+        (li, i.reshape(len(h), -1), h)
+        for (li, h), (_, i) in zip(hidden_calls, id_calls, strict=True)
+    ]
     layers = sm.cache.num_layers
     hidden = [np.concatenate([h for li, _, h in calls if li == L]) for L in range(layers)]
     ids = [np.concatenate([i for li, i, _ in calls if li == L]) for L in range(layers)]

@@ -45,10 +45,9 @@ class Predictor:
         self._last_layer = -1
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
-        # Sees (MoE layer, int32 ids, the layer's input hidden states) of every MoE layer
-        # call; while set, every call takes the synchronous path, which has the ids on the
-        # host (bench.device measures it).
-        self.on_acquire: Callable[[int, np.ndarray, mx.array], None] | None = None
+        # Sees (MoE layer, int32 ids) of every MoE layer call; while set, every call takes
+        # the synchronous path, which has the ids on the host (bench.device measures it).
+        self.on_acquire: Callable[[int, np.ndarray], None] | None = None
         # An engine.trace.TraceRecorder: takes each call's lazy ids, on whichever path.
         self.recorder = None
         self._targets: set[int] = set()  # submitted in the current forward

@@ -77,7 +77,7 @@ class StreamedExperts(nn.Module):
         else:
             ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
             if hook is not None:
-                hook(self._index, ids.copy(), x)
+                hook(self._index, ids.copy())
             rows, missing = self._cache.acquire(self._index, ids)
             if missing:
                 y = self._over_capacity(x, ids, rows, missing)
