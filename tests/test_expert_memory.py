@@ -39,12 +39,12 @@ def test_slots_follow_the_record_size_of_each_layer():
 
 def test_open_cache_sizes_each_layer_from_the_budget(qwen_store):
     m = qwen_store.manifest
-    strides = [s.stride for s in m.layers]
-    budget = sum(strides) * (m.top_k + 1)
+    records = [s.record_bytes for s in m.layers]
+    budget = sum(records) * (m.top_k + 1)
     cache = open_cache(qwen_store, StreamConfig(expert_memory=budget))
-    assert cache.layer_slots == layer_slots(strides, m.num_experts, m.top_k, budget)
-    assert sum(n * s for n, s in zip(cache.layer_slots, strides, strict=True)) <= budget
-    assert snapshot(cache).slot_expert.shape == (len(strides), max(cache.layer_slots))
+    assert cache.layer_slots == layer_slots(records, m.num_experts, m.top_k, budget)
+    assert sum(n * s for n, s in zip(cache.layer_slots, records, strict=True)) <= budget
+    assert snapshot(cache).slot_expert.shape == (len(records), max(cache.layer_slots))
     auto = open_cache(qwen_store, StreamConfig(expert_memory="auto"))
     assert all(n == m.num_experts for n in auto.layer_slots)  # a tiny store fits
 
