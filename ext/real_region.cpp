@@ -44,8 +44,7 @@ RealRegion::RealRegion(int cap, int num_experts, Policy policy, int decay_every)
 
 void RealRegion::set_policy(Policy p) {
   policy_ = p;
-  if (p == Policy::kPredictive && !model_ && !borrowed_model_)
-    model_ = std::make_unique<NextUseModel>(num_experts());
+  if (p == Policy::kPredictive && !model_) model_ = std::make_shared<NextUseModel>(num_experts());
   if (shadow_) shadow_ = make_shadow();  // compare with the new policy from here on
 }
 
@@ -107,25 +106,10 @@ void RealRegion::shadow_call(const std::vector<int>& experts, uint64_t tick) {
 }
 
 std::unique_ptr<RealRegion> RealRegion::make_shadow() const {
-  auto r = std::make_unique<RealRegion>(0, 0, Policy::kLRU, decay_every_);
-  r->policy_ = policy_;
-  r->calls_ = calls_;
-  r->slot_expert_ = slot_expert_;
-  r->expert_slot_ = expert_slot_;
-  r->last_use_ = last_use_;
-  r->loaded_at_ = loaded_at_;
-  r->freq_ = freq_;
+  auto r = std::make_unique<RealRegion>(*this);  // shares the model: it scores both
+  r->shadow_.reset();
   r->pinned_.assign(pinned_.size(), 0);
-  r->da_uses_ = da_uses_;
-  r->da_key_ = da_key_;
-  r->da_floor_ = da_floor_;
-  r->fifo_main_ = fifo_main_;
-  r->fifo_seq_ = fifo_seq_;
-  r->fifo_uses_ = fifo_uses_;
-  r->ghost_at_ = ghost_at_;
-  r->fifo_clock_ = fifo_clock_;
-  r->ghost_clock_ = ghost_clock_;
-  r->borrowed_model_ = model();
+  r->pinned_count_ = 0;
   return r;
 }
 
@@ -163,7 +147,7 @@ int RealRegion::choose_victim(const std::vector<uint8_t>& busy) {
         better = da_key_[s] < da_key_[best] || (da_key_[s] == da_key_[best] && older);
         break;
       case Policy::kPredictive: {
-        float x = model()->score(e), y = model()->score(b);
+        float x = model_->score(e), y = model_->score(b);
         better = x < y || (x == y && older);
         break;
       }
@@ -183,7 +167,7 @@ int RealRegion::promotion_slot(int expert, const std::vector<uint8_t>& busy) {
   if (slot < 0 || slot_expert_[slot] < 0) return slot;
   int victim = slot_expert_[slot];
   bool better = policy_ == Policy::kLFU ? freq_[expert] > freq_[victim]
-                                        : model()->score(expert) > model()->score(victim);
+                                        : model_->score(expert) > model_->score(victim);
   return better ? slot : -1;
 }
 

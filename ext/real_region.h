@@ -95,9 +95,8 @@ class RealRegion {
   int s3fifo_victim(const std::vector<uint8_t>& busy);
   // Frequency, recency and the per-slot policy state of one call's experts.
   void count_use(const std::vector<int>& experts, uint64_t tick);
-  const NextUseModel* model() const { return model_ ? model_.get() : borrowed_model_; }
   // A copy of this region's slots and policy state without pins, scoring with this
-  // region's model.
+  // region's model (shared).
   std::unique_ptr<RealRegion> make_shadow() const;
   // The shadow's side of one call: counts, then loads its misses (no I/O).
   void shadow_call(const std::vector<int>& experts, uint64_t tick);
@@ -125,12 +124,12 @@ class RealRegion {
   std::vector<uint8_t> fifo_uses_;   // cap
   std::vector<uint64_t> ghost_at_;   // num_experts, 0 = not in the ghost list
   uint64_t fifo_clock_ = 0, ghost_clock_ = 0;
-  // predictive: made when the policy is first set to it (a shadow borrows its region's).
-  std::unique_ptr<NextUseModel> model_;
-  const NextUseModel* borrowed_model_ = nullptr;
+  // predictive: made when the policy is first set to it; a shadow shares its region's
+  // (only the region feeds it: the shadow never calls use()).
+  std::shared_ptr<NextUseModel> model_;
   std::vector<int> scratch_;  // residents, reused per call
   // Pins against the region without them (see the top of this file).
-  std::unique_ptr<RealRegion> shadow_;
+  std::shared_ptr<RealRegion> shadow_;
   uint64_t pinned_hits_ = 0, shadow_hits_ = 0, pins_dropped_ = 0;
 };
 
