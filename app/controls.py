@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QPushButton,
     QSpinBox,
     QVBoxLayout,
@@ -16,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import ModelInfo
+from engine.config import AUTO_MEMORY_FRACTION, parse_memory
 
 LIVE_LABELS = {
     "prefetch": (
@@ -40,9 +42,11 @@ LIVE_LABELS = {
 def summary(info: ModelInfo) -> str:
     """One line on the model and its pool."""
     c = info.config
+    lo, hi = min(info.slots), max(info.slots)
+    slots = str(hi) if lo == hi else f"{lo}–{hi}"
     return (
         f"{len(info.layers)} MoE layers × {info.num_experts} experts (top-{info.top_k})"
-        f" · {c.expert_slots or info.num_experts} slots + 2 × {c.side_slots} side rows"
+        f" · {slots} slots + 2 × {c.side_slots} side rows"
         f" · pool {info.pool_bytes / 2**20:.1f} MiB"
     )
 
@@ -69,6 +73,13 @@ class ControlsPanel(QWidget):
 
         self.expert_slots = QSpinBox(minimum=1, maximum=1)
         self.expert_slots.setToolTip("Real-region slots per MoE layer.")
+        self.expert_memory = QLineEdit()
+        self.expert_memory.setPlaceholderText("6GiB, auto, or empty: the slots above")
+        self.expert_memory.setToolTip(
+            "Memory for the real regions of all layers instead of a slot count: each layer "
+            f"gets slots by its record size; auto = {AUTO_MEMORY_FRACTION:.0%} of the memory "
+            "available when the model loads."
+        )
         self.side_slots = QSpinBox(minimum=0, maximum=1)
         self.side_slots.setToolTip("Side-region rows per bank (0: no prefetch).")
         self.ahead_lo = QSpinBox(minimum=1, maximum=1)
@@ -85,13 +96,14 @@ class ControlsPanel(QWidget):
         self.apply_button.setToolTip(
             "Reload the model with these settings (between replies; the conversation is kept)."
         )
-        self.apply_button.clicked.connect(lambda: self.rebuildRequested.emit(self.pool()))
+        self.apply_button.clicked.connect(self._rebuild)
         self.open_button = QPushButton("Open model…")
         self.open_button.clicked.connect(self.openRequested)
 
         pool_box = QGroupBox("Pool · rebuilt between replies")
         form = QFormLayout()
         form.addRow("expert slots", self.expert_slots)
+        form.addRow("expert memory", self.expert_memory)
         form.addRow("side rows", self.side_slots)
         form.addRow("autopin budget", self.autopin)
         form2 = QFormLayout()
@@ -126,7 +138,11 @@ class ControlsPanel(QWidget):
         c = info.config
         n = len(info.layers)
         self.expert_slots.setMaximum(info.num_experts)
-        self.expert_slots.setValue(c.expert_slots or info.num_experts)
+        self.expert_slots.setValue(c.expert_slots or max(info.slots))
+        memory = c.expert_memory
+        self.expert_memory.setText(
+            "" if memory is None else memory if memory == "auto" else f"{memory / 2**30:g}GiB"
+        )
         self.side_slots.setMaximum(info.num_experts)
         self.side_slots.setValue(c.side_slots)
         for box in (self.ahead_lo, self.ahead_hi):
@@ -148,10 +164,27 @@ class ControlsPanel(QWidget):
         """{field: on} of the live toggles."""
         return {name: box.isChecked() for name, box in self.live.items()}
 
+    def _rebuild(self) -> None:
+        try:
+            fields = self.pool()
+        except ValueError as e:  # an expert memory that does not parse: say so, keep the pool
+            self.expert_memory.setToolTip(str(e))
+            self.expert_memory.setStyleSheet("border: 1px solid #d04040")
+            return
+        self.expert_memory.setStyleSheet("")
+        self.rebuildRequested.emit(fields)
+
     def pool(self) -> dict:
-        """StreamConfig fields of the pool settings and the live toggles."""
+        """StreamConfig fields of the pool settings and the live toggles.
+
+        Raises:
+            ValueError: the expert memory text is not a size (see parse_memory).
+        """
+        text = self.expert_memory.text().strip()
+        memory = parse_memory(text) if text else None
         return {
-            "expert_slots": self.expert_slots.value(),
+            "expert_slots": None if memory is not None else self.expert_slots.value(),
+            "expert_memory": memory,
             "side_slots": self.side_slots.value(),
             "ahead_lo": self.ahead_lo.value(),
             "ahead_hi": self.ahead_hi.value(),

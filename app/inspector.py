@@ -254,6 +254,8 @@ TOTALS = (
     ("misses", "misses"),
     ("hit_rate", "hit rate"),
     ("side_hits", "side hits"),
+    ("promotions", "side hits promoted / declined"),
+    ("pins_dropped", "pins dropped (cost hits)"),
     ("prefetch", "prefetch used / issued"),
     ("prefetch_accuracy", "prefetch accuracy"),
     ("bytes_read", "read from disk"),
@@ -333,7 +335,7 @@ class InspectorPanel(QWidget):
         """Shapes the plots for `info` and restarts the time series."""
         c = info.config
         n = len(info.layers)
-        self.occupancy.set_shape(n, c.expert_slots or info.num_experts, c.side_slots)
+        self.occupancy.set_shape(n, max(info.slots), c.side_slots)
         self.frequency.set_shape(n, info.num_experts)
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()
@@ -356,6 +358,8 @@ class InspectorPanel(QWidget):
             "misses": f"{t['misses']:,}",
             "hit_rate": f"{t['hit_rate']:.1%}",
             "side_hits": f"{t['side_hits']:,}",
+            "promotions": f"{t['promotions']:,} / {t['promotions_declined']:,}",
+            "pins_dropped": f"{t['pins_dropped']:,}",
             "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_issued']:,}",
             "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}",
             "bytes_read": human_bytes(t["bytes_read"]),

@@ -57,6 +57,7 @@ class ModelInfo:
     num_experts: int
     top_k: int
     config: object
+    slots: list[int]  # real-region slots per MoE layer
     chat_template: bool
     pool_bytes: int
     budget: object  # engine.advisor.Budget
@@ -231,8 +232,9 @@ class Worker(QObject):
                 top_k=m.top_k,
                 config=config,
                 chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
+                slots=list(sm.cache.layer_slots),
                 pool_bytes=pool_bytes(sm.cache),
-                budget=Budget.of(m, config),
+                budget=Budget.of(m, config, list(sm.cache.layer_slots)),
                 load_seconds=time.monotonic() - t0,
                 context=store.config.get("max_position_embeddings"),
             )

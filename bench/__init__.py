@@ -80,7 +80,8 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
     else:
         from bench.decode import decode_suite
         from bench.disk import io_suite
-        from bench.policy import policy_suite
+        from bench.policy import acquire_cost, policy_suite, trace_store
+        from bench.prediction import prediction_suite
         from engine.resources import default_model_path
         from engine.trace import load_trace, local_trace
 
@@ -136,6 +137,38 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
             )
         )
         results["policy"] = policy_suite(traces, store_cache_dir() / "bench", log=log)
+        log("  the policies' cost: ns per acquire call, and decode at 25% with each")
+        costed = traces[1] if len(traces) > 2 else recorded  # an HD-MoE trace if present
+        cap = max(m.top_k, costed.num_experts // 2)
+        results["policy_cost"] = {
+            "trace": costed.name,
+            "capacity": cap,
+            "per_call": acquire_cost(
+                trace_store(costed, store_cache_dir() / "bench"),
+                costed,
+                cap,
+                rounds=1 if quick else 5,
+                tokens=100 if quick else 2000,
+            ),
+            "decode": decode_suite(
+                model,
+                prompt,
+                fractions=(0.25,),
+                modes=("off", "off@lfu"),
+                reps=1 if quick else 7,
+                max_tokens=8 if quick else 64,
+                peers=False,
+                log=log,
+            )["rows"],
+        }
+        log("  the prefetch predictor's recall and precision per layer distance")
+        results["prediction"] = prediction_suite(
+            model,
+            [prompt, prompt[: max(1, len(prompt) // 4)]],
+            16 if quick else 128,
+            distances=(1, 2) if quick else (1, 2, 3, 4),
+            log=log,
+        )
         log("[3/3] I/O against the disk")
         results["io"] = io_suite(
             store,

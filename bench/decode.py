@@ -45,8 +45,13 @@ FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
 def stream_fields(mode: str, fraction: float, num_experts: int, top_k: int) -> dict:
-    """StreamConfig fields of the streamed run `mode` at `fraction` of the experts."""
+    """StreamConfig fields of the streamed run `mode` at `fraction` of the experts. A
+    mode may end in `@POLICY` (e.g. `off@lfu`) to run with that eviction policy instead
+    of the default."""
+    mode, _, policy = mode.partition("@")
     fields = dict(MODES[mode])
+    if policy:
+        fields["policy"] = policy
     fields["expert_slots"] = max(1, round(fraction * num_experts))
     fields["side_slots"] = 2 * top_k if fields["prefetch"] else 0
     return fields

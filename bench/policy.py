@@ -3,14 +3,34 @@
 The replay itself (`replay`, `belady`, the policies and their rules) is
 `engine.replay`, the one the budget advisor runs too; this suite sweeps capacities over
 the traces and sets each policy against Belady's MIN.
+
+`acquire_cost` is the policies' per-call cost: the wall time of `ExpertCache.acquire`
+over a trace, less the time its demand reads took (`read_seconds`), per call, for each
+policy side by side in round-robin rounds. It includes the Python binding (the same for
+every policy), so the difference between two policies is what the policy itself costs.
 """
 
+import statistics
+import time
 from pathlib import Path
 
-from engine.replay import POLICIES, belady, replay, trace_store
+import numpy as np
+
+from engine.cache import open_cache, snapshot
+from engine.config import StreamConfig
+from engine.replay import POLICIES, ROUTER_ONLY, belady, replay, trace_store
+from engine.store import ExpertStore
 from engine.trace import Trace
 
-__all__ = ["POLICIES", "belady", "capacities", "policy_suite", "replay", "trace_store"]
+__all__ = [
+    "POLICIES",
+    "acquire_cost",
+    "belady",
+    "capacities",
+    "policy_suite",
+    "replay",
+    "trace_store",
+]
 
 
 def capacities(num_experts: int, top_k: int) -> list[int]:
@@ -20,6 +40,44 @@ def capacities(num_experts: int, top_k: int) -> list[int]:
         return list(range(top_k, num_experts))
     fracs = (1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
     return sorted({max(top_k, round(num_experts * f)) for f in fracs} - {num_experts})
+
+
+def acquire_cost(
+    store: ExpertStore,
+    trace: Trace,
+    capacity: int,
+    policies=("lfu", "predictive"),
+    rounds: int = 5,
+    tokens: int = 2000,
+) -> dict:
+    """Nanoseconds per `acquire` call, demand reads excluded, for each of `policies`
+    replaying the first `tokens` tokens of `trace` at `capacity` (fresh cache per run).
+
+    Returns {policy: {"ns_per_call": median over `rounds`, "spread": [min, max],
+    "calls": calls per run}}.
+    """
+    head = trace.head(tokens)
+    ids = np.ascontiguousarray(head.ids, dtype=np.int32)
+    calls = head.num_tokens * head.num_layers
+    runs: dict[str, list[float]] = {p: [] for p in policies}
+    for _ in range(rounds):
+        for p in policies:
+            cache = open_cache(
+                store,
+                StreamConfig(expert_slots=capacity, policy=p, uncached_io=False, reader_threads=1),
+            )
+            acquire = cache.acquire
+            t0 = time.perf_counter_ns()
+            for row in ids:
+                for li in range(head.num_layers):
+                    acquire(li, row[li])
+            wall = time.perf_counter_ns() - t0
+            reads = snapshot(cache).totals()["read_seconds"] * 1e9
+            runs[p].append((wall - reads) / calls)
+    return {
+        p: {"ns_per_call": statistics.median(v), "spread": [min(v), max(v)], "calls": calls}
+        for p, v in runs.items()
+    }
 
 
 def policy_suite(
@@ -54,7 +112,7 @@ def policy_suite(
         for c in cs:
             res["belady"].append(belady(trace, c))
             res["belady_plus_k"].append(belady(trace, min(c + trace.top_k, trace.num_experts)))
-        for policy in POLICIES:
+        for policy in POLICIES + (ROUTER_ONLY if trace.router_ids is not None else ()):
             res["curves"][policy] = [replay(store, trace, c, policy) for c in cs]
             res["of_belady"][policy] = [
                 r["hit_rate"] / b["hit_rate"] if b["hit_rate"] else 0.0

@@ -76,7 +76,7 @@ def policy_markdown(traces: list[dict]) -> str:
         "last two columns give 1 − reads/lookups of those two, which Belady bounds "
         "(at capacity + top_k for `lfu+oracle`, which holds top_k side rows more).\n",
     ]
-    extra = ("lfu+autopin", "lfu+oracle")
+    extra = ("lfu+autopin", "predictive+autopin", "lfu+oracle")
     for t in traces:
         pols = list(t["curves"])
         out.append(
@@ -101,6 +101,43 @@ def policy_markdown(traces: list[dict]) -> str:
                 f"| {c} ({c / t['num_experts']:.0%}) | {b:.1%} | " + " | ".join(cells) + " |"
             )
         out.append("")
+    return "\n".join(out) + "\n"
+
+
+def policy_cost_markdown(cost: dict) -> str:
+    out = [
+        "### What the eviction policy costs\n",
+        f"Per `acquire` call, demand reads excluded, median (min..max) over rounds: "
+        f"`{cost['trace']}` at {cost['capacity']} slots "
+        f"({next(iter(cost['per_call'].values()))['calls']} calls per run).\n",
+        "| policy | ns per call |\n|---|---|",
+    ]
+    for p, r in cost["per_call"].items():
+        lo, hi = r["spread"]
+        out.append(f"| {p} | {r['ns_per_call']:.0f} ({lo:.0f}..{hi:.0f}) |")
+    out.append("\nDecode at 25% of the experts, prefetch off, side by side:\n")
+    out.append("| run | decode tok/s (min..max) | hit rate (decode) |\n|---|---|---|")
+    for r in cost["decode"]:
+        lo, hi = r["decode_tps_spread"]
+        out.append(
+            f"| {r['name']} | {r['decode_tps']:.1f} ({lo:.1f}..{hi:.1f}) | "
+            f"{r['hit_rate']:.1%} ({r['decode_hit_rate']:.1%}) |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def prediction_markdown(pred: dict) -> str:
+    out = [
+        "## The prefetch predictor\n",
+        f"Recall (routed experts of the target layer among the prediction) and precision "
+        f"(fills used) of {pred['budget']} fills per prediction, top-{pred['top_k']}, over "
+        f"{pred['tokens']} decode tokens, per distance from the predicting layer.\n",
+        "| distance | predictor | recall | precision |\n|---|---|---|---|",
+    ]
+    for r in pred["rows"]:
+        out.append(
+            f"| {r['distance']} | {r['predictor']} | {r['recall']:.1%} | {r['precision']:.1%} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -241,6 +278,10 @@ def markdown(results: dict) -> str:
         out.append(decode_markdown(results["decode"]))
     if "policy" in results:
         out.append(policy_markdown(results["policy"]))
+    if "policy_cost" in results:
+        out.append(policy_cost_markdown(results["policy_cost"]))
+    if "prediction" in results:
+        out.append(prediction_markdown(results["prediction"]))
     if "io" in results:
         out.append(io_markdown(results["io"]))
     if "scale" in results:

@@ -53,7 +53,7 @@ class ExpertCache:
     snapshot, check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'lfu', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = []) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -66,7 +66,8 @@ class ExpertCache:
             expert_slots: real-region slots per layer, in [1, num_experts].
             side_slots: side-region rows per bank (two banks), >= 0.
             scratch_slots: rows for an over-capacity call's misses, experts per chunk, >= 1.
-            policy: real-region eviction, "lfu" or "lru".
+            policy: real-region eviction: "predictive", "lfu", "lru", "lfu-da" or "s3-fifo"
+                (ext/real_region.h).
             decay_every: acquire calls per layer between LFU halvings (0: never).
             side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
             sync: run prefetch fills inline where they are submitted.
@@ -75,8 +76,12 @@ class ExpertCache:
             threads: reader threads, >= 1.
             read_timeout: seconds a demand read or a drain waits without progress, in
                 [0, 86400] (0: forever).
+            top_k: experts per token; calls of at most top_k ids teach the predictive policy
+                (0: every call does).
+            layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
+                expert_slots for every layer), each in [1, num_experts].
 
-        Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.
+        Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
 
         Raises:
             ValueError: a count or option out of range, an unknown dtype, segments that do not
@@ -92,13 +97,18 @@ class ExpertCache:
     def num_experts(self) -> int:
         """Experts per MoE layer (records per blob)."""
 
+    def rows(self, layer: int) -> int:
+        """
+        Pool rows of MoE layer `layer`: its real slots + 2 * side_slots + scratch_slots.
+        """
+
     @property
-    def rows(self) -> int:
-        """Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots."""
+    def layer_slots(self) -> list[int]:
+        """Real-region slots of each MoE layer (list of int, in MoE order)."""
 
     @property
     def expert_slots(self) -> int:
-        """Real-region slots per layer."""
+        """Real-region slots of the largest MoE layer (layer_slots: each's)."""
 
     @property
     def side_slots(self) -> int:
@@ -207,6 +217,24 @@ class ExpertCache:
             IndexError: `layer` out of range.
         """
 
+    def hint(self, layer: int, probs: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)]) -> None:
+        """
+        Router probabilities of the tokens the next acquire of `layer` routes.
+
+        Args:
+            layer: MoE layer index.
+            probs: float32 softmax over the experts, (num_experts,) or (tokens, num_experts),
+                each in [0, 1].
+
+        Evidence for the predictive eviction policy (which unchosen experts were close), used by
+        that acquire only and only when it routes one token.
+
+        Raises:
+            ValueError: probs is not a multiple of num_experts values, or a value is outside
+                [0, 1].
+            IndexError: layer out of range.
+        """
+
     def load_scratch(self, layer: int, experts: Sequence[int]) -> list[int]:
         """
         Reads `experts` (at most scratch_slots of the `missing` list of
@@ -275,7 +303,8 @@ class ExpertCache:
 
     def set_policy(self, policy: str) -> None:
         """
-        Sets the real-region eviction policy of every layer: "lfu" or "lru".
+        Sets the real-region eviction policy of every layer: "predictive", "lfu",
+        "lru", "lfu-da" or "s3-fifo".
 
         Raises:
             ValueError: another name.

@@ -42,14 +42,17 @@ class Budget:
     record_bytes: int
 
     @classmethod
-    def of(cls, manifest, config) -> "Budget":
+    def of(cls, manifest, config, layer_slots: list[int] | None = None) -> "Budget":
         """The budget of a store's `manifest` (engine.store.Manifest) under StreamConfig
-        `config`."""
-        slots = config.expert_slots or manifest.num_experts
-        rows = slots + 2 * config.side_slots + (config.scratch_slots or manifest.top_k)
+        `config`; `layer_slots`: the cache's real slots per layer where they differ
+        (expert_memory), the largest standing for slots_per_layer."""
+        uniform = config.expert_slots or manifest.num_experts
+        slots = layer_slots or [uniform] * len(manifest.layers)
+        extra = 2 * config.side_slots + (config.scratch_slots or manifest.top_k)
         records = [spec.record_bytes for spec in manifest.layers]
         row = sum(records)  # a pool row holds one record per layer
-        return cls(slots, rows * row, row, round(row / len(records)))
+        pool = sum((n + extra) * r for n, r in zip(slots, records, strict=True))
+        return cls(max(slots), pool, row, round(row / len(records)))
 
     def bytes_at(self, slots: int) -> int:
         """Expert memory with `slots` real slots per layer, bytes."""
@@ -120,7 +123,8 @@ def policy_of(policy: str, decay_every: int, autopin_frac: float) -> str:
     """The replay policy (`engine.replay.POLICIES`) of a StreamConfig's eviction
     settings."""
     if autopin_frac > 0:
-        return "lfu+autopin"
+        pinned = f"{policy}+autopin"
+        return pinned if pinned in POLICIES else "lfu+autopin"
     if policy == "lfu" and decay_every == 0:
         return "lfu-nodecay"
     return policy

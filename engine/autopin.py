@@ -5,6 +5,12 @@ experts of highest LFU frequency in every layer and unpins the rest; `budget` is
 the engine and the policy benchmark both use, floor(frac x expert_slots) and never more
 than expert_slots - top_k, so one token's experts always fit without going over capacity.
 A pin set can be saved (`save`) and read back (`load`) to pre-load it at the next start.
+
+Autopin never costs hits for long: while a layer has pins, the native cache runs a
+shadow of its real region without them on the same calls, and drops the least used pin
+whenever the shadow has had more hits (ext/real_region.h). Each dropped pin is taken off
+that layer's budget for good (`repin`), so the budget shrinks until pinning is at least
+as good as the eviction policy alone.
 The caller decides when: `engine.model.load` restores, `engine.generate.generate`
 updates between replies.
 """
@@ -52,10 +58,12 @@ def apply(cache, pins: list[list[int]]) -> None:
 
 
 def repin(cache, k: int) -> list[list[int]]:
-    """Pins every layer's `k` most frequent experts (`choose`), unpinning the others.
-    Returns the pin set, one sorted list per MoE layer."""
-    freq = snapshot(cache).freq
-    pins = [choose(freq[li], k) if k > 0 else [] for li in range(len(freq))]
+    """Pins every layer's most frequent experts (`choose`), unpinning the others: `k` of
+    them less the pins the cache dropped in that layer because they cost hits. Returns
+    the pin set, one sorted list per MoE layer."""
+    snap = snapshot(cache)
+    dropped = snap.stats["pins_dropped"]
+    pins = [choose(snap.freq[li], max(0, k - int(dropped[li]))) for li in range(len(snap.freq))]
     apply(cache, pins)
     return pins
 

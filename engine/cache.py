@@ -8,13 +8,14 @@ memory the pools hold. Everything outside the engine (the app, the benchmarks) u
 module, never `engine._ext` itself: the error types and the state codes are here too.
 """
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the extension)
 import numpy as np
 
 from engine import _ext
-from engine.config import StreamConfig, default_reader_threads
+from engine.config import AUTO_MEMORY_FRACTION, StreamConfig, default_reader_threads
 from engine.memory import available_bytes
 from engine.store import ExpertStore
 
@@ -52,6 +53,9 @@ STAT_KEYS = (
     "read_seconds",
     "read_errors",
     "acquire_seconds",
+    "pins_dropped",
+    "promotions",
+    "promotions_declined",
 )
 
 
@@ -66,15 +70,81 @@ def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
     return config.reader_threads or default_reader_threads(store.manifest.top_k)
 
 
-def planned_pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
-    """(bytes, rows per layer) the native cache will allocate for `store` under `config`:
-    every MoE layer's pool of `expert_slots + 2 x side_slots + scratch_slots` records,
-    plus one read buffer (a record's stride) per reader thread."""
+def layer_slots(records: list[int], num_experts: int, top_k: int, budget: int) -> list[int]:
+    """Real-region slots per MoE layer for `budget` bytes of records in all layers
+    together, each layer's slot costing its record size (records differ per layer in
+    mixed-quantization models): top_k slots each first, then, round after round, one
+    more slot for every layer that still fits it, smaller records first, up to every
+    expert: every layer caches about the same share of its experts (a slot saves reads
+    of its own record size, so a byte buys as much in every layer), and the bytes left
+    over go to the layers of smaller records.
+
+    Raises:
+        ValueError: `budget` is below top_k records per layer (the message gives that
+            minimum).
+    """
+    need = top_k * sum(records)
+    if budget < need:
+        raise ValueError(
+            f"expert memory {budget / 2**20:.1f} MiB is below the {need / 2**20:.1f} MiB "
+            f"that top-k = {top_k} experts per MoE layer take ({len(records)} layers)"
+        )
+    slots = [top_k] * len(records)
+    left = budget - need
+    order = sorted(range(len(records)), key=lambda li: (records[li], li))
+    grew = True
+    while grew:
+        grew = False
+        for li in order:
+            if slots[li] < num_experts and records[li] <= left:
+                slots[li] += 1
+                left -= records[li]
+                grew = True
+    return slots
+
+
+def real_slots(store: ExpertStore, config: StreamConfig) -> list[int]:
+    """Real-region slots of each MoE layer of `store` under `config`: expert_slots (every
+    expert when None), or by expert_memory (`layer_slots`; "auto":
+    `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes`, or of the physical memory
+    where that is unknown).
+
+    Raises:
+        ValueError: expert_slots exceeds the store's expert count, or expert_memory is
+            below top-k records per layer.
+    """
     m = store.manifest
-    slots = m.num_experts if config.expert_slots is None else config.expert_slots
-    rows = slots + 2 * config.side_slots + (config.scratch_slots or m.top_k)
-    total = sum(rows * spec.record_bytes + 4 * m.num_experts for spec in m.layers)
-    return total + reader_threads(store, config) * max(s.stride for s in m.layers), rows
+    if config.expert_memory is None:
+        slots = m.num_experts if config.expert_slots is None else config.expert_slots
+        if slots > m.num_experts:
+            raise ValueError(
+                f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of "
+                f"{store.path}"
+            )
+        return [slots] * len(m.layers)
+    budget = config.expert_memory
+    if budget == "auto":
+        known = available_bytes()
+        if known is None:
+            known = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(AUTO_MEMORY_FRACTION * known)
+    return layer_slots([s.record_bytes for s in m.layers], m.num_experts, m.top_k, budget)
+
+
+def planned_pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
+    """(bytes, rows of the largest layer) the native cache will allocate for `store` under
+    `config`: every MoE layer's pool of its real slots (`real_slots`) + 2 x side_slots +
+    scratch_slots records, plus one read buffer (a record's stride) per reader thread."""
+    m = store.manifest
+    extra = 2 * config.side_slots + (config.scratch_slots or m.top_k)
+    slots = real_slots(store, config)
+    total = sum(
+        (n + extra) * spec.record_bytes + 4 * m.num_experts
+        for n, spec in zip(slots, m.layers, strict=True)
+    )
+    return total + reader_threads(store, config) * max(s.stride for s in m.layers), max(
+        slots
+    ) + extra
 
 
 def check_pool_fits(store: ExpertStore, config: StreamConfig, available: int | None) -> None:
@@ -99,21 +169,19 @@ def check_pool_fits(store: ExpertStore, config: StreamConfig, available: int | N
 def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
     """Allocates the pools of every MoE layer of `store` and opens its blob files.
 
-    Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots, each one record
-    (`stride` bytes at most) spread over the segment arrays.
+    Pool rows per layer: its real slots (`real_slots`: expert_slots, or by expert_memory)
+    + 2 * side_slots + scratch_slots, each one record (`stride` bytes at most) spread over
+    the segment arrays.
 
     Raises:
         engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
-        ValueError: expert_slots exceeds the store's expert count.
+        ValueError: expert_slots exceeds the store's expert count, or expert_memory is
+            below top-k records per layer.
         PoolMemoryError: the pools do not fit in the memory available (checked before
             anything is allocated; also when the native allocation itself fails).
     """
     m = store.manifest
-    slots = m.num_experts if config.expert_slots is None else config.expert_slots
-    if slots > m.num_experts:
-        raise ValueError(
-            f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of {store.path}"
-        )
+    slots = real_slots(store, config)
     check_pool_fits(store, config, available_bytes())
     layers = [
         {
@@ -139,7 +207,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
         return _ext.ExpertCache(
             layers,
             m.num_experts,
-            expert_slots=slots,
+            expert_slots=max(slots),
             side_slots=config.side_slots,
             scratch_slots=config.scratch_slots or m.top_k,
             policy=config.policy,
@@ -150,6 +218,8 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
             uncached=config.uncached_io,
             threads=reader_threads(store, config),
             read_timeout=config.read_timeout_s,
+            top_k=m.top_k,
+            layer_slots=slots if config.expert_memory is not None else [],
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
         raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
@@ -169,7 +239,10 @@ class CacheSnapshot:
             acquire_seconds in seconds: time reading records, and time inside acquire
             calls with their demand reads; bytes_read in bytes; the rest counts;
             read_errors: reads that failed or timed out after their retry, demand and
-            prefetch).
+            prefetch; pins_dropped: pins the cache dropped because they cost hits, see
+            engine.autopin; promotions: side hits copied into the real region, and
+            promotions_declined: side hits left in their side row because no slot was
+            free of the call's experts and pins or the policy kept every occupant).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
     """
@@ -205,11 +278,19 @@ def pool_bytes(cache: _ext.ExpertCache) -> int:
 
 def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
     """Copies the state of every layer of `cache` (thread-safe; each layer is copied
-    under the cache's lock, so layers may differ by one call in a live run)."""
+    under the cache's lock, so layers may differ by one call in a live run). Layers with
+    fewer slots than the largest (expert_memory) are padded with empty slots."""
     per = [cache.snapshot(li) for li in range(cache.num_layers)]
+    width = cache.expert_slots
+
+    def padded(key, fill):
+        return np.stack(
+            [np.pad(p[key], (0, width - len(p[key])), constant_values=fill) for p in per]
+        )
+
     return CacheSnapshot(
-        slot_expert=np.stack([p["slot_expert"] for p in per]),
-        slot_state=np.stack([p["slot_state"] for p in per]),
+        slot_expert=padded("slot_expert", -1),
+        slot_state=padded("slot_state", SLOT_EMPTY),
         side_expert=np.stack([p["side_expert"] for p in per]),
         side_state=np.stack([p["side_state"] for p in per]),
         freq=np.stack([p["freq"] for p in per]),

@@ -9,6 +9,40 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+# Real-region eviction policies of the native cache (ext/real_region.h says what each
+# does); the first is the default.
+EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
+
+# `expert_memory="auto"`: this fraction of the memory available when the model loads.
+AUTO_MEMORY_FRACTION = 0.5
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_memory(text: str) -> int | str:
+    """A memory size as users write it: "6GiB", "512 MiB", "8GB" (powers of 1000),
+    "1073741824" (bytes), or "auto". Returns bytes, or "auto".
+
+    Raises:
+        ValueError: not a size with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB,
+            TiB (the message quotes the text).
+    """
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz ").strip()
+    unit = t[len(number) :].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0:
+        raise ValueError(
+            f"{text!r} is not a memory size (e.g. 6GiB, 512MiB, 8GB, or auto)"
+        ) from None
+    return int(value * _UNITS[unit])
+
 
 class ConfigError(ValueError):
     """A StreamConfig field out of range: `field`, `value`, and `what` it must be."""
@@ -35,6 +69,9 @@ class StreamConfig:
     Attributes:
         expert_slots: real-region slots per MoE layer; None means every expert (fully
             cached after first use). Memory: expert_slots x record stride bytes per layer.
+        expert_memory: instead of expert_slots, the bytes of all real regions together
+            (or "auto": `AUTO_MEMORY_FRACTION` of the memory available at load); each
+            layer gets slots by its own record size (`engine.cache.layer_slots`).
         side_slots: side-region rows per bank (two banks: the persistent LFU mode uses
             bank 0, the legacy double buffer reads one while the other fills); 0 disables
             the side region.
@@ -44,8 +81,13 @@ class StreamConfig:
         cutoff: first MoE layer index that uses `ahead_hi`; None means half the MoE layers.
         side_lfu: persistent LFU side region (True) or legacy double buffer (False).
         sync: fill the side region synchronously where the prefetch is submitted.
-        policy: real-region eviction, "lfu" (frequency with periodic halving) or "lru".
-        decay_every: acquire calls per layer between LFU halvings (0: never).
+        policy: real-region eviction, one of `EVICTION_POLICIES`: "predictive" (evict the
+            expert least likely to be wanted at the next token, learned online from
+            transitions, cross-layer co-activation, frequency and recency), "lfu"
+            (frequency with periodic halving), "lru", "lfu-da" (LFU with dynamic aging) or
+            "s3-fifo".
+        decay_every: acquire calls per layer between LFU halvings (0: never); the LFU
+            frequencies (autopin's input) are counted under every policy.
         autopin_frac: fraction of `expert_slots` that autopin may pin (0 disables autopin).
         scratch_slots: experts per over-capacity chunk: a call whose misses exceed the
             evictable slots streams them through this many scratch rows, chunk by chunk
@@ -63,6 +105,7 @@ class StreamConfig:
     """
 
     expert_slots: int | None = None
+    expert_memory: int | str | None = None
     side_slots: int = 0
     prefetch: bool = False
     ahead_lo: int = 1
@@ -70,7 +113,7 @@ class StreamConfig:
     cutoff: int | None = None
     side_lfu: bool = True
     sync: bool = False
-    policy: str = "lfu"
+    policy: str = EVICTION_POLICIES[0]
     decay_every: int = 256
     autopin_frac: float = 0.0
     scratch_slots: int | None = None
@@ -90,11 +133,30 @@ class StreamConfig:
             self.expert_slots,
             "must be >= 1",
         )
+        need(
+            self.expert_memory is None
+            or self.expert_memory == "auto"
+            or (isinstance(self.expert_memory, int) and self.expert_memory > 0),
+            "expert_memory",
+            self.expert_memory,
+            'must be a positive number of bytes or "auto"',
+        )
+        need(
+            self.expert_memory is None or self.expert_slots is None,
+            "expert_memory",
+            self.expert_memory,
+            "and expert_slots both set: give one of them",
+        )
         need(self.side_slots >= 0, "side_slots", self.side_slots, "must be >= 0")
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
         need(self.cutoff is None or self.cutoff >= 0, "cutoff", self.cutoff, "must be >= 0")
-        need(self.policy in ("lfu", "lru"), "policy", self.policy, "must be 'lfu' or 'lru'")
+        need(
+            self.policy in EVICTION_POLICIES,
+            "policy",
+            self.policy,
+            f"must be one of {', '.join(EVICTION_POLICIES)}",
+        )
         need(self.decay_every >= 0, "decay_every", self.decay_every, "must be >= 0")
         need(0.0 <= self.autopin_frac < 1.0, "autopin_frac", self.autopin_frac, "must be in [0, 1)")
         need(

@@ -13,7 +13,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.config import ConfigError, StreamConfig
+from engine.config import (
+    AUTO_MEMORY_FRACTION,
+    EVICTION_POLICIES,
+    ConfigError,
+    StreamConfig,
+    parse_memory,
+)
 
 # The seed's environment variables and the StreamConfig field each one sets.
 ENV_FIELDS = {
@@ -23,6 +29,14 @@ ENV_FIELDS = {
     "AUTOPIN_BUDGET_FRAC": "autopin_frac",
     "PREFILL_CHUNK": "scratch_slots",
 }
+
+
+def _memory(text: str) -> int | str:
+    """parse_memory for argparse: its message instead of "invalid value"."""
+    try:
+        return parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,14 @@ class Flag:
 FLAGS = (
     Flag("--expert-slots", "expert_slots", int, "real-region slots per MoE layer"),
     Flag(
+        "--expert-memory",
+        "expert_memory",
+        _memory,
+        "memory for the real regions of all layers (6GiB, 512MiB, 8GB or auto: "
+        f"{AUTO_MEMORY_FRACTION * 100:.0f}%% of the memory available at start), slots per "
+        "layer by its record size; instead of --expert-slots",
+    ),
+    Flag(
         "--side-slots",
         "side_slots",
         int,
@@ -53,7 +75,7 @@ FLAGS = (
     Flag("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),
     Flag("--lfu", "side_lfu", None, "persistent LFU side region (--no-lfu: double buffer)"),
     Flag("--sync", "sync", None, "fill the side region synchronously (diagnostic)"),
-    Flag("--policy", "policy", str, "real-region eviction", choices=("lfu", "lru")),
+    Flag("--policy", "policy", str, "real-region eviction", choices=EVICTION_POLICIES),
     Flag("--autopin-frac", "autopin_frac", float, "fraction of the expert slots autopin pins"),
     Flag(
         "--scratch-slots",
@@ -65,9 +87,13 @@ FLAGS = (
     Flag("--reader-threads", "reader_threads", int, "background reader threads"),
 )
 
+# The two ways to size the real regions: each field's other.
+_SIZES = {"expert_slots": "expert_memory", "expert_memory": "expert_slots"}
+
 # How a default of None reads in --help.
 _NONE_MEANS = {
     "expert_slots": "all experts",
+    "expert_memory": "--expert-slots",
     "cutoff": "half the MoE layers",
     "scratch_slots": "top-k",
     "reader_threads": "min(8, 2 x CPUs), at least top-k - 1",
@@ -165,15 +191,20 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
 
 def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
     """The StreamConfig fields the user set: the environment's, then the flags given
-    (`add_cache_flags`); side_slots > 0 turns prefetch on unless it was set too.
+    (`add_cache_flags`); side_slots > 0 turns prefetch on unless it was set too, and
+    --expert-memory / --expert-slots override the other's environment variable.
 
     Raises:
         ValueError: an environment variable does not parse (named in the message).
     """
     values = config_from_env(environ)
-    for f in FLAGS:
-        if getattr(args, f.field, None) is not None:
-            values[f.field] = getattr(args, f.field)
+    flags = {f.field for f in FLAGS if getattr(args, f.field, None) is not None}
+    for field in flags:
+        values[field] = getattr(args, field)
+        # --expert-memory and --expert-slots size the same thing: a flag beats the other
+        # one's environment variable (both flags given stay, for StreamConfig to refuse).
+        if field in _SIZES and _SIZES[field] not in flags:
+            values.pop(_SIZES[field], None)
     if values.get("side_slots") and "prefetch" not in values:
         values["prefetch"] = True
     return values
@@ -192,7 +223,8 @@ def stream_config(
             slots, or a value is out of range; the message names the flag or variable.
     """
     given = config_overrides(args, environ)
-    values = {**(defaults or {}), **given}
+    defaults = {k: v for k, v in (defaults or {}).items() if _SIZES.get(k) not in given}
+    values = {**defaults, **given}
     if values.get("prefetch") and not values.get("side_slots"):
         raise ValueError("--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)")
     try:

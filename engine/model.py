@@ -118,9 +118,9 @@ class StreamedModel:
 
     def autopin_budget(self) -> int:
         """Experts autopin pins per MoE layer under this model's config
-        (`engine.autopin.budget` of expert_slots, top_k and autopin_frac)."""
+        (`engine.autopin.budget` of the smallest layer's slots, top_k and autopin_frac)."""
         return autopin.budget(
-            self.cache.expert_slots, self.store.manifest.top_k, self.config.autopin_frac
+            min(self.cache.layer_slots), self.store.manifest.top_k, self.config.autopin_frac
         )
 
     def set_side_lfu(self, on: bool) -> None:

@@ -5,8 +5,14 @@ A trace gets a small synthetic store with its layer and expert counts (records o
 KB, see `engine.synthetic.tiny_config`); every token's expert ids of every layer go
 through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, under:
 
-- `lru`, `lfu` (frequency halving every 256 calls), `lfu-nodecay` (`decay_every=0`);
-- `lfu+autopin`: the engine's autopin (`engine.autopin.repin`) between generate calls
+- the native eviction policies (`engine.config.EVICTION_POLICIES`, see
+  ext/real_region.h): `predictive` (the default), `lru`, `lfu` (frequency halving every
+  256 calls), `lfu-da`, `s3-fifo`; and `lfu-nodecay` (`decay_every=0`). Where a trace
+  holds router scores (recorded from the engine), every call is preceded by a `hint` with
+  the token's router probabilities (top m recorded, the rest spread evenly), and
+  `predictive-ids` (in `ROUTER_ONLY`) replays the predictive policy without them;
+- `lfu+autopin`, `predictive+autopin`: that policy with the engine's autopin
+  (`engine.autopin.repin`, pins dropped where they cost hits) between generate calls
   (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
   top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
   min(cap - top_k, floor(autopin_frac x cap))); calls left with fewer evictable slots
@@ -35,12 +41,19 @@ import numpy as np
 
 from engine import autopin
 from engine.cache import open_cache, snapshot
-from engine.config import StreamConfig
+from engine.config import EVICTION_POLICIES, StreamConfig
 from engine.store import ExpertStore
 from engine.synthetic import ensure_store, tiny_config
 from engine.trace import Trace
 
-POLICIES = ("lru", "lfu", "lfu-nodecay", "lfu+autopin", "lfu+oracle")
+POLICIES = (
+    *EVICTION_POLICIES,
+    "lfu-nodecay",
+    "lfu+autopin",
+    "predictive+autopin",
+    "lfu+oracle",
+)
+ROUTER_ONLY = ("predictive-ids",)  # for traces with router scores
 AUTOPIN_FRAC = 0.5
 REPIN_EVERY = 256
 _INF = math.inf
@@ -66,23 +79,27 @@ def replay(
     stop: Callable[[], bool] | None = None,
 ) -> dict:
     """Replays `trace` through a fresh native cache of `store` with `capacity` real slots
-    under `policy` (one of POLICIES; `autopin_frac` is lfu+autopin's fraction).
+    under `policy` (one of POLICIES, or ROUTER_ONLY for a trace with router scores;
+    `autopin_frac` is the +autopin policies' fraction).
 
     Returns:
-        counters hits, misses, loads, side_hits, lookups, overcap_calls (ints) and the
-        rates hit_rate (hits / lookups) and fetch_hit_rate (1 - loads / lookups).
+        counters hits, misses, loads, side_hits, lookups, overcap_calls, pins_dropped
+        (ints) and the rates hit_rate (hits / lookups) and fetch_hit_rate
+        (1 - loads / lookups).
 
     Raises:
         ValueError: unknown policy, or capacity outside [1, num_experts].
         ReplayStopped: `stop()` returned True.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy {policy!r} not in {POLICIES}")
+    if policy not in POLICIES + ROUTER_ONLY:
+        raise ValueError(f"policy {policy!r} not in {POLICIES + ROUTER_ONLY}")
+    hints = trace.router_ids is not None and policy != "predictive-ids"
+    base, _, extra = policy.removesuffix("-ids").partition("+")
     k = trace.top_k
-    oracle = policy == "lfu+oracle"
+    oracle = extra == "oracle"
     cfg = StreamConfig(
         expert_slots=capacity,
-        policy="lru" if policy == "lru" else "lfu",
+        policy=base if base in EVICTION_POLICIES else "lfu",
         decay_every=0 if policy == "lfu-nodecay" else 256,
         side_slots=k if oracle else 0,
         side_lfu=True,
@@ -95,7 +112,7 @@ def replay(
     layers = trace.num_layers
     repin_at = set()
     budget = autopin.budget(capacity, k, autopin_frac)
-    if policy == "lfu+autopin" and budget > 0:
+    if extra == "autopin" and budget > 0:
         starts = trace.segments[trace.segments > 0]
         repin_at = (
             set(starts.tolist())
@@ -109,7 +126,10 @@ def replay(
             cache.drain()
             autopin.repin(cache, budget)
         row = ids[t]
+        dense = trace.router_dense(t) if hints else None
         for li in range(layers):
+            if hints:
+                cache.hint(li, dense[li])
             _, missing = cache.acquire(li, row[li])
             for start in range(0, len(missing), cache.scratch_slots):
                 cache.load_scratch(li, missing[start : start + cache.scratch_slots])
@@ -125,6 +145,7 @@ def replay(
         "side_hits": t["side_hits"],
         "lookups": lookups,
         "overcap_calls": t["overcap_calls"],
+        "pins_dropped": t["pins_dropped"],
         "hit_rate": t["hits"] / lookups if lookups else 0.0,
         "fetch_hit_rate": 1.0 - t["loads"] / lookups if lookups else 0.0,
     }

@@ -66,7 +66,7 @@ class StreamedExperts(nn.Module):
         self._predictor.check_stop(self._index)
         token = self._predictor.prefetch_token(self._index, x)
         if self._predictor.recorder is not None:
-            self._predictor.recorder.route(self._index, indices)
+            self._predictor.recorder.route(self._index, indices, x)
         hook = self._predictor.on_acquire
         plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
         if plan == PLAN_TABLE:

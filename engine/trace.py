@@ -3,8 +3,9 @@
 A `Trace` holds expert ids shaped `(tokens, moe_layers, top_k)` and the start token of
 each generate call (`segments`). Traces come from three places:
 
-- recorded from the engine: `record(sm)` hands every MoE layer call's lazy ids array to
-  a `TraceRecorder` (`Predictor.recorder`), copied to numpy once evaluated
+- recorded from the engine: `record(sm)` hands every MoE layer call's lazy ids array, and
+  the lazy top of its router's probabilities, to a `TraceRecorder`
+  (`Predictor.recorder`), copied to numpy once evaluated
   (`expertstream generate --record-trace FILE.npz`, the app, `expertstream serve
   --record-trace N`); the calls take the path they would take unrecorded;
 - published traces: the HD-MoE Mixtral JSON files (`{"0": [[a, b], ...], ...}`, one key per
@@ -14,8 +15,10 @@ each generate call (`segments`). Traces come from three places:
 
 The `.npz` format: `ids` int16 (T, L, k), `segments` int64 (starts of generate calls),
 `prefill` uint8 (T,) (1 for tokens of a forward of several tokens: the prompt, except its
-last token, which mlx-lm feeds alone), `num_experts` int. A recorded trace also holds the
-one forward mlx-lm runs ahead of the last token it returns.
+last token, which mlx-lm feeds alone), `num_experts` int; optionally the router's top-m
+per (token, layer): `router_ids` int16 (T, L, m) and `router_probs` float32 (T, L, m)
+(softmax over all experts, best first; m = `ROUTER_TOP`, at most the expert count). A
+recorded trace also holds the one forward mlx-lm runs ahead of the last token it returns.
 """
 
 import json
@@ -23,7 +26,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+
+ROUTER_TOP = 8  # router probabilities a recorded trace keeps per (token, layer)
 
 
 @dataclass
@@ -37,6 +43,9 @@ class Trace:
         segments: start token of each generate call, sorted, first 0.
         prefill: (tokens,) uint8, 1 where the token was part of a forward of several
             tokens.
+        router_ids, router_probs: (tokens, moe_layers, m) int32 expert ids and float32
+            router probabilities (softmax over all experts) of the router's top m, best
+            first; None when the trace has no router scores.
     """
 
     name: str
@@ -44,6 +53,8 @@ class Trace:
     num_experts: int
     segments: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     prefill: np.ndarray | None = None
+    router_ids: np.ndarray | None = None
+    router_probs: np.ndarray | None = None
 
     def __post_init__(self):
         if self.ids.ndim != 3:
@@ -54,6 +65,22 @@ class Trace:
             raise ValueError(f"trace {self.name}: expert ids outside [0, {self.num_experts})")
         if self.prefill is None:
             self.prefill = np.zeros(len(self.ids), np.uint8)
+        if (self.router_ids is None) != (self.router_probs is None):
+            raise ValueError(f"trace {self.name}: router_ids and router_probs come together")
+        if self.router_ids is not None:
+            shape = self.router_ids.shape
+            if (
+                self.router_probs.shape != shape
+                or shape[:2] != self.ids.shape[:2]
+                or not 1 <= shape[2] <= self.num_experts
+            ):
+                raise ValueError(
+                    f"trace {self.name}: router scores of shape {shape} / "
+                    f"{self.router_probs.shape} do not fit ids of shape {self.ids.shape}"
+                )
+            r = self.router_ids
+            if r.size and (r.min() < 0 or r.max() >= self.num_experts):
+                raise ValueError(f"trace {self.name}: router ids outside [0, {self.num_experts})")
 
     @property
     def num_tokens(self) -> int:
@@ -75,13 +102,32 @@ class Trace:
     def head(self, tokens: int) -> "Trace":
         """The first `tokens` tokens (all if fewer)."""
         n = min(tokens, self.num_tokens)
+        has_router = self.router_ids is not None
         return Trace(
             self.name,
             self.ids[:n],
             self.num_experts,
             self.segments[self.segments < n],
             self.prefill[:n],
+            self.router_ids[:n] if has_router else None,
+            self.router_probs[:n] if has_router else None,
         )
+
+    def router_dense(self, token: int) -> np.ndarray:
+        """(moe_layers, num_experts) float32 router probabilities of `token`: the
+        recorded top m, and the rest of the mass spread evenly over the other experts.
+
+        Raises:
+            ValueError: the trace has no router scores.
+        """
+        if self.router_ids is None:
+            raise ValueError(f"trace {self.name} has no router scores")
+        ids, probs = self.router_ids[token], self.router_probs[token]
+        m = ids.shape[-1]
+        rest = np.clip(1.0 - probs.sum(-1, keepdims=True), 0.0, 1.0)
+        dense = np.repeat(rest / max(1, self.num_experts - m), self.num_experts, axis=-1)
+        np.put_along_axis(dense, ids.astype(np.intp), probs, axis=-1)
+        return dense.astype(np.float32)
 
     def save(self, path):
         """Writes the `.npz` form (see the module docstring) to `path` (a file name, or a
@@ -91,12 +137,19 @@ class Trace:
             OSError: the file cannot be written.
         """
         path = path if hasattr(path, "write") else Path(path)
+        router = {}
+        if self.router_ids is not None:
+            router = {
+                "router_ids": self.router_ids.astype(np.int16),
+                "router_probs": self.router_probs.astype(np.float32),
+            }
         np.savez_compressed(
             path,
             ids=self.ids.astype(np.int16),
             segments=self.segments,
             prefill=self.prefill,
             num_experts=np.int64(self.num_experts),
+            **router,
         )
         return path
 
@@ -122,12 +175,15 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if path.suffix == ".npz":
         with np.load(path) as z:
+            has_router = "router_ids" in z
             return Trace(
                 path.stem,
                 z["ids"].astype(np.int32),
                 int(z["num_experts"]),
                 z["segments"].astype(np.int64),
                 z["prefill"].astype(np.uint8),
+                z["router_ids"].astype(np.int32) if has_router else None,
+                z["router_probs"].astype(np.float32) if has_router else None,
             )
     if path.suffix == ".json":
         data = json.loads(path.read_text())
@@ -191,14 +247,17 @@ def local_trace(
 
 
 class TraceRecorder:
-    """Records the routed expert ids of every MoE layer call of a `StreamedModel`, keeping
-    the last `max_tokens` tokens (all when None).
+    """Records the routed expert ids of every MoE layer call of a `StreamedModel`, and the
+    top `ROUTER_TOP` of its router's probabilities, keeping the last `max_tokens` tokens
+    (all when None).
 
-    It costs the decode almost nothing: each layer call hands over its lazy ids array
-    (`Predictor.recorder`), whatever path the call takes (nothing is forced onto the
-    synchronous path); the arrays of a forward are copied to numpy once a later forward
-    has begun two forwards on, when mlx-lm's pipelined loop has evaluated them, and the
-    rest by `settle()`. A forward cut short (a stop mid-forward) is dropped.
+    It costs the decode little: each layer call hands over its lazy ids array and hidden
+    state (`Predictor.recorder`), whatever path the call takes (nothing is forced onto
+    the synchronous path); the router's top probabilities are a small lazy computation on
+    that hidden state (the router applied once more); a forward's arrays are copied to
+    numpy once a later forward has begun two forwards on, when mlx-lm's pipelined loop
+    has evaluated its ids, and the rest by `settle()`. A forward cut short (a stop
+    mid-forward) is dropped.
 
     Threads: `route` and `settle` run on the model's thread (MLX arrays stay there);
     `trace` may be called from any thread and then returns the settled forwards; on the
@@ -215,9 +274,12 @@ class TraceRecorder:
             raise ValueError(f"trace tokens {max_tokens}: must be >= 1")
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._blocks: list[tuple[np.ndarray, bool]] = []  # (n, L, k) int16, starts a segment
+        # (ids (n, L, k) int16, router ids (n, L, m) int16 and router probs (n, L, m) float32
+        # or None (no router found), starts a segment)
+        self._blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = []
         self._tokens = 0  # rows in _blocks
-        self._pending: list[list] = []  # forwards not yet copied: [(layer, ids array), ...]
+        # forwards not yet copied: [(layer, ids, router ids, router probs arrays), ...]
+        self._pending: list[list] = []
         self._segment_next = False
         self._sm = None
         self.attach(sm)
@@ -236,18 +298,26 @@ class TraceRecorder:
                 raise ValueError(f"cannot continue a {self.shape} trace on a {shape} model")
             self.close()
         self.shape = shape
+        self._router_top = min(ROUTER_TOP, m.num_experts)
         self._thread = threading.get_ident()
         self._sm = sm
         sm.predictor.recorder = self
 
-    def route(self, layer: int, ids) -> None:
-        """Takes one MoE layer call's ids (an MLX array, lazy or not, (..., k))."""
+    def route(self, layer: int, ids, x) -> None:
+        """Takes one MoE layer call's ids (an MLX array, lazy or not, (..., k)) and the
+        hidden states entering the layer (..., hidden), for its router's probabilities."""
         if not self._pending or layer <= self._pending[-1][-1][0]:
             if len(self._pending) >= 2:  # evaluated by now in mlx-lm's pipelined loop
                 self._take(self._pending[:-1])
                 del self._pending[:-1]
             self._pending.append([])
-        self._pending[-1].append((layer, ids))
+        router = self._sm.predictor.routers[layer]
+        if router is None:  # a family whose router the engine cannot find: ids only
+            self._pending[-1].append((layer, ids, None, None))
+            return
+        probs = mx.softmax(router(x.reshape(-1, x.shape[-1])).astype(mx.float32), axis=-1)
+        top = mx.argsort(-probs, axis=-1)[..., : self._router_top]
+        self._pending[-1].append((layer, ids, top, mx.take_along_axis(probs, top, axis=-1)))
 
     def begin_segment(self) -> None:
         """Marks the next forward as the start of a generate call."""
@@ -261,15 +331,24 @@ class TraceRecorder:
 
     def _take(self, forwards: list[list]) -> None:
         n_layers, _, k = self.shape
+        m = self._router_top
         for calls in forwards:
             if len(calls) != n_layers:
                 continue  # cut short by a stop: its arrays may never be evaluated
             rows = calls[0][1].size // k
             block = np.empty((rows, n_layers, k), np.int16)
-            for li, (_, ids) in enumerate(calls):
+            for li, (_, ids, _, _) in enumerate(calls):
                 block[:, li] = np.asarray(ids).reshape(rows, k)
+            top = probs = None
+            if all(t is not None for _, _, t, _ in calls):
+                top = np.empty((rows, n_layers, m), np.int16)
+                probs = np.empty((rows, n_layers, m), np.float32)
+                mx.eval([a for _, _, t, p in calls for a in (t, p)])
+                for li, (_, _, t, p) in enumerate(calls):
+                    top[:, li] = np.asarray(t).reshape(rows, m)
+                    probs[:, li] = np.asarray(p).reshape(rows, m)
             with self._lock:
-                self._blocks.append((block, self._segment_next))
+                self._blocks.append((block, top, probs, self._segment_next))
                 self._tokens += len(block)
                 self._segment_next = False
                 self._trim()
@@ -277,13 +356,14 @@ class TraceRecorder:
     def _trim(self) -> None:
         limit = self.max_tokens
         while limit is not None and self._tokens > limit:
-            block, starts = self._blocks[0]
+            block, top, probs, starts = self._blocks[0]
             over = self._tokens - limit
             if over >= len(block):
                 self._blocks.pop(0)
                 self._tokens -= len(block)
             else:  # keep the tail of a long prefill
-                self._blocks[0] = (block[over:], starts)
+                cut = (None, None) if top is None else (top[over:], probs[over:])
+                self._blocks[0] = (block[over:], *cut, starts)
                 self._tokens -= over
 
     def set_max_tokens(self, max_tokens: int | None) -> None:
@@ -328,15 +408,18 @@ class TraceRecorder:
             blocks = list(self._blocks)
         if not blocks:
             return Trace(name, np.zeros((0, n_layers, k), np.int32), num_experts)
-        sizes = [len(b) for b, _ in blocks]
+        sizes = [len(b[0]) for b in blocks]
         starts = np.cumsum([0, *sizes[:-1]])
-        segments = {0} | {int(s) for s, (_, seg) in zip(starts, blocks, strict=True) if seg}
+        segments = {0} | {int(s) for s, b in zip(starts, blocks, strict=True) if b[3]}
+        scored = all(b[1] is not None for b in blocks)  # router scores for every token
         return Trace(
             name,
-            np.concatenate([b for b, _ in blocks]).astype(np.int32),
+            np.concatenate([b[0] for b in blocks]).astype(np.int32),
             num_experts,
             np.asarray(sorted(segments), np.int64),
             np.concatenate([np.full(n, n > 1, np.uint8) for n in sizes]),
+            np.concatenate([b[1] for b in blocks]).astype(np.int32) if scored else None,
+            np.concatenate([b[2] for b in blocks]) if scored else None,
         )
 
 

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -80,6 +81,9 @@ nb::dict stats_dict(const es::LayerStats& s) {
   d["read_seconds"] = static_cast<double>(s.read_seconds_us) * 1e-6;
   d["read_errors"] = s.read_errors;
   d["acquire_seconds"] = static_cast<double>(s.acquire_seconds_us) * 1e-6;
+  d["pins_dropped"] = s.pins_dropped;
+  d["promotions"] = s.promotions;
+  d["promotions_declined"] = s.promotions_declined;
   return d;
 }
 
@@ -116,7 +120,8 @@ Args:
     expert_slots: real-region slots per layer, in [1, num_experts].
     side_slots: side-region rows per bank (two banks), >= 0.
     scratch_slots: rows for an over-capacity call's misses, experts per chunk, >= 1.
-    policy: real-region eviction, "lfu" or "lru".
+    policy: real-region eviction: "predictive", "lfu", "lru", "lfu-da" or "s3-fifo"
+        (ext/real_region.h).
     decay_every: acquire calls per layer between LFU halvings (0: never).
     side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
     sync: run prefetch fills inline where they are submitted.
@@ -125,8 +130,12 @@ Args:
     threads: reader threads, >= 1.
     read_timeout: seconds a demand read or a drain waits without progress, in
         [0, 86400] (0: forever).
+    top_k: experts per token; calls of at most top_k ids teach the predictive policy
+        (0: every call does).
+    layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
+        expert_slots for every layer), each in [1, num_experts].
 
-Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.
+Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
 
 Raises:
     ValueError: a count or option out of range, an unknown dtype, segments that do not
@@ -135,8 +144,10 @@ Raises:
 
 const char* kNumLayers = "MoE layers (pools).";
 const char* kNumExperts = "Experts per MoE layer (records per blob).";
-const char* kRows = "Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots.";
-const char* kExpertSlots = "Real-region slots per layer.";
+const char* kRows =
+    "Pool rows of MoE layer `layer`: its real slots + 2 * side_slots + scratch_slots.";
+const char* kExpertSlots = "Real-region slots of the largest MoE layer (layer_slots: each's).";
+const char* kLayerSlots = "Real-region slots of each MoE layer (list of int, in MoE order).";
 const char* kSideSlots = "Side-region rows per bank (two banks).";
 const char* kScratchSlots = "Scratch rows per layer: experts per chunk of an over-capacity call.";
 
@@ -266,7 +277,8 @@ num_experts.
 Raises:
     IndexError: `layer` out of range.)";
 
-const char* kSetPolicy = R"(Sets the real-region eviction policy of every layer: "lfu" or "lru".
+const char* kSetPolicy = R"(Sets the real-region eviction policy of every layer: "predictive", "lfu",
+"lru", "lfu-da" or "s3-fifo".
 
 Raises:
     ValueError: another name.)";
@@ -305,6 +317,21 @@ checksum mismatch) or "delay" (waits `delay_ms` first).
 Raises:
     ValueError: an unknown kind.)";
 
+const char* kHint = R"(Router probabilities of the tokens the next acquire of `layer` routes.
+
+Args:
+    layer: MoE layer index.
+    probs: float32 softmax over the experts, (num_experts,) or (tokens, num_experts),
+        each in [0, 1].
+
+Evidence for the predictive eviction policy (which unchosen experts were close), used by
+that acquire only and only when it routes one token.
+
+Raises:
+    ValueError: probs is not a multiple of num_experts values, or a value is outside
+        [0, 1].
+    IndexError: layer out of range.)";
+
 }  // namespace doc
 
 // The Python object holds the cache through a shared_ptr that prefetch primitives share,
@@ -314,6 +341,7 @@ struct Cache {
 };
 
 using Ids = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
+using Probs = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
 }  // namespace
 
@@ -347,16 +375,18 @@ NB_MODULE(_ext, m) {
           [](Cache* self, nb::list layers, int num_experts, int expert_slots, int side_slots,
              int scratch_slots,
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
-             bool uncached, int threads, double read_timeout) {
+             bool uncached, int threads, double read_timeout, int top_k,
+             const std::vector<int>& layer_slots) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
             c.cap = expert_slots;
+            c.layer_caps = layer_slots;
             c.spec = side_slots;
             c.scratch = scratch_slots;
-            if (policy != "lfu" && policy != "lru")
-              throw std::invalid_argument("policy must be 'lfu' or 'lru', got '" + policy + "'");
-            c.policy = policy == "lfu" ? es::Policy::kLFU : es::Policy::kLRU;
+            c.policy = es::policy_from_name(policy);
+            if (top_k < 0) throw std::invalid_argument("top_k must be >= 0");
+            c.top_k = top_k;
             c.decay_every = decay_every;
             c.side_lfu = side_lfu;
             c.sync = sync;
@@ -371,16 +401,32 @@ NB_MODULE(_ext, m) {
             new (self) Cache{std::make_shared<es::ExpertCache>(std::move(specs), num_experts, c)};
           },
           "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = 0, "scratch_slots"_a = 1,
-          "policy"_a = "lfu", "decay_every"_a = 256, "side_lfu"_a = true, "sync"_a = false,
-          "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
-          "read_timeout"_a = 30.0, doc::kInit)
+          "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
+          "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
+          "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
+          doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
                    doc::kNumExperts)
-      .def_prop_ro("rows", [](const Cache& c) { return c.impl->rows(); }, doc::kRows)
-      .def_prop_ro("expert_slots", [](const Cache& c) { return c.impl->config().cap; },
-                   doc::kExpertSlots)
+      .def("rows", [](const Cache& c, int li) { return c.impl->rows(li); }, "layer"_a,
+           doc::kRows)
+      .def_prop_ro(
+          "layer_slots",
+          [](const Cache& c) {
+            std::vector<int> v;
+            for (int li = 0; li < c.impl->num_layers(); ++li) v.push_back(c.impl->cap(li));
+            return v;
+          },
+          doc::kLayerSlots)
+      .def_prop_ro(
+          "expert_slots",
+          [](const Cache& c) {
+            int m = 0;
+            for (int li = 0; li < c.impl->num_layers(); ++li) m = std::max(m, c.impl->cap(li));
+            return m;
+          },
+          doc::kExpertSlots)
       .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
                    doc::kSideSlots)
       .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
@@ -421,6 +467,13 @@ NB_MODULE(_ext, m) {
            "layer"_a, doc::kIsComplete)
       .def("table", [](const Cache& c, int li) { return c.impl->table(li); }, "layer"_a,
            nb::sig("def table(self, layer: int) -> mlx.core.array"), doc::kTable)
+      .def(
+          "hint",
+          [](Cache& c, int li, Probs probs) {
+            nb::gil_scoped_release release;
+            c.impl->hint(li, probs.data(), probs.size());
+          },
+          "layer"_a, "probs"_a, doc::kHint)
       .def(
           "load_scratch",
           [](Cache& c, int li, const std::vector<int>& experts) {
@@ -463,11 +516,7 @@ NB_MODULE(_ext, m) {
            doc::kUnpin)
       .def(
           "set_policy",
-          [](Cache& c, const std::string& p) {
-            if (p != "lfu" && p != "lru")
-              throw std::invalid_argument("policy must be 'lfu' or 'lru', got '" + p + "'");
-            c.impl->set_policy(p == "lfu" ? es::Policy::kLFU : es::Policy::kLRU);
-          },
+          [](Cache& c, const std::string& p) { c.impl->set_policy(es::policy_from_name(p)); },
           "policy"_a, doc::kSetPolicy)
       .def_prop_rw(
           "side_lfu", [](const Cache& c) { return c.impl->side_lfu(); },

@@ -83,14 +83,20 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       side_lfu_(config.side_lfu),
       sync_(config.sync) {
   if (num_experts_ < 1) throw std::invalid_argument("num_experts must be >= 1");
-  if (config_.cap < 1 || config_.cap > num_experts_)
-    throw std::invalid_argument("expert slots (cap) must be in [1, " +
-                                std::to_string(num_experts_) + "], got " +
-                                std::to_string(config_.cap));
+  if (!config_.layer_caps.empty() && config_.layer_caps.size() != layers_.size())
+    throw std::invalid_argument("expert slots per layer: " +
+                                std::to_string(config_.layer_caps.size()) + " values for " +
+                                std::to_string(layers_.size()) + " MoE layers");
+  caps_ = config_.layer_caps.empty() ? std::vector<int>(layers_.size(), config_.cap)
+                                     : config_.layer_caps;
+  for (int c : caps_)
+    if (c < 1 || c > num_experts_)
+      throw std::invalid_argument("expert slots (cap) must be in [1, " +
+                                  std::to_string(num_experts_) + "], got " + std::to_string(c));
   if (config_.spec < 0) throw std::invalid_argument("side rows (spec) must be >= 0");
   if (config_.scratch < 1) throw std::invalid_argument("scratch rows must be >= 1");
-  const int rows = this->rows();
   for (size_t li = 0; li < layers_.size(); ++li) {
+    const int rows = this->rows(static_cast<int>(li));
     const auto& L = layers_[li];
     files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
                                                 L.record_bytes, L.checksums, config_.uncached));
@@ -119,9 +125,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
                                   " bytes, record_bytes is " + std::to_string(L.record_bytes));
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
-    real_.emplace_back(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    real_.emplace_back(caps_[li], num_experts_, config_.policy, config_.decay_every);
     side_.push_back({SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)});
-    loading_.emplace_back(config_.cap, 0);
+    loading_.emplace_back(caps_[li], 0);
     mx::array table(checked_malloc(sizeof(int32_t) * num_experts_, L.path + " expert table"),
                     {num_experts_}, mx::int32);
     std::fill_n(table.data<int32_t>(), num_experts_, -1);
@@ -130,6 +136,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     fill_tickets_.emplace_back(2 * static_cast<size_t>(config_.spec));
   }
   stats_.resize(layers_.size());
+  last_experts_.resize(layers_.size());
+  last_forward_.assign(layers_.size(), 0);
+  router_hint_.resize(layers_.size());
   readers_ = std::make_unique<ReaderPool>(config_.threads);
 }
 
@@ -147,6 +156,15 @@ void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
     const auto& seg = L.segments[s];
     std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, buf + seg.offset,
                 static_cast<size_t>(seg.nbytes));
+  }
+}
+
+void ExpertCache::copy_row(int li, int from, int to) {
+  const auto& L = layers_[li];
+  for (size_t s = 0; s < L.segments.size(); ++s) {
+    const auto n = static_cast<size_t>(L.segments[s].nbytes);
+    std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(to) * n,
+                pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n);
   }
 }
 
@@ -313,7 +331,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
   raise_stream_error();
   std::lock_guard<std::mutex> lk(mu_);
   auto& R = real_[li];
-  if (!complete_[li] && config_.cap == num_experts_) {
+  if (!complete_[li] && caps_[li] == num_experts_) {
     bool all = true;
     for (int e = 0; e < num_experts_ && all; ++e) all = R.slot_of(e) >= 0;
     if (all) {
@@ -326,7 +344,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
     stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;
   }
-  return n <= config_.cap - R.pinned_count() ? kPlanStream : kPlanSync;
+  return n <= caps_[li] - R.pinned_count() ? kPlanStream : kPlanSync;
 }
 
 std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
@@ -348,13 +366,14 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   auto& R = real_[li];
   auto& S = side_[li][read_gen()];
   auto& st = stats_[li];
-  const int side_base = config_.cap + read_gen() * config_.spec;
+  const int cap = caps_[li];
+  const int side_base = cap + read_gen() * config_.spec;
   ++tick_;
 
   // Distinct experts of this call, in first-seen order, with their row (-1: miss).
   std::unordered_map<int, int> row_of;
   std::vector<int> order;
-  std::vector<uint8_t> busy(config_.cap, 0);
+  std::vector<uint8_t> busy(cap, 0);
   for (size_t i = 0; i < n; ++i) {
     int e = ids[i];
     if (e < 0 || e >= num_experts_)
@@ -376,14 +395,23 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     } else {
       row_of[e] = -1;
     }
-    R.touch(e, tick_);
   }
+  CallContext ctx;
+  for (int up : {1, 2})
+    if (li >= up && last_forward_[li - up] == forward_)
+      (up == 1 ? ctx.above1 : ctx.above2) = last_experts_[li - up];
+  ctx.router = std::move(router_hint_[li]);
+  router_hint_[li].clear();
+  ctx.one_token = config_.top_k <= 0 || n <= static_cast<size_t>(config_.top_k);
+  R.use(order, tick_, ctx);
+  last_experts_[li] = order;
+  last_forward_[li] = forward_;
   std::vector<int> missing;
   for (int e : order)
     if (row_of[e] < 0) missing.push_back(e);
 
   int evictable = 0;
-  for (int s = 0; s < config_.cap; ++s) {
+  for (int s = 0; s < cap; ++s) {
     int e = R.expert_at(s);
     evictable += !busy[s] && (e < 0 || !R.pinned(e));
   }
@@ -408,6 +436,25 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     loads.emplace_back(e, slot);
   }
   st.misses += loads.size();
+  // Side hits move into the real region (a row copy, no read), into the slots the misses
+  // left, so that their next use is a real hit whatever the side region does meanwhile.
+  for (int e : order) {
+    int row = row_of[e];
+    if (row < cap) continue;  // a real hit or a miss
+    int slot = R.promotion_slot(e, busy);
+    if (slot < 0) {
+      ++st.promotions_declined;
+      continue;
+    }
+    busy[slot] = 1;
+    if (R.expert_at(slot) >= 0) {
+      ++st.evictions;
+      R.clear(slot);
+    }
+    copy_row(li, row, slot);
+    R.assign(slot, e, tick_);  // this call still reads the side row (the fence holds it)
+    ++st.promotions;
+  }
   R.end_call();
   if (!loads.empty()) {
     lk.unlock();
@@ -434,13 +481,33 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   return {};
 }
 
+void ExpertCache::hint(int li, const float* probs, size_t n) {
+  check_layer(li, num_layers());
+  const auto E = static_cast<size_t>(num_experts_);
+  if (n == 0 || n % E != 0)
+    throw std::invalid_argument("router hint of MoE layer " + std::to_string(li) + " has " +
+                                std::to_string(n) + " values, not a multiple of " +
+                                std::to_string(num_experts_) + " experts");
+  for (size_t i = 0; i < n; ++i)
+    if (!(probs[i] >= 0.f && probs[i] <= 1.f))
+      throw std::invalid_argument("router hint of MoE layer " + std::to_string(li) +
+                                  ": probability of expert " + std::to_string(i % E) + " is " +
+                                  std::to_string(probs[i]) + ", not in [0, 1]");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (n == E) {
+    router_hint_[li].assign(probs, probs + n);
+  } else {
+    router_hint_[li].clear();  // several tokens: no one token's evidence
+  }
+}
+
 std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts) {
   check_layer(li, num_layers());
   if (static_cast<int>(experts.size()) > config_.scratch)
     throw std::invalid_argument("load_scratch: " + std::to_string(experts.size()) +
                                 " experts for " + std::to_string(config_.scratch) +
                                 " scratch rows");
-  const int base = config_.cap + 2 * config_.spec;
+  const int base = caps_[li] + 2 * config_.spec;
   std::vector<std::pair<int, int>> loads;
   std::vector<int> rows;
   for (size_t i = 0; i < experts.size(); ++i) {
@@ -482,7 +549,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     }
     int expect = kPending;
     if (read && t->state.compare_exchange_strong(expect, kCopying)) {
-      copy_record(li, buf, config_.cap + gen * config_.spec + row);
+      copy_record(li, buf, caps_[li] + gen * config_.spec + row);
       landed = true;
     }
   }
@@ -559,11 +626,11 @@ void ExpertCache::pin(int li, int expert) {
   std::unique_lock<std::mutex> lk(mu_);
   auto& R = real_[li];
   if (R.slot_of(expert) < 0) {
-    if (R.pinned_count() + 1 >= config_.cap)
+    if (R.pinned_count() + 1 >= caps_[li])
       throw std::invalid_argument("pinning expert " + std::to_string(expert) + " of MoE layer " +
                                   std::to_string(li) + " would leave no evictable slot (cap " +
-                                  std::to_string(config_.cap) + ")");
-    std::vector<uint8_t> busy(config_.cap, 0);
+                                  std::to_string(caps_[li]) + ")");
+    std::vector<uint8_t> busy(caps_[li], 0);
     int slot = R.choose_victim(busy);
     if (R.expert_at(slot) >= 0) {
       ++stats_[li].evictions;
@@ -582,10 +649,10 @@ void ExpertCache::pin(int li, int expert) {
     R.assign(slot, expert, ++tick_);
     ++stats_[li].loads;
     stats_[li].bytes_read += static_cast<uint64_t>(layers_[li].stride);
-  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= config_.cap) {
+  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= caps_[li]) {
     throw std::invalid_argument("pinning expert " + std::to_string(expert) +
                                 " would leave no evictable slot (cap " +
-                                std::to_string(config_.cap) + ")");
+                                std::to_string(caps_[li]) + ")");
   }
   R.set_pinned(expert, true);
 }
@@ -628,8 +695,10 @@ void ExpertCache::reset() {
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
   for (size_t li = 0; li < real_.size(); ++li) {
-    real_[li] = RealRegion(config_.cap, num_experts_, config_.policy, config_.decay_every);
+    real_[li] = RealRegion(caps_[li], num_experts_, config_.policy, config_.decay_every);
     complete_[li] = 0;  // plan() refills the table once every expert is resident again
+    last_experts_[li].clear();
+    router_hint_[li].clear();
     for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
   }
   last_li_ = -1;
@@ -640,9 +709,9 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   std::lock_guard<std::mutex> lk(mu_);
   const auto& R = real_[li];
   LayerSnapshot s;
-  s.slot_expert.resize(config_.cap);
-  s.slot_state.resize(config_.cap);
-  for (int k = 0; k < config_.cap; ++k) {
+  s.slot_expert.resize(caps_[li]);
+  s.slot_state.resize(caps_[li]);
+  for (int k = 0; k < caps_[li]; ++k) {
     int e = R.expert_at(k);
     s.slot_expert[k] = e;
     SlotState state = e < 0 ? SlotState::kEmpty
@@ -664,6 +733,7 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   s.freq.resize(num_experts_);
   for (int e = 0; e < num_experts_; ++e) s.freq[e] = R.freq(e);
   s.stats = stats_[li];
+  s.stats.pins_dropped = R.pins_dropped();
   return s;
 }
 

@@ -52,9 +52,11 @@ struct LayerSpec {
 
 struct CacheConfig {
   int cap = 1;           // real-region slots per layer
+  std::vector<int> layer_caps;  // per MoE layer, overriding cap when not empty
   int spec = 0;          // side-region rows per generation
   int scratch = 1;       // over-capacity chunk rows
-  Policy policy = Policy::kLFU;
+  Policy policy = Policy::kPredictive;
+  int top_k = 0;          // experts per token: calls of at most top_k ids are one token (0: all)
   int decay_every = 256;  // acquire calls per layer between LFU halvings (0: never)
   bool side_lfu = true;
   bool sync = false;
@@ -71,6 +73,10 @@ struct LayerStats {
   uint64_t evictions = 0, overcap_calls = 0, read_seconds_us = 0;
   uint64_t read_errors = 0;  // reads failed or given up on (demand and prefetch)
   uint64_t acquire_seconds_us = 0;  // wall time in acquire and load_scratch, reads included
+  uint64_t pins_dropped = 0;  // pins the real region dropped because they cost hits
+  // Side hits copied into the real region (no read), and side hits not copied because no
+  // slot was free of this call's experts and pins or the policy kept every occupant.
+  uint64_t promotions = 0, promotions_declined = 0;
 };
 
 struct LayerSnapshot {
@@ -90,7 +96,9 @@ class ExpertCache {
   int num_layers() const { return static_cast<int>(layers_.size()); }
   int num_experts() const { return num_experts_; }
   const CacheConfig& config() const { return config_; }
-  int rows() const { return config_.cap + 2 * config_.spec + config_.scratch; }
+  // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
+  int cap(int li) const { return caps_.at(li); }
+  int rows(int li) const { return caps_.at(li) + 2 * config_.spec + config_.scratch; }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
   // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
   //   kPlanTable  the layer is complete (every expert has a real slot, which it keeps
@@ -129,6 +137,12 @@ class ExpertCache {
   // stream that evaluates the graph; the two never overlap for one model, since a
   // synchronous call first evaluates everything its ids depend on.
   std::vector<int> acquire(int li, const int32_t* ids, int32_t* local, size_t n);
+
+  // The router probabilities (softmax over the experts, num_experts values per token) of
+  // the tokens the next acquire of MoE layer li routes: evidence for the predictive
+  // policy (which unchosen experts were close), used by that acquire only and only when
+  // it routes one token (n == num_experts).
+  void hint(int li, const float* probs, size_t n);
 
   // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.
   std::vector<int> load_scratch(int li, const std::vector<int>& experts);
@@ -172,6 +186,7 @@ class ExpertCache {
   int read_gen() const;
   int fill_gen() const;
   void copy_record(int li, const uint8_t* buf, int row);
+  void copy_row(int li, int from, int to);
   // Reads each (expert, row) of layer li on the reader threads into its row and waits.
   // landed[i] tells whether load i's row now holds its expert. Returns the first error
   // (in load order) once every read has landed, failed or been given up, else null;
@@ -184,6 +199,7 @@ class ExpertCache {
   std::vector<LayerSpec> layers_;
   int num_experts_;
   CacheConfig config_;
+  std::vector<int> caps_;  // [li] real-region slots
   std::vector<std::vector<mx::array>> pools_;
   std::vector<std::vector<uint8_t*>> pool_ptrs_;
   std::vector<std::unique_ptr<BlobFile>> files_;
@@ -196,6 +212,11 @@ class ExpertCache {
   std::vector<mx::array> tables_;               // [li]: (num_experts,) int32, see plan()
   std::vector<uint8_t> complete_;               // [li]: tables_[li] is filled
   std::vector<LayerStats> stats_;
+  // Per layer: the distinct experts of its last acquire and that call's forward (the
+  // predictive policy's cross-layer evidence), and the router hint for its next one.
+  std::vector<std::vector<int>> last_experts_;
+  std::vector<uint64_t> last_forward_;
+  std::vector<std::vector<float>> router_hint_;
   std::vector<std::vector<std::shared_ptr<FillTicket>>> fill_tickets_;  // [li][gen*spec+row]
   std::exception_ptr stream_error_;  // see set_stream_error
   uint64_t fills_settled_ = 0;  // fills published or released: drain's progress measure

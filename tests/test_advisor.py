@@ -156,7 +156,7 @@ def test_advise_cli(recorded, tmp_path, capsys):
     assert cli.main(["advise", "--trace", str(path), "--expert-slots", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["curve"]["current"] == 3 and out["curve"]["tps"] is None
-    assert set(out["curve"]["hit_rate"]) == {"lfu", "lru", "belady"}
+    assert set(out["curve"]["hit_rate"]) == {"predictive", "lru", "belady"}  # the default policy
     assert "slots per layer" in out["advice"]["line"]
 
     prompt = tmp_path / "prompt.txt"
@@ -218,7 +218,7 @@ def test_advisor_panel(qtbot, tmp_path):
     trace = w.engine.trace()
     assert curve.tokens == trace.num_tokens > 48
     # the panel's curve is the one a fresh sweep of the same trace gives
-    again = sweep(trace, tmp_path, "lfu", 8)
+    again = sweep(trace, tmp_path, w.info.config.policy, 8)  # the session's policy
     assert again.hit_rate == curve.hit_rate
     assert w.advisor.advice_label.text().startswith(advice.line[:20].capitalize()[:1])
     assert "Measured" in w.advisor.figures.text() and "Estimated" in w.advisor.figures.text()

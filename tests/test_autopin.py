@@ -1,5 +1,6 @@
 """Autopin pins the most frequent experts within its budget, saves them beside the
-store's data, and pre-loads them at the next start."""
+store's data, and pre-loads them at the next start; a pin that costs hits is dropped and
+taken off the budget."""
 
 import json
 
@@ -87,3 +88,63 @@ def test_pin_and_unpin_refuse_expert_ids_out_of_range(qwen_store):
         with pytest.raises(IndexError, match="out of range"):
             cache.pin(0, bad)
     assert cache.check() == ""
+
+
+def _acquire_all(cache, layer, sequence):
+    for e in sequence:
+        cache.acquire(layer, np.array([e], np.int32))
+
+
+def test_a_pin_that_costs_hits_is_dropped_and_one_that_saves_hits_is_kept(qwen_store):
+    from engine.cache import open_cache
+
+    # Experts 1 and 2 alternate: with 0 pinned they share one slot and always miss,
+    # without the pin both stay: the pin costs hits and goes.
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, policy="lru"))
+    cache.pin(0, 0)
+    _acquire_all(cache, 0, [1, 2] * 5)
+    snap = cache.snapshot(0)
+    assert snap["stats"]["pins_dropped"] == 1 and SLOT_PINNED not in snap["slot_state"]
+    assert sorted(snap["slot_expert"].tolist()) == [1, 2]
+    assert cache.check() == ""
+    # 0, 1, 2 in a cycle: LRU alone misses every time; with 0 pinned, 0 always hits.
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, policy="lru"))
+    cache.pin(0, 0)
+    _acquire_all(cache, 0, [0, 1, 2] * 5)
+    snap = cache.snapshot(0)
+    assert snap["stats"]["pins_dropped"] == 0 and snap["stats"]["hits"] == 5
+    assert cache.check() == ""
+
+
+def _recorded_trace(model_dirs):
+    from bench.common import timed_generate
+    from engine.trace import record
+
+    sm = load(model_dirs("qwen3_moe"), StreamConfig())
+    with record(sm) as rec:
+        for prompt in ([5, 9, 13, 2, 77, 31, 4, 8], [7, 8, 1]):
+            rec.begin_segment()
+            timed_generate(sm.model, prompt, 48)
+        return rec.trace("recorded")
+
+
+def test_autopin_never_costs_more_than_its_dropped_pins(model_dirs, tmp_path):
+    """On the recorded trace and the head of every shared HD-MoE trace, with the engine's
+    autopin (re-pinning at every generate call), the hit count is at least the policy's
+    alone less twice the pins the cache dropped (each costs about one hit before it goes,
+    and the runs diverge a little after)."""
+    from bench import routing_traces_dir
+    from bench.policy import replay, trace_store
+    from engine.trace import load_trace
+
+    traces = [_recorded_trace(model_dirs)]
+    shared = routing_traces_dir()
+    if shared is not None:
+        traces += [load_trace(f).head(400) for f in sorted(shared.glob("experts_*.json"))]
+    for trace in traces:
+        store = trace_store(trace, tmp_path)
+        for base in ("lfu", "predictive"):
+            alone = replay(store, trace, 4, base)
+            pinned = replay(store, trace, 4, base + "+autopin")
+            dropped = pinned["pins_dropped"]
+            assert pinned["hits"] >= alone["hits"] - 2 * dropped, (trace.name, base)

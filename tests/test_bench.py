@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 from bench import routing_traces_dir, run_suite
 from bench.disk import engine_at_depth
 from bench.policy import POLICIES, belady, replay, trace_store
-from engine.config import StreamConfig
+from engine.config import EVICTION_POLICIES, StreamConfig
 from engine.model import load
 from engine.store import ExpertStore
 from engine.synthetic import QWEN3_30B_A3B, expert_segments, store_bytes, tiny_config, write_store
 from engine.trace import Trace, load_trace, local_trace, random_trace, record, reuse_rate
 
-DEMAND = ("lru", "lfu", "lfu-nodecay", "lfu+autopin")
+NATIVE = (*EVICTION_POLICIES, "lfu-nodecay")  # demand policies without scratch streaming
+DEMAND = (*NATIVE, "lfu+autopin", "predictive+autopin")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,14 @@ def test_quick_suite_writes_sane_results(quick):
         assert io["engine_buffered"]["resident_after"] > io["engine"]["resident_after"]
     assert [d["depth"] for d in io["depth"]] == [1, 4]
     assert all(d["raw_MBps"] > 0 and d["engine_MBps"] > 0 for d in io["depth"])
+    cost = data["policy_cost"]
+    assert all(r["ns_per_call"] > 0 for r in cost["per_call"].values())
+    assert {"off", "off@lfu"} <= {r["name"].split()[-1] for r in cost["decode"]}
+    pred = data["prediction"]
+    assert {r["distance"] for r in pred["rows"]} == {1, 2}
+    for r in pred["rows"]:
+        assert 0.0 <= r["recall"] <= 1.0 and 0.0 <= r["precision"] <= 1.0
+        assert r["precision"] == pytest.approx(r["recall"] * pred["top_k"] / pred["budget"])
     for name in data["plots"]:
         assert (out / name).stat().st_size > 0
 
@@ -134,7 +143,7 @@ def test_belady_bounds_native_policies(policy_root, seed, reuse):
             assert r["lookups"] == belady(trace, cap)["lookups"]
             bound = b if p != "lfu+oracle" else belady(trace, min(cap + 2, 6))["hit_rate"]
             assert r["fetch_hit_rate"] <= bound + 1e-12, (cap, p)
-            if p in ("lru", "lfu", "lfu-nodecay"):
+            if p in NATIVE:
                 assert r["hits"] == r["lookups"] - r["loads"]
 
 
@@ -156,9 +165,18 @@ def test_recorded_trace_round_trips(model_dirs, tmp_path):
     assert int(trace.prefill.sum()) >= 4
     lookups = sm.snapshot().totals()
     assert lookups["hits"] + lookups["misses"] > 0
+    # The router's top k of every (token, layer) are the experts it routed to.
+    k = m.top_k
+    assert trace.router_ids.shape == (*trace.ids.shape[:2], min(8, m.num_experts))
+    assert np.array_equal(np.sort(trace.router_ids[..., :k], -1), np.sort(trace.ids, -1))
+    probs = trace.router_probs
+    assert np.all(probs[..., :-1] >= probs[..., 1:]) and np.all(probs.sum(-1) <= 1 + 1e-5)
+    assert np.allclose(trace.router_dense(0).sum(-1), 1.0, atol=1e-5)
     back = load_trace(trace.save(tmp_path / "rt.npz"))
     assert np.array_equal(back.ids, trace.ids) and back.num_experts == m.num_experts
     assert np.array_equal(back.segments, trace.segments)
+    assert np.array_equal(back.router_ids, trace.router_ids)
+    assert np.array_equal(back.router_probs, trace.router_probs)
 
 
 def test_generated_traces():

@@ -1,7 +1,10 @@
 """Invariants of the native cache under random operation sequences and concurrency.
 
-After every step: each real region's slot<->expert maps agree, pinned experts are
-resident, and per (layer, bank) free + in flight + published == side rows with no
+After every step: each real region's slot<->expert maps agree (no expert in two slots),
+pinned experts are resident (and never evicted, unless the cache dropped the pin because
+it cost hits), the eviction policy's counts are consistent (LFU
+frequencies, lfu-da keys, s3-fifo queues, the predictive model's tables and totals), and
+per (layer, bank) free + in flight + published == side rows with no
 row owned twice (ExpertCache.check()). Every row a caller is handed, and every published
 side row, holds exactly its expert's record bytes from the blob. Read faults are injected
 too: a transient one (one bad read) must be invisible; a persistent one may fail a call,
@@ -20,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.cache import ROW_FREE, ExpertReadError, open_cache
-from engine.config import StreamConfig
+from engine.config import EVICTION_POLICIES, StreamConfig
 
 from rowcheck import RowChecker, acquire_and_check
 
@@ -37,7 +40,7 @@ class CacheMachine(RuleBasedStateMachine):
         spec=st.integers(0, 4),
         side_lfu=st.booleans(),
         sync=st.booleans(),
-        policy=st.sampled_from(["lfu", "lru"]),
+        policy=st.sampled_from(EVICTION_POLICIES),
     )
     def open(self, cap, spec, side_lfu, sync, policy):
         store = self.store
@@ -55,6 +58,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.checker = RowChecker(store, self.cache)
         self.hard = [False] * 4  # a fault that can fail a read is armed on the layer
+        self.pinned = set()  # (layer, expert) pinned and not unpinned since: never evicted
 
     def read_failed(self, li, err):
         """A read error is clean only where a persistent fault is armed."""
@@ -66,10 +70,21 @@ class CacheMachine(RuleBasedStateMachine):
         li=st.integers(0, 3), ids=st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=1, max_size=6)
     )
     def acquire(self, li, ids):
+        before = self.cache.snapshot(li)["stats"]["pins_dropped"]
         try:
             acquire_and_check(self.checker, self.cache, li, ids)
         except ExpertReadError as err:
             self.read_failed(li, err)
+        snap = self.cache.snapshot(li)
+        # A pin that cost hits is dropped by the cache (then it may be evicted): exactly
+        # as many of ours stopped being pinned as the cache says it dropped.
+        gone = {
+            (layer, e)
+            for layer, e in self.pinned
+            if layer == li and snap["slot_state"][snap["slot_expert"] == e].tolist() != [2]
+        }
+        assert len(gone) == snap["stats"]["pins_dropped"] - before
+        self.pinned -= gone
 
     @rule(
         li=st.integers(0, 3),
@@ -111,6 +126,7 @@ class CacheMachine(RuleBasedStateMachine):
     def reset(self):
         self.cache.reset()
         assert self.cache.inflight == 0
+        self.pinned.clear()
 
     @rule(li=st.integers(0, 3), e=st.integers(0, NUM_EXPERTS - 1))
     def pin(self, li, e):
@@ -124,16 +140,37 @@ class CacheMachine(RuleBasedStateMachine):
             return
         slot = int(np.flatnonzero(self.cache.snapshot(li)["slot_expert"] == e)[0])
         self.checker.assert_row(li, slot, e)
+        self.pinned.add((li, e))
 
     @rule(li=st.integers(0, 3), e=st.integers(0, NUM_EXPERTS - 1))
     def unpin(self, li, e):
         self.cache.unpin(li, e)
+        self.pinned.discard((li, e))
+
+    @rule(policy=st.sampled_from(EVICTION_POLICIES))
+    def switch_policy(self, policy):
+        self.cache.set_policy(policy)
+
+    @rule(
+        li=st.integers(0, 3),
+        weights=st.lists(st.floats(0, 1), min_size=NUM_EXPERTS, max_size=NUM_EXPERTS),
+    )
+    def hint(self, li, weights):
+        probs = np.asarray(weights, np.float32) / max(sum(weights), 1e-6)
+        self.cache.hint(li, np.clip(probs, 0, 1).astype(np.float32))
 
     @invariant()
     def consistent(self):
         CacheMachine.steps += 1
         if hasattr(self, "cache"):
             assert self.cache.check() == ""
+            for li in range(self.cache.num_layers):
+                slots = self.cache.snapshot(li)["slot_expert"]
+                held = slots[slots >= 0]
+                assert len(set(held.tolist())) == len(held), f"an expert in two slots: {slots}"
+                states = self.cache.snapshot(li)["slot_state"]
+                for e in (e for layer, e in self.pinned if layer == li):
+                    assert states[slots == e].tolist() == [2], f"pinned expert {e} evicted"
 
     def teardown(self):
         if hasattr(self, "cache"):

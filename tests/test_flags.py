@@ -28,7 +28,7 @@ def test_renamed_flags_still_parse_and_warn(capsys):
 def test_help_shows_streamconfig_defaults_or_the_front_ends():
     text = " ".join(parser().format_help().split())
     assert "real-region slots per MoE layer (default: all experts)" in text
-    assert "real-region eviction (default: lfu)" in text
+    assert "real-region eviction (default: predictive)" in text
     assert "background reader threads (default: min(8, 2 x CPUs), at least top-k - 1)" in text
     text = " ".join(parser({"expert_slots": "half"}).format_help().split())
     assert "real-region slots per MoE layer (default: half)" in text

@@ -151,3 +151,31 @@ def test_drain_cancels_queued_fills_and_waits_for_started_ones(qwen_store):
     assert stats["prefetch_cancelled"] >= 1
     assert all(st == ROW_PUBLISHED for st in owned.values())
     assert cache.check() == ""
+
+
+def test_a_side_hit_is_promoted_into_the_real_region_without_a_read(qwen_store):
+    """Issue 12: an expert served from a side row is copied into a real slot, so its next
+    use is a real hit even once the side region has moved on; none is promoted when no
+    slot is free of the call's experts."""
+    from rowcheck import RowChecker
+
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
+    checker = RowChecker(qwen_store, cache)
+    acquire(cache, 0, 1)
+    cache.prefetch(0, ids(3))
+    read = cache.snapshot(0)["stats"]["bytes_read"]
+    assert acquire(cache, 0, 3) == [cache.expert_slots + 0]  # served from the side row
+    s = cache.snapshot(0)
+    slot = int(np.flatnonzero(s["slot_expert"] == 3)[0])
+    checker.assert_row(0, slot, 3)
+    assert s["stats"]["promotions"] == 1 and s["stats"]["bytes_read"] == read
+    acquire(cache, 1, 0)  # next forward
+    assert acquire(cache, 0, 3) == [slot]
+    # One slot, held by the call's other expert: nowhere to promote to.
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=2, sync=True))
+    acquire(cache, 0, 1)
+    cache.prefetch(0, ids(3))
+    rows, missing = cache.acquire(0, ids(1, 3).reshape(1, 2))
+    s = cache.snapshot(0)
+    assert missing == [] and s["stats"]["promotions_declined"] == 1
+    assert s["slot_expert"].tolist() == [1]

@@ -4,7 +4,8 @@
 // One thread drives the cache as the generation thread does: acquire (forward after
 // forward, with over-capacity calls streamed through the scratch rows), asynchronous
 // prefetch with re-predictions of in-flight experts, drains, resets, side-region mode and
-// SYNC switches, policy switches, pin/unpin, and read faults: transient ones (one bad
+// SYNC switches, switches between every eviction policy, router hints for the predictive
+// policy, pin/unpin, and read faults: transient ones (one bad
 // read: must be invisible) and persistent or hung ones (past the read timeout: must give
 // a clean error). Meanwhile two threads poll snapshot() and check(). Every row handed out,
 // and after each drain every mapped slot and published side row, is compared byte for byte
@@ -105,6 +106,7 @@ class Stress {
     c.spec = 2;
     c.scratch = 2;
     c.decay_every = 7;
+    c.top_k = 2;  // calls of 1-2 ids teach the predictive policy, longer ones do not
     c.threads = 2;
     c.read_timeout_ms = kTimeoutMs;
     cache_ = std::make_unique<es::ExpertCache>(specs_, kExperts, c);
@@ -211,6 +213,13 @@ void Stress::op_acquire() {
     for (int e = 0; e < kExperts; ++e) expect_row(li, table[e], e, "table");
     return;
   }
+  if (chance(0.3)) {  // router probabilities for the predictive policy
+    std::vector<float> probs(kExperts);
+    float sum = 0.f;
+    for (auto& p : probs) sum += p = std::uniform_real_distribution<float>(0.f, 1.f)(rng_);
+    for (auto& p : probs) p /= sum;
+    cache_->hint(li, probs.data(), probs.size());
+  }
   try {
     missing = cache_->acquire(li, ids.data(), local.data(), ids.size());
   } catch (const es::ReadError& e) {
@@ -298,7 +307,7 @@ uint64_t Stress::drive(double seconds) {
       } else if (p < 0.83) {
         cache_->set_sync(chance(0.3));
       } else if (p < 0.84) {
-        cache_->set_policy(chance(0.5) ? es::Policy::kLFU : es::Policy::kLRU);
+        cache_->set_policy(static_cast<es::Policy>(randint(0, 4)));
       } else if (p < 0.90) {
         int li = randint(0, kLayers - 1), e = randint(0, kExperts - 1);
         try {
@@ -339,8 +348,13 @@ void Stress::poll(const std::atomic<bool>& stop, std::atomic<uint64_t>& polls) {
         if (free != (s.side_expert[r] < 0) || s.side_state[r] > 2)
           violations.add("poller: side row " + std::to_string(r) + " owner/state mismatch");
       }
-      for (int slot = 0; slot < cap; ++slot)
+      for (int slot = 0; slot < cap; ++slot) {
         if (s.slot_state[slot] > 4) violations.add("poller: bad slot state");
+        for (int other = 0; other < slot; ++other)
+          if (s.slot_expert[slot] >= 0 && s.slot_expert[slot] == s.slot_expert[other])
+            violations.add("poller: expert " + std::to_string(s.slot_expert[slot]) +
+                           " in two slots");
+      }
     }
     (void)cache_->inflight();
     (void)cache_->forward();
