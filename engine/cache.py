@@ -8,6 +8,7 @@ memory the pools hold. Everything outside the engine (the app, the benchmarks) u
 module, never `engine._ext` itself: the error types and the state codes are here too.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the extension)
@@ -16,7 +17,7 @@ import numpy as np
 from engine import _ext
 from engine.config import StreamConfig, default_reader_threads
 from engine.memory import available_bytes
-from engine.store import ExpertStore
+from engine.store import ExpertStore, LayerSpec
 
 ExpertCache = _ext.ExpertCache
 ExpertReadError = _ext.ExpertReadError
@@ -66,38 +67,52 @@ def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
     return config.reader_threads or default_reader_threads(store.manifest.top_k)
 
 
-def planned_pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
-    """(bytes, rows per layer) the native cache will allocate for `store` under `config`:
-    every MoE layer's pool of `expert_slots + 2 x side_slots + scratch_slots` records,
-    plus one read buffer (a record's stride) per reader thread."""
+def planned_pool_bytes(
+    store: ExpertStore, config: StreamConfig, specs: Sequence[LayerSpec] | None = None
+) -> tuple[int, int]:
+    """(bytes, rows per layer) the native cache will allocate for the MoE layers `specs`
+    of `store` (default: all) under `config`: every layer's pool of `expert_slots + 2 x
+    side_slots + scratch_slots` records, plus one read buffer (a record's stride) per
+    reader thread."""
     m = store.manifest
+    specs = m.layers if specs is None else specs
     slots = m.num_experts if config.expert_slots is None else config.expert_slots
     rows = slots + 2 * config.side_slots + (config.scratch_slots or m.top_k)
-    total = sum(rows * spec.record_bytes + 4 * m.num_experts for spec in m.layers)
-    return total + reader_threads(store, config) * max(s.stride for s in m.layers), rows
+    total = sum(rows * spec.record_bytes + 4 * m.num_experts for spec in specs)
+    largest = max((s.stride for s in specs), default=0)
+    return total + reader_threads(store, config) * largest, rows
 
 
-def check_pool_fits(store: ExpertStore, config: StreamConfig, available: int | None) -> None:
-    """Refuses pools larger than `available` bytes (None: unknown, nothing refused).
+def check_pool_fits(
+    store: ExpertStore,
+    config: StreamConfig,
+    available: int | None,
+    specs: Sequence[LayerSpec] | None = None,
+) -> None:
+    """Refuses pools larger than `available` bytes (None: unknown, nothing refused), for
+    the MoE layers `specs` of `store` (default: all).
 
     Raises:
         PoolMemoryError: naming the size asked for, the layers, rows and record size.
     """
-    need, rows = planned_pool_bytes(store, config)
+    need, rows = planned_pool_bytes(store, config, specs)
     if available is None or need <= available:
         return
-    m = store.manifest
-    largest = max(s.record_bytes for s in m.layers)
+    specs = store.manifest.layers if specs is None else specs
+    largest = max(s.record_bytes for s in specs)
     raise PoolMemoryError(
-        f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(m.layers)} MoE "
+        f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(specs)} MoE "
         f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
         f"up to {largest / 1e6:.1f} MB) but {available / 1e9:.2f} GB of memory is "
         "available: lower --expert-slots (or --side-slots / --scratch-slots)"
     )
 
 
-def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
-    """Allocates the pools of every MoE layer of `store` and opens its blob files.
+def open_cache(
+    store: ExpertStore, config: StreamConfig, specs: Sequence[LayerSpec] | None = None
+) -> _ext.ExpertCache:
+    """Allocates the pools of the MoE layers `specs` of `store` (default: all; a pipeline
+    stage passes its own) and opens their blob files. The cache's layer i is specs[i].
 
     Pool rows per layer: expert_slots + 2 * side_slots + scratch_slots, each one record
     (`stride` bytes at most) spread over the segment arrays.
@@ -114,7 +129,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
         raise ValueError(
             f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of {store.path}"
         )
-    check_pool_fits(store, config, available_bytes())
+    check_pool_fits(store, config, available_bytes(), specs)
     layers = [
         {
             "layer": spec.layer,
@@ -133,7 +148,7 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
                 for s in spec.segments
             ],
         }
-        for spec in m.layers
+        for spec in (m.layers if specs is None else specs)
     ]
     try:
         return _ext.ExpertCache(
@@ -207,12 +222,17 @@ def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
     """Copies the state of every layer of `cache` (thread-safe; each layer is copied
     under the cache's lock, so layers may differ by one call in a live run)."""
     per = [cache.snapshot(li) for li in range(cache.num_layers)]
+
+    def stack(key, width, dtype):  # a pipeline stage may hold no MoE layer
+        return np.stack([p[key] for p in per]) if per else np.zeros((0, width), dtype)
+
+    side_rows = 2 * cache.side_slots
     return CacheSnapshot(
-        slot_expert=np.stack([p["slot_expert"] for p in per]),
-        slot_state=np.stack([p["slot_state"] for p in per]),
-        side_expert=np.stack([p["side_expert"] for p in per]),
-        side_state=np.stack([p["side_state"] for p in per]),
-        freq=np.stack([p["freq"] for p in per]),
+        slot_expert=stack("slot_expert", cache.expert_slots, np.int32),
+        slot_state=stack("slot_state", cache.expert_slots, np.uint8),
+        side_expert=stack("side_expert", side_rows, np.int32),
+        side_state=stack("side_state", side_rows, np.uint8),
+        freq=stack("freq", cache.num_experts, np.float32),
         stats={k: np.array([p["stats"][k] for p in per]) for k in STAT_KEYS},
         inflight=cache.inflight,
         forward=cache.forward,
