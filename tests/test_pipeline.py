@@ -3,8 +3,9 @@
 `mlx.launch --backend ring -n 2` and `-n 3` on loopback run tests/pipeline_rank.py: each
 rank loads only its stage; the greedy tokens and logits of rank 0 must be np.array_equal
 to mlx-lm's resident model and to the single-process streamed model, at two expert budgets,
-prefetch on and off, for qwen3_moe (mlx-lm's own pipeline(group)) and the generically
-split families. A stage whose blob files are missing stops every rank with the reason; a
+prefetch on and off, for families pipelined by mlx-lm's own pipeline(group) (qwen3_moe,
+qwen3_next, deepseek_v3, glm4_moe) and by the split from outside (mixtral, qwen2_moe,
+olmoe), with stages that hold no MoE layer. A stage whose blob files are missing stops every rank with the reason; a
 killed rank ends the other with an error within seconds. Every process has a timeout.
 """
 
@@ -28,8 +29,9 @@ from engine.config import StreamConfig
 from engine.model import load
 from engine.stage_store import copy_stage
 
-from factories import write_tokenizer
-from test_equality import PROMPT, greedy_logits
+from factories import make_family_model, write_tokenizer
+from moe_families import FAMILIES
+from test_equality import greedy_logits
 
 pytestmark = pytest.mark.skipif(
     not mx.distributed.is_available(), reason="this MLX build has no distributed backend"
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.skipif(
 
 TESTS = Path(__file__).parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
+PROMPT = [3, 17, 42, 5, 59, 60, 1, 8, 23, 37, 12, 50]  # ids below every vocabulary here
 STEPS = 8
 BUDGETS = (3, 8)  # expert slots of 8 experts: evictions, then every expert resident
 SIDE_SLOTS = (0, 2)  # prefetch off, on
@@ -140,7 +143,9 @@ def cli_generate(model: str, *, pipeline: bool) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stores(model_dirs, tmp_path_factory):
-    """(model dir, store) of each family used here, with a tokenizer."""
+    """(model dir, store) of each model used here: 4-layer models of factories (with a
+    tokenizer), and 2- or 3-layer ones of moe_families (deepseek_v3 and glm4_moe: dense
+    layer 0; qwen3_next: linear attention), quantized to 4 bits."""
     from engine.convert import convert
 
     made = {}
@@ -154,18 +159,27 @@ def stores(model_dirs, tmp_path_factory):
         model_dir = model_dirs(model_type, **options)
         write_tokenizer(model_dir)
         made[name] = (model_dir, convert(model_dir, tmp_path_factory.mktemp("st") / name))
+    for name in ("deepseek_v3", "glm4_moe", "qwen3_next"):
+        q4 = {"group_size": 32, "bits": 4}
+        model_dir = make_family_model(
+            tmp_path_factory.mktemp(name), FAMILIES[name], quantization=q4
+        )
+        made[name] = (model_dir, convert(model_dir, tmp_path_factory.mktemp("st") / name))
     return made
 
 
 def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
-    """qwen3_moe (mlx-lm's pipeline) and mixtral (generic split) on 2 ranks; the CLI with
-    a store per rank (copy-stage) and with a stage whose blobs are missing."""
+    """2 ranks: qwen3_moe and qwen3_next (mlx-lm's pipeline), mixtral (split from
+    outside); the CLI with a store per rank (copy-stage) and with a stage whose blobs are
+    missing."""
     qwen_dir, qwen = stores["qwen3"]
     mixtral_dir, mixtral = stores["mixtral"]
     for rank in (0, 1):
         copy_stage(mixtral, tmp_path / f"mixtral-stage{rank}", rank, 2)
     cases = {
-        "equality": equality_cases("qwen3", qwen) + equality_cases("mixtral", mixtral),
+        "equality": equality_cases("qwen3", qwen)
+        + equality_cases("mixtral", mixtral)
+        + equality_cases("qwen3_next", stores["qwen3_next"][1]),
         "cli": [
             {
                 "name": "stages",
@@ -179,6 +193,7 @@ def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
     }
     out = launch(2, cases, tmp_path)
     check_equal(out, "qwen3", qwen_dir, qwen)
+    check_equal(out, "qwen3_next", *stores["qwen3_next"])
     check_equal(out, "mixtral", mixtral_dir, mixtral)
 
     assert cli.main(cli_generate(str(mixtral), pipeline=False)) == 0
@@ -203,9 +218,10 @@ def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
 
 
 def test_three_ranks_equal_resident_and_single_process(stores, tmp_path):
-    """A stage without MoE layers (qwen3_moe with dense layer 1 alone on rank 1), and the
-    other generically split families, on 3 ranks."""
-    names = ("qwen3dense", "qwen2", "olmoe")
+    """3 ranks: stages without MoE layers (qwen3_moe with its dense layer 1 alone on rank
+    1; deepseek_v3 and glm4_moe, one layer per rank, dense layer 0 on rank 2), and the
+    other families split from outside."""
+    names = ("qwen3dense", "qwen2", "olmoe", "deepseek_v3", "glm4_moe")
     cases = {"equality": [c for n in names for c in equality_cases(n, stores[n][1])], "cli": []}
     out = launch(3, cases, tmp_path)
     for name in names:
