@@ -5,8 +5,9 @@ rank loads only its stage; the greedy tokens and logits of rank 0 must be np.arr
 to mlx-lm's resident model and to the single-process streamed model, at two expert budgets,
 prefetch on and off, for families pipelined by mlx-lm's own pipeline(group) (qwen3_moe,
 qwen3_next, deepseek_v3, glm4_moe) and by the split from outside (mixtral, qwen2_moe,
-olmoe), with stages that hold no MoE layer. A stage whose blob files are missing stops every rank with the reason; a
-killed rank ends the other with an error within seconds. Every process has a timeout.
+olmoe), with stages that hold no MoE layer. A stage whose blob files are missing stops
+every rank with the reason; a killed rank ends the other with an error within seconds.
+Every process has a timeout.
 """
 
 import contextlib
@@ -41,8 +42,10 @@ TESTS = Path(__file__).parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 PROMPT = [3, 17, 42, 5, 59, 60, 1, 8, 23, 37, 12, 50]  # ids below every vocabulary here
 STEPS = 8
-BUDGETS = (3, 8)  # expert slots of 8 experts: evictions, then every expert resident
-SIDE_SLOTS = (0, 2)  # prefetch off, on
+# (expert slots of 8 experts, side slots): evictions or every expert resident, prefetch
+# off (0) or on; the second families of a launch run SHORT, to keep the file short.
+FULL = ((3, 0), (3, 2), (8, 0), (8, 2))
+SHORT = ((3, 2), (8, 0))
 LAUNCH_TIMEOUT_S = 300  # a bound for a loaded machine; ~20 s alone
 
 
@@ -103,7 +106,7 @@ def launch(n: int, cases: dict, tmp: Path) -> Path:
     return out
 
 
-def equality_cases(name: str, store: Path) -> list[dict]:
+def equality_cases(name: str, store: Path, configs=FULL) -> list[dict]:
     return [
         {
             "name": f"{name}-{slots}-{side}",
@@ -113,17 +116,16 @@ def equality_cases(name: str, store: Path) -> list[dict]:
             "prompt": PROMPT,
             "steps": STEPS,
         }
-        for slots in BUDGETS
-        for side in SIDE_SLOTS
+        for slots, side in configs
     ]
 
 
-def check_equal(out: Path, name: str, model_dir: Path, store: Path) -> None:
+def check_equal(out: Path, name: str, model_dir: Path, store: Path, configs=FULL) -> None:
     """Rank 0's tokens and logits of every case of `name` equal mlx-lm resident's and the
     single-process streamed model's."""
     resident, _ = load_model(model_dir)
     ref_logits, ref_tokens = greedy_logits(resident, PROMPT, STEPS)
-    for case in equality_cases(name, store):
+    for case in equality_cases(name, store, configs):
         got = np.load(out / f"{case['name']}.npz")
         config = StreamConfig(
             expert_slots=case["expert_slots"],
@@ -179,7 +181,7 @@ def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
     cases = {
         "equality": equality_cases("qwen3", qwen)
         + equality_cases("mixtral", mixtral)
-        + equality_cases("qwen3_next", stores["qwen3_next"][1]),
+        + equality_cases("qwen3_next", stores["qwen3_next"][1], SHORT),
         "cli": [
             {
                 "name": "stages",
@@ -193,7 +195,7 @@ def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
     }
     out = launch(2, cases, tmp_path)
     check_equal(out, "qwen3", qwen_dir, qwen)
-    check_equal(out, "qwen3_next", *stores["qwen3_next"])
+    check_equal(out, "qwen3_next", *stores["qwen3_next"], SHORT)
     check_equal(out, "mixtral", mixtral_dir, mixtral)
 
     assert cli.main(cli_generate(str(mixtral), pipeline=False)) == 0
@@ -221,11 +223,13 @@ def test_three_ranks_equal_resident_and_single_process(stores, tmp_path):
     """3 ranks: stages without MoE layers (qwen3_moe with its dense layer 1 alone on rank
     1; deepseek_v3 and glm4_moe, one layer per rank, dense layer 0 on rank 2), and the
     other families split from outside."""
-    names = ("qwen3dense", "qwen2", "olmoe", "deepseek_v3", "glm4_moe")
-    cases = {"equality": [c for n in names for c in equality_cases(n, stores[n][1])], "cli": []}
-    out = launch(3, cases, tmp_path)
-    for name in names:
-        check_equal(out, name, *stores[name])
+    configs = {"qwen3dense": FULL} | dict.fromkeys(
+        ("qwen2", "olmoe", "deepseek_v3", "glm4_moe"), SHORT
+    )
+    cases = [c for n, cf in configs.items() for c in equality_cases(n, stores[n][1], cf)]
+    out = launch(3, {"equality": cases, "cli": []}, tmp_path)
+    for name, cf in configs.items():
+        check_equal(out, name, *stores[name], cf)
 
 
 def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
