@@ -9,7 +9,8 @@ last stage's output so that all ranks compute the same logits and feed the same 
 
 Models whose mlx-lm class has `pipeline(group)` (qwen3_moe, qwen3_next, qwen3_5,
 deepseek_v2/v3/v32/v41, glm4_moe, glm4_moe_lite, mistral4, ...) use it unchanged. For the
-families of `GENERIC` (mixtral, olmoe, qwen2_moe) the inner model's layer list is cut to
+families of `GENERIC` (mixtral, olmoe, qwen2_moe and eight more) the inner model's layer
+list is cut to
 the stage and its first and last layers do what mlx-lm's pipelined `__call__` does at
 those two points (`connect`); mlx-lm's code is not patched. Other families are refused.
 """
@@ -40,7 +41,19 @@ _LAYER_PATH = re.compile(r"^model\.layers\.(\d+)\.")
 # Families without mlx-lm pipelining whose split from outside (`split`, `connect`) is
 # proven equal to the single process (tests/test_pipeline.py): their inner model calls
 # `layer(h, mask, cache)` for each layer of `layers`, the mask made from cache[0].
-GENERIC = ("mixtral", "olmoe", "qwen2_moe")
+GENERIC = (
+    "Klear",
+    "bailing_moe",
+    "deepseek",
+    "dots1",
+    "ernie4_5_moe",
+    "granitemoe",
+    "minimax",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "qwen2_moe",
+)
 
 
 class PipelineError(RuntimeError):

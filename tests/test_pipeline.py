@@ -46,6 +46,10 @@ STEPS = 8
 # off (0) or on; the second families of a launch run SHORT, to keep the file short.
 FULL = ((3, 0), (3, 2), (8, 0), (8, 2))
 SHORT = ((3, 2), (8, 0))
+ONE = ((3, 2),)
+# The families split from outside (engine.pipeline.GENERIC) beyond the factories' ones.
+MORE_GENERIC = ("Klear", "bailing_moe", "deepseek", "dots1", "ernie4_5_moe", "granitemoe")
+MORE_GENERIC += ("minimax", "phimoe")
 LAUNCH_TIMEOUT_S = 300  # a bound for a loaded machine; ~20 s alone
 
 
@@ -147,7 +151,7 @@ def cli_generate(model: str, *, pipeline: bool) -> list[str]:
 def stores(model_dirs, tmp_path_factory):
     """(model dir, store) of each model used here: 4-layer models of factories (with a
     tokenizer), and 2- or 3-layer ones of moe_families (deepseek_v3 and glm4_moe: dense
-    layer 0; qwen3_next: linear attention), quantized to 4 bits."""
+    layer 0; qwen3_next: linear attention; MORE_GENERIC), quantized to 4 bits."""
     from engine.convert import convert
 
     made = {}
@@ -161,7 +165,7 @@ def stores(model_dirs, tmp_path_factory):
         model_dir = model_dirs(model_type, **options)
         write_tokenizer(model_dir)
         made[name] = (model_dir, convert(model_dir, tmp_path_factory.mktemp("st") / name))
-    for name in ("deepseek_v3", "glm4_moe", "qwen3_next"):
+    for name in ("deepseek_v3", "glm4_moe", "qwen3_next", *MORE_GENERIC):
         q4 = {"group_size": 32, "bits": 4}
         model_dir = make_family_model(
             tmp_path_factory.mktemp(name), FAMILIES[name], quantization=q4
@@ -171,9 +175,9 @@ def stores(model_dirs, tmp_path_factory):
 
 
 def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
-    """2 ranks: qwen3_moe and qwen3_next (mlx-lm's pipeline), mixtral (split from
-    outside); the CLI with a store per rank (copy-stage) and with a stage whose blobs are
-    missing."""
+    """2 ranks: qwen3_moe and qwen3_next (mlx-lm's pipeline), mixtral and the other
+    families split from outside; the CLI with a store per rank (copy-stage) and with a
+    stage whose blobs are missing."""
     qwen_dir, qwen = stores["qwen3"]
     mixtral_dir, mixtral = stores["mixtral"]
     for rank in (0, 1):
@@ -181,7 +185,8 @@ def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
     cases = {
         "equality": equality_cases("qwen3", qwen)
         + equality_cases("mixtral", mixtral)
-        + equality_cases("qwen3_next", stores["qwen3_next"][1], SHORT),
+        + equality_cases("qwen3_next", stores["qwen3_next"][1], SHORT)
+        + [c for n in MORE_GENERIC for c in equality_cases(n, stores[n][1], ONE)],
         "cli": [
             {
                 "name": "stages",
@@ -196,6 +201,8 @@ def test_two_ranks_equal_resident_and_single_process(stores, tmp_path, capsys):
     out = launch(2, cases, tmp_path)
     check_equal(out, "qwen3", qwen_dir, qwen)
     check_equal(out, "qwen3_next", *stores["qwen3_next"], SHORT)
+    for name in MORE_GENERIC:
+        check_equal(out, name, *stores[name], ONE)
     check_equal(out, "mixtral", mixtral_dir, mixtral)
 
     assert cli.main(cli_generate(str(mixtral), pipeline=False)) == 0
