@@ -1,6 +1,7 @@
 """`expertstream` command line: parses flags and calls the engine, nothing more."""
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+@contextlib.contextmanager
+def _new_store(dest: str, force: bool):
+    """Writing the store `dest`: an existing one, without --force, is the user's mistake."""
+    try:
+        yield
+    except FileExistsError as e:
+        if force:
+            raise
+        raise ValueError(f"{dest} already exists: --force replaces it") from e
+
+
 def _convert(args) -> int:
     from tqdm import tqdm
 
@@ -36,11 +48,8 @@ def _convert(args) -> int:
         bar.refresh()
 
     try:
-        path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
-    except FileExistsError as e:
-        if args.force:
-            raise
-        raise ValueError(f"{args.store_dir} already exists: --force replaces it") from e
+        with _new_store(args.store_dir, args.force):
+            path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
     finally:
         if bar is not None:
             bar.close()
@@ -53,12 +62,8 @@ def _copy_stage(args) -> int:
     from engine.stage_store import copy_stage
 
     rank, size = parse_stage(args.stage)
-    try:
+    with _new_store(args.dest, args.force):
         path, stage = copy_stage(args.store_dir, args.dest, rank, size, force=args.force)
-    except FileExistsError as e:
-        if args.force:
-            raise
-        raise ValueError(f"{args.dest} already exists: --force replaces it") from e
     print(f"wrote {path}: the store of {stage}")
     return 0
 
