@@ -10,9 +10,9 @@ last stage's output so that all ranks compute the same logits and feed the same 
 Models whose mlx-lm class has `pipeline(group)` (qwen3_moe, qwen3_next, qwen3_5,
 deepseek_v2/v3/v32/v41, glm4_moe, glm4_moe_lite, mistral4, ...) use it unchanged. For the
 families of `GENERIC` (mixtral, olmoe, qwen2_moe and eight more) the inner model's layer
-list is cut to
-the stage and its first and last layers do what mlx-lm's pipelined `__call__` does at
-those two points (`connect`); mlx-lm's code is not patched. Other families are refused.
+list is cut to the stage and its first and last layers do what mlx-lm's pipelined
+`__call__` does at those two points (`connect`); mlx-lm's code is not patched. Other
+families are refused.
 """
 
 import dataclasses
