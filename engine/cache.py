@@ -9,6 +9,7 @@ module, never `engine._ext` itself: the error types and the state codes are here
 """
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the extension)
@@ -17,7 +18,7 @@ import numpy as np
 from engine import _ext
 from engine.config import AUTO_MEMORY_FRACTION, StreamConfig, default_reader_threads
 from engine.memory import available_bytes
-from engine.store import ExpertStore
+from engine.store import ExpertStore, LayerSpec
 
 ExpertCache = _ext.ExpertCache
 ExpertReadError = _ext.ExpertReadError
@@ -103,9 +104,12 @@ def layer_slots(records: list[int], num_experts: int, top_k: int, budget: int) -
     return slots
 
 
-def real_slots(store: ExpertStore, config: StreamConfig) -> list[int]:
-    """Real-region slots of each MoE layer of `store` under `config`: expert_slots (every
-    expert when None), or by expert_memory (`layer_slots`; "auto":
+def real_slots(
+    store: ExpertStore, config: StreamConfig, specs: Sequence[LayerSpec] | None = None
+) -> list[int]:
+    """Real-region slots of each of the MoE layers `specs` of `store` (default: all; a
+    pipeline stage passes its own, and its expert_memory is its own) under `config`:
+    expert_slots (every expert when None), or by expert_memory (`layer_slots`; "auto":
     `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes`, or of the physical memory
     where that is unknown).
 
@@ -114,6 +118,7 @@ def real_slots(store: ExpertStore, config: StreamConfig) -> list[int]:
             below top-k records per layer.
     """
     m = store.manifest
+    specs = m.layers if specs is None else specs
     if config.expert_memory is None:
         slots = m.num_experts if config.expert_slots is None else config.expert_slots
         if slots > m.num_experts:
@@ -121,53 +126,67 @@ def real_slots(store: ExpertStore, config: StreamConfig) -> list[int]:
                 f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of "
                 f"{store.path}"
             )
-        return [slots] * len(m.layers)
+        return [slots] * len(specs)
+    if not specs:
+        return []
     budget = config.expert_memory
     if budget == "auto":
         known = available_bytes()
         if known is None:
             known = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = int(AUTO_MEMORY_FRACTION * known)
-    return layer_slots([s.record_bytes for s in m.layers], m.num_experts, m.top_k, budget)
+    return layer_slots([s.record_bytes for s in specs], m.num_experts, m.top_k, budget)
 
 
-def planned_pool_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
-    """(bytes, rows of the largest layer) the native cache will allocate for `store` under
-    `config`: every MoE layer's pool of its real slots (`real_slots`) + 2 x side_slots +
-    scratch_slots records, plus one read buffer (a record's stride) per reader thread."""
+def planned_pool_bytes(
+    store: ExpertStore, config: StreamConfig, specs: Sequence[LayerSpec] | None = None
+) -> tuple[int, int]:
+    """(bytes, rows of the largest layer) the native cache will allocate for the MoE
+    layers `specs` of `store` (default: all) under `config`: every layer's pool of its
+    real slots (`real_slots`) + 2 x side_slots + scratch_slots records, plus one read
+    buffer (a record's stride) per reader thread."""
     m = store.manifest
+    specs = m.layers if specs is None else specs
     extra = 2 * config.side_slots + (config.scratch_slots or m.top_k)
-    slots = real_slots(store, config)
+    slots = real_slots(store, config, specs)
     total = sum(
         (n + extra) * spec.record_bytes + 4 * m.num_experts
-        for n, spec in zip(slots, m.layers, strict=True)
+        for n, spec in zip(slots, specs, strict=True)
     )
-    return total + reader_threads(store, config) * max(s.stride for s in m.layers), max(
-        slots
-    ) + extra
+    largest = max((s.stride for s in specs), default=0)
+    return total + reader_threads(store, config) * largest, max(slots, default=0) + extra
 
 
-def check_pool_fits(store: ExpertStore, config: StreamConfig, available: int | None) -> None:
-    """Refuses pools larger than `available` bytes (None: unknown, nothing refused).
+def check_pool_fits(
+    store: ExpertStore,
+    config: StreamConfig,
+    available: int | None,
+    specs: Sequence[LayerSpec] | None = None,
+) -> None:
+    """Refuses pools larger than `available` bytes (None: unknown, nothing refused), for
+    the MoE layers `specs` of `store` (default: all).
 
     Raises:
         PoolMemoryError: naming the size asked for, the layers, rows and record size.
     """
-    need, rows = planned_pool_bytes(store, config)
+    need, rows = planned_pool_bytes(store, config, specs)
     if available is None or need <= available:
         return
-    m = store.manifest
-    largest = max(s.record_bytes for s in m.layers)
+    specs = store.manifest.layers if specs is None else specs
+    largest = max(s.record_bytes for s in specs)
     raise PoolMemoryError(
-        f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(m.layers)} MoE "
+        f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(specs)} MoE "
         f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
         f"up to {largest / 1e6:.1f} MB) but {available / 1e9:.2f} GB of memory is "
         "available: lower --expert-slots (or --side-slots / --scratch-slots)"
     )
 
 
-def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
-    """Allocates the pools of every MoE layer of `store` and opens its blob files.
+def open_cache(
+    store: ExpertStore, config: StreamConfig, specs: Sequence[LayerSpec] | None = None
+) -> _ext.ExpertCache:
+    """Allocates the pools of the MoE layers `specs` of `store` (default: all; a pipeline
+    stage passes its own) and opens their blob files. The cache's layer i is specs[i].
 
     Pool rows per layer: its real slots (`real_slots`: expert_slots, or by expert_memory)
     + 2 * side_slots + scratch_slots, each one record (`stride` bytes at most) spread over
@@ -181,8 +200,9 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
             anything is allocated; also when the native allocation itself fails).
     """
     m = store.manifest
-    slots = real_slots(store, config)
-    check_pool_fits(store, config, available_bytes())
+    specs = m.layers if specs is None else specs
+    slots = real_slots(store, config, specs)
+    check_pool_fits(store, config, available_bytes(), specs)
     layers = [
         {
             "layer": spec.layer,
@@ -201,13 +221,14 @@ def open_cache(store: ExpertStore, config: StreamConfig) -> _ext.ExpertCache:
                 for s in spec.segments
             ],
         }
-        for spec in m.layers
+        for spec in specs
     ]
     try:
         return _ext.ExpertCache(
             layers,
             m.num_experts,
-            expert_slots=max(slots),
+            # a pipeline stage of dense layers only has no MoE layer to size by
+            expert_slots=max(slots) if slots else (config.expert_slots or m.num_experts),
             side_slots=config.side_slots,
             scratch_slots=config.scratch_slots or m.top_k,
             policy=config.policy,
@@ -284,16 +305,19 @@ def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
     width = cache.expert_slots
 
     def padded(key, fill):
-        return np.stack(
-            [np.pad(p[key], (0, width - len(p[key])), constant_values=fill) for p in per]
-        )
+        rows = [np.pad(p[key], (0, width - len(p[key])), constant_values=fill) for p in per]
+        return np.stack(rows) if per else np.full((0, width), fill, np.asarray(fill).dtype)
 
+    def stack(key, width, dtype):  # a pipeline stage may hold no MoE layer
+        return np.stack([p[key] for p in per]) if per else np.zeros((0, width), dtype)
+
+    side_rows = 2 * cache.side_slots
     return CacheSnapshot(
-        slot_expert=padded("slot_expert", -1),
-        slot_state=padded("slot_state", SLOT_EMPTY),
-        side_expert=np.stack([p["side_expert"] for p in per]),
-        side_state=np.stack([p["side_state"] for p in per]),
-        freq=np.stack([p["freq"] for p in per]),
+        slot_expert=padded("slot_expert", np.int32(-1)),
+        slot_state=padded("slot_state", np.uint8(SLOT_EMPTY)),
+        side_expert=stack("side_expert", side_rows, np.int32),
+        side_state=stack("side_state", side_rows, np.uint8),
+        freq=stack("freq", cache.num_experts, np.float32),
         stats={k: np.array([p["stats"][k] for p in per]) for k in STAT_KEYS},
         inflight=cache.inflight,
         forward=cache.forward,

@@ -1,6 +1,7 @@
 """`expertstream` command line: parses flags and calls the engine, nothing more."""
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+@contextlib.contextmanager
+def _new_store(dest: str, force: bool):
+    """Writing the store `dest`: an existing one, without --force, is the user's mistake."""
+    try:
+        yield
+    except FileExistsError as e:
+        if force:
+            raise
+        raise ValueError(f"{dest} already exists: --force replaces it") from e
+
+
 def _convert(args) -> int:
     from tqdm import tqdm
 
@@ -36,15 +48,23 @@ def _convert(args) -> int:
         bar.refresh()
 
     try:
-        path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
-    except FileExistsError as e:
-        if args.force:
-            raise
-        raise ValueError(f"{args.store_dir} already exists: --force replaces it") from e
+        with _new_store(args.store_dir, args.force):
+            path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
     finally:
         if bar is not None:
             bar.close()
     print(f"wrote {path}")
+    return 0
+
+
+def _copy_stage(args) -> int:
+    from engine.pipeline import parse_stage
+    from engine.stage_store import copy_stage
+
+    rank, size = parse_stage(args.stage)
+    with _new_store(args.dest, args.force):
+        path, stage = copy_stage(args.store_dir, args.dest, rank, size, force=args.force)
+    print(f"wrote {path}: the store of {stage}")
     return 0
 
 
@@ -66,6 +86,10 @@ def _generate(args) -> int:
     from engine.model import load
 
     _check_generate_flags(args)
+    if args.pipeline:
+        if args.record_trace:
+            raise ValueError("--record-trace records one process's layers: not with --pipeline")
+        return _generate_pipeline(args)
     sm = load(args.model, stream_config(args))
     if args.chat and not has_chat_template(sm.tokenizer):
         print(
@@ -110,6 +134,74 @@ def _generate_with(sm, prompt, args) -> int:
         f"prefill {s['prefill_tps']:.1f} tok/s ({s['prompt_tokens']} tokens)  "
         f"decode {s['decode_tps']:.1f} tok/s ({s['generated_tokens']} tokens)  "
         f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _generate_pipeline(args) -> int:
+    """`generate --pipeline`: this process runs one stage (engine.pipeline); every rank
+    generates the same tokens, rank 0 prints them and every rank's cache figures."""
+    import mlx.core as mx
+
+    from engine import pipeline
+    from engine.generate import check_context, generate, prompt_tokens
+    from engine.model import load
+    from engine.store import layer_range
+
+    group = pipeline.init_group()
+    rank = group.rank()
+    sm, prompt, error = None, None, None
+    try:
+        model = args.model and args.model.replace("{rank}", str(rank))
+        sm = load(model, stream_config(args), group=group)
+        if rank == 0:  # rank 0 tokenizes; the others take its ids
+            prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
+            check_context(sm, len(prompt), args.max_tokens)
+    except (ValueError, OSError, KeyError) as e:
+        error = str(e)
+    pipeline.agree(error, group)  # a failed rank stops every rank, with its reason
+    # One seed for every rank: each samples from the same logits, and the first stage
+    # embeds the token it sampled itself.
+    prompt, seed = pipeline.gather_json([prompt, int.from_bytes(os.urandom(4))], group)[0]
+    mx.random.seed(seed)
+    if rank == 0 and not args.json and not args.chat:
+        print(args.prompt, end="", flush=True)
+    show = rank == 0 and not args.json
+    try:
+        result = generate(
+            sm,
+            prompt,
+            args.max_tokens,
+            args.temp,
+            args.top_p,
+            on_response=(lambda r: print(r.text, end="", flush=True)) if show else None,
+        )
+    except RuntimeError as e:  # MLX's distributed backends raise RuntimeError
+        raise pipeline.PipelineError(
+            f"rank {rank}: the pipeline stopped ({e}): another rank failed or was killed"
+        ) from None
+    ranks = pipeline.gather_json(
+        {"layers": [sm.stage.start, sm.stage.end], **result.stats()}, group
+    )
+    if rank != 0:
+        return 0
+    stats = pipeline.combine_stats(ranks)
+    if args.json:
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": stats}))
+        return 0
+    print("\n--", file=sys.stderr)
+    for r, s in enumerate(ranks):
+        print(
+            f"rank {r} ({layer_range(range(*s['layers']))}): hits {s['hits']}  "
+            f"misses {s['misses']}  read {s['bytes_read'] / 1e6:.1f} MB  "
+            f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+            file=sys.stderr,
+        )
+    print(
+        f"all ranks: hit rate {stats['hit_rate']:.1%}  read {stats['bytes_read'] / 1e6:.1f} MB  "
+        f"prefill {stats['prefill_tps']:.1f} tok/s  decode {stats['decode_tps']:.1f} tok/s "
+        f"({stats['generated_tokens']} tokens)",
         file=sys.stderr,
     )
     return 0
@@ -314,6 +406,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_convert)
 
     p = sub.add_parser(
+        "copy-stage",
+        help="write the part of a store that one pipeline stage's host needs",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("store_dir", help="a whole expert store")
+    p.add_argument("dest", help="the stage's store to create (a new directory)")
+    p.add_argument(
+        "--stage",
+        required=True,
+        metavar="RANK/RANKS",
+        help="the stage, e.g. 1/2: rank 1 of a 2-rank pipeline (mlx.launch's rank order)",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing store")
+    p.set_defaults(func=_copy_stage)
+
+    p = sub.add_parser(
         "generate", help="generate text with streamed experts", formatter_class=_HelpFormatter
     )
     _add_model_flag(p)
@@ -329,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", help="system prompt of --chat (models with a chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="run one pipeline stage per process (start every rank with mlx.launch); "
+        "{rank} in --model becomes the rank, for a store per rank on one disk",
+    )
     p.add_argument(
         "--record-trace",
         metavar="FILE.npz",
@@ -428,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError, KeyError) as e:
+        print(f"expertstream: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from engine.pipeline import PipelineError  # imports MLX: only when one is raised
+
+        if not isinstance(e, PipelineError):
+            raise
         print(f"expertstream: error: {e}", file=sys.stderr)
         return 2
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import GenerationResponse, generation_stream
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -228,10 +228,14 @@ def generate(
         sm.predictor.should_stop = None
         if recorder is not None:
             recorder.settle()
+    # mlx-lm has already started the forward of the token after the last one: it ends
+    # before the figures are read (its reads count) and before the caller goes on (in a
+    # pipeline, its transfers would interleave with the caller's next collective).
+    mx.synchronize(generation_stream)
     after = sm.snapshot().totals()
     if sm.config.autopin_frac > 0:  # re-pin between replies, and keep the set for next time
         pins = autopin.repin(sm.cache, sm.autopin_budget())
-        autopin.save(sm.store.path / autopin.PIN_FILE, pins, sm.store.manifest.num_experts)
+        autopin.save(sm.pin_path, pins, sm.store.manifest.num_experts)
     return GenerationResult(
         text="".join(text),
         tokens=tokens,

@@ -9,6 +9,7 @@ generates through mlx-lm's own `stream_generate`.
 
 import errno
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _takes_global_scale, infer_quant_config, load_config, load_tokenizer
 
-from engine import autopin
+from engine import autopin, pipeline
 from engine import cache as cache_mod
 from engine.config import StreamConfig
 from engine.convert import convert
@@ -32,6 +33,7 @@ from engine.experts import (
     top_k,
 )
 from engine.experts import quantization as quantization_of
+from engine.pipeline import Stage
 from engine.predictor import Predictor
 from engine.safe_io import contained, read_json_object
 from engine.store import (
@@ -51,9 +53,10 @@ from engine.streamed_layer import StreamedExperts
 from engine.validate import check_against_weights, check_config
 
 
-def resolve_store(path: str | Path, progress=None) -> ExpertStore:
+def resolve_store(path: str | Path, progress=None, blob_layers: range | None = None) -> ExpertStore:
     """The expert store for `path`: `path` itself if it is a store, else the store of
-    the mlx-lm model directory `path`, converted on first use.
+    the mlx-lm model directory `path`, converted on first use. Only the blob files of
+    `blob_layers` must be present (all when None; see `ExpertStore`).
 
     Raises:
         FileNotFoundError: `path` does not exist or has no config.json.
@@ -69,7 +72,8 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
             errno.EACCES, "cannot read the directory (permission denied)", str(path)
         )
     if os.path.lexists(path / MANIFEST_FILE):
-        return ExpertStore(path)  # a bad manifest is reported, not taken for a model dir
+        # a bad manifest is reported, not taken for a model dir
+        return ExpertStore(path, blob_layers)
     if not os.path.lexists(path / "config.json"):
         raise FileNotFoundError(
             f"{path} is neither an expert store (manifest.json) nor an mlx-lm model "
@@ -82,9 +86,13 @@ def resolve_store(path: str | Path, progress=None) -> ExpertStore:
     dest = store_for(path)
     if store_version(dest) != VERSION:  # absent, incomplete, or of an older format
         dest.parent.mkdir(parents=True, exist_ok=True)
-        convert(path, dest, force=dest.exists(), progress=progress)
+        try:
+            convert(path, dest, force=dest.exists(), progress=progress)
+        except FileExistsError:
+            if store_version(dest) != VERSION:  # else another process (a rank) wrote it
+                raise
     touch(dest)
-    return ExpertStore(dest)
+    return ExpertStore(dest, blob_layers)
 
 
 @dataclass
@@ -97,8 +105,11 @@ class StreamedModel:
         tokenizer: mlx-lm's TokenizerWrapper (None for stores without tokenizer files).
         store: the ExpertStore.
         config: the StreamConfig it was built with.
-        cache: the native `engine._ext.ExpertCache` (see `engine.cache`).
+        cache: the native `engine._ext.ExpertCache` (see `engine.cache`), of the stage's
+            MoE layers in a pipeline.
         predictor: the prefetch `Predictor`.
+        stage: this process's pipeline stage (engine.pipeline), or None when it runs
+            every layer.
     """
 
     model: nn.Module
@@ -107,6 +118,14 @@ class StreamedModel:
     config: StreamConfig
     cache: cache_mod.ExpertCache
     predictor: Predictor
+    stage: Stage | None = None
+
+    @property
+    def pin_path(self) -> Path:
+        """The file autopin keeps its pin set in (one per pipeline stage)."""
+        if self.stage is None:
+            return self.store.path / autopin.PIN_FILE
+        return self.store.path / f"autopin.stage{self.stage.rank}of{self.stage.size}.json"
 
     def snapshot(self) -> cache_mod.CacheSnapshot:
         """The cache's current state (thread-safe)."""
@@ -190,30 +209,35 @@ def _expected_segments(expert: ExpertModule, quantization: dict, keys: set[str])
 
 
 def _check_store_matches_model(
-    store: ExpertStore, cfg: dict, model: nn.Module, experts: list[ExpertModule]
+    store: ExpertStore,
+    cfg: dict,
+    model: nn.Module,
+    experts: list[ExpertModule],
+    specs: Sequence[LayerSpec],
 ) -> None:
     """Refuses a store whose experts are not those of the model its config.json builds (a
     store of a different model, or another model's config.json copied in): the expert
     modules, expert count, top-k and every segment's shape must be what that model holds.
+    `experts` and `specs` are the layers loaded (a pipeline stage's: maybe none).
 
     Raises:
         StoreError: naming the manifest, the layer and the field or segment at fault.
     """
     m = store.manifest
     where = store.path / MANIFEST_FILE
-    if [s.layer for s in m.layers] != [e.layer for e in experts]:
+    if [s.layer for s in specs] != [e.layer for e in experts]:
         raise StoreError(
-            f"{store.path}: the store's MoE layers {[s.layer for s in m.layers]} do not match "
+            f"{store.path}: the store's MoE layers {[s.layer for s in specs]} do not match "
             f"the model's {[e.layer for e in experts]} (a store of a different model?)"
         )
-    for spec, expert in zip(m.layers, experts, strict=True):
+    for spec, expert in zip(specs, experts, strict=True):
         if spec.module != expert.path:
             raise StoreError(
                 f"{where}: layers[{spec.moe_index}].module is {spec.module!r} but the model's "
                 f"experts of layer {spec.layer} are {expert.path!r} (a store of a different "
                 "model, or written by another version: convert the model again)"
             )
-    num_experts = experts[0].num_experts
+    num_experts = experts[0].num_experts if experts else m.num_experts
     for field, got_value, want_value in (
         ("num_experts", m.num_experts, num_experts),
         ("top_k", m.top_k, top_k(cfg, num_experts, store.path / "config.json")),
@@ -224,7 +248,7 @@ def _check_store_matches_model(
                 f"{where}: {field} is {got_value} but config.json says {want_value} "
                 "(a store of a different model?)"
             )
-    for expert, spec in zip(experts, m.layers, strict=True):
+    for expert, spec in zip(experts, specs, strict=True):
         _check_layer_segments(where, spec, expert)
 
 
@@ -309,7 +333,10 @@ def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
 
 
 def load(
-    path: str | Path | None = None, config: StreamConfig | None = None, progress=None
+    path: str | Path | None = None,
+    config: StreamConfig | None = None,
+    progress=None,
+    group=None,
 ) -> StreamedModel:
     """Loads a streamed model.
 
@@ -318,6 +345,9 @@ def load(
             default model.
         config: cache settings (default `StreamConfig()`: every expert cacheable).
         progress: `progress(done_bytes, total_bytes)` during a first-use convert.
+        group: an `mx.distributed.Group` to run one pipeline stage of (engine.pipeline):
+            only the stage's dense weights are loaded, its cache holds only its MoE
+            layers, and only their blob files must be in the store.
 
     Raises:
         FileNotFoundError, PermissionError, StoreError, UnsupportedModelError,
@@ -331,7 +361,8 @@ def load(
     from engine.resources import default_model_path
 
     config = config or StreamConfig()
-    store = resolve_store(default_model_path() if path is None else path, progress)
+    path = default_model_path() if path is None else path
+    store = resolve_store(path, progress, blob_layers=None if group is None else range(0))
     cfg = store.config
     where = store.path / "config.json"
     check_config(cfg, str(where), StoreError)
@@ -339,17 +370,26 @@ def load(
     dense = str(store.path / "dense.safetensors")
     check_against_weights(cfg, store.dense_header(), str(where), dense, StoreError)
     model = instantiate(cfg, where)
-    experts = find_experts(model, where)
-    _check_store_matches_model(store, cfg, model, experts)
+    stage, specs = None, store.manifest.layers
+    if group is None:
+        experts = find_experts(model, where)
+    else:
+        stage = pipeline.split(model, group.rank(), group.size(), group)
+        store = ExpertStore(store.path, stage.layers)  # only the stage's blobs must be here
+        specs = [s for s in specs if stage.holds(s.layer)]
+        experts = pipeline.stage_experts(model, where)
+    _check_store_matches_model(store, cfg, model, pipeline.as_stored(model, experts, stage), specs)
     _check_backend(store)
-    cache = cache_mod.open_cache(store, config)
+    cache = cache_mod.open_cache(store, config, specs)
     predictor = Predictor(cache, [router_logits(model, e) for e in experts], config)
-    for moe_index, (expert, spec) in enumerate(zip(experts, store.manifest.layers, strict=True)):
+    for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
         replace(model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math))
 
     weights = store.dense_weights()
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    if stage is not None:
+        weights = pipeline.stage_weights(weights, stage, pipeline.renumbers(model))
     _quantize_dense(model, cfg, weights)
     model.eval()
     try:
@@ -357,12 +397,14 @@ def load(
     except ValueError as e:
         raise StoreError(f"{store.path / 'dense.safetensors'}: {e}") from None
     mx.eval(model.parameters())
+    if stage is not None:
+        pipeline.connect(model, stage, group)
 
     tokenizer = load_store_tokenizer(store)
-    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor)
-    remove_leftovers(store.path, autopin.PIN_FILE)  # a save killed mid-way
+    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, stage)
+    remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
-        path = store.path / autopin.PIN_FILE
         n = store.manifest.num_experts
-        autopin.apply(cache, autopin.load(path, n, cache.num_layers, model_obj.autopin_budget()))
+        pins = autopin.load(model_obj.pin_path, n, cache.num_layers, model_obj.autopin_budget())
+        autopin.apply(cache, pins)
     return model_obj

@@ -210,7 +210,9 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: dict, store_dir: str | Path) -> "Manifest":
+    def from_json(
+        cls, data: dict, store_dir: str | Path, blob_layers: range | None = None
+    ) -> "Manifest":
         """Parse and validate a manifest against the store directory.
 
         Checks the format and version, every field's type and range, segment
@@ -222,6 +224,8 @@ class Manifest:
         Args:
             data: the decoded `manifest.json`.
             store_dir: the store directory the manifest belongs to.
+            blob_layers: decoder layers whose blob files must be here (a pipeline
+                stage's); None: every MoE layer's.
 
         Raises:
             StoreError: naming the file and the field or value at fault.
@@ -265,7 +269,9 @@ class Manifest:
                 )
             layers.append(spec)
 
-        for spec in layers:
+        wanted = [s for s in layers if blob_layers is None or s.layer in blob_layers]
+        _check_present(store_dir, wanted, blob_layers)
+        for spec in wanted:
             _check_blob(store_dir / spec.file, num_experts * spec.stride, spec)
         dense = store_dir / DENSE_FILE
         _expect(dense.exists(), str(dense), "missing")
@@ -481,6 +487,24 @@ def _parse_quantization(q, has_scales: bool, where: str) -> dict | None:
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
 
+def layer_range(layers: range) -> str:
+    """ "decoder layers 2-3" for range(2, 4), "decoder layer 1" for range(1, 2)."""
+    if len(layers) == 1:
+        return f"decoder layer {layers.start}"
+    return f"decoder layers {layers.start}-{layers.stop - 1}"
+
+
+def _check_present(store_dir: Path, specs: list[LayerSpec], blob_layers: range | None) -> None:
+    """Raises StoreError naming every blob file of `specs` that is not in `store_dir`
+    (`_check_blob` names a single one when every blob is wanted)."""
+    missing = [s for s in specs if not (store_dir / s.file).exists()]
+    if missing and (blob_layers is not None or len(missing) > 1):
+        need = "" if blob_layers is None else f" (this stage runs {layer_range(blob_layers)})"
+        raise StoreError(
+            f"{store_dir}: missing blob files {', '.join(s.file for s in missing)}{need}"
+        )
+
+
 def _check_blob(path: Path, want: int, spec: LayerSpec) -> None:
     _expect(path.exists(), str(path), f"blob of layer {spec.layer} is missing")
     size = stat_regular(path, error=StoreError)
@@ -514,7 +538,7 @@ def read_config(store_dir: str | Path) -> dict:
     return _read_json(Path(store_dir) / CONFIG_FILE)
 
 
-def load_manifest(store_dir: str | Path) -> Manifest:
+def load_manifest(store_dir: str | Path, blob_layers: range | None = None) -> Manifest:
     """Read and validate `store_dir/manifest.json` (see `Manifest.from_json`).
 
     Raises:
@@ -526,7 +550,7 @@ def load_manifest(store_dir: str | Path) -> Manifest:
         raise StoreError(
             f"{store_dir / MANIFEST_FILE}: missing; {store_dir} is not a complete expert store"
         )
-    return Manifest.from_json(_read_json(store_dir / MANIFEST_FILE), store_dir)
+    return Manifest.from_json(_read_json(store_dir / MANIFEST_FILE), store_dir, blob_layers)
 
 
 def is_store(path: str | Path) -> bool:
@@ -559,14 +583,18 @@ class ExpertStore:
         manifest: its validated `Manifest`.
         config: the model config (`config.json`) as a dict.
 
+    Args:
+        blob_layers: decoder layers whose blob files must be present (a pipeline
+            stage's, for a host that holds only those); None: all of them.
+
     Raises:
         StoreError: when the store fails validation (see `Manifest.from_json`).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, blob_layers: range | None = None):
         self.path = Path(path)
         _check_entries(self.path)
-        self.manifest = load_manifest(self.path)
+        self.manifest = load_manifest(self.path, blob_layers)
         self.config = read_config(self.path)
         self._by_layer = {spec.layer: spec for spec in self.manifest.layers}
 

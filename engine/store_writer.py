@@ -75,6 +75,19 @@ class StoreWriter:
         except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
             raise OSError(f"cannot write {DENSE_FILE} ({e}); is the disk full?") from e
         weights.clear()
+        self._checksum_dense()
+
+    def copy_dense(self, src: Path) -> None:
+        """Copies another store's `dense.safetensors` as it is (a pipeline stage's store:
+        engine.stage_store); its size and crc32 go into the manifest written by `finish`.
+
+        Raises:
+            OSError: the copy failed.
+        """
+        shutil.copyfile(src, self.path / DENSE_FILE)
+        self._checksum_dense()
+
+    def _checksum_dense(self) -> None:
         fd = os.open(self.path / DENSE_FILE, os.O_RDONLY)
         try:
             self._dense = file_crc32(fd)
