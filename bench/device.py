@@ -79,13 +79,6 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
     }
 
 
-def fill_every_slot(sm) -> None:
-    """Loads every expert of every layer (100% of the experts cacheable)."""
-    e = sm.cache.num_experts
-    for li in range(sm.cache.num_layers):
-        sm.cache.acquire(li, np.arange(e, dtype=np.int32))
-
-
 def bare_table_call(self, x, indices):
     """The ceiling: this layer's pools indexed by the device table, no cache call."""
     return self._experts(x, self._table[indices])
@@ -146,9 +139,7 @@ def embedded(tokens: int, log) -> dict:
         slots = max(1, round(e * frac))
         for prefetch in (False, True):
             side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
-            sm = load(None, StreamConfig(expert_slots=slots, **side))
-            if slots == e:
-                fill_every_slot(sm)  # measure the complete layers, not their first reads
+            sm = load(None, StreamConfig(expert_slots=slots, **side))  # 100%: filled at load
             run_streamed(sm, prompt, 8)  # warm the kernels and the cache
             paths = [False] + ([True] if frac in (1.0, 0.25) and not prefetch else [])
             for sync_path in paths:
@@ -170,8 +161,7 @@ def synthetic(store: Path, tokens: int, log) -> dict:
     prompt = rng.integers(0, vocab, 16).tolist()
     res = {"dd_MBps": dd_rate(store / "layer00.blob"), "runs": {}}
 
-    sm = load(store, StreamConfig())
-    fill_every_slot(sm)
+    sm = load(store, StreamConfig())  # every expert: filled at load
     run_streamed(sm, prompt, 8)
     original = StreamedExperts.__call__
     StreamedExperts.__call__ = bare_table_call

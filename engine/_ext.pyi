@@ -235,6 +235,21 @@ class ExpertCache:
             IndexError: layer out of range.
         """
 
+    def fill(self, layer: int) -> int:
+        """
+        Reads every expert of MoE layer `layer` that has no real slot into a free
+        one; the layer is then complete (is_complete() from the next plan()). Counts loads,
+        bytes_read and read_seconds, not misses. Same thread rule as acquire.
+
+        Returns:
+            The number of experts read.
+
+        Raises:
+            IndexError: `layer` out of range.
+            ValueError: the layer's real region does not hold every expert.
+            ExpertReadError (and subclasses): a read failed (the experts that landed stay).
+        """
+
     def load_scratch(self, layer: int, experts: Sequence[int]) -> list[int]:
         """
         Reads `experts` (at most scratch_slots of the `missing` list of

@@ -190,10 +190,12 @@ def open_cache(
 
     Pool rows per layer: its real slots (`real_slots`: expert_slots, or by expert_memory)
     + 2 * side_slots + scratch_slots, each one record (`stride` bytes at most) spread over
-    the segment arrays.
+    the segment arrays. A layer with a real slot for every expert is filled now
+    (`ExpertCache.fill`).
 
     Raises:
-        engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
+        engine.cache.ExpertReadError: a blob file cannot be opened, has the wrong size, or
+            a record of a layer being filled cannot be read.
         ValueError: expert_slots exceeds the store's expert count, or expert_memory is
             below top-k records per layer.
         PoolMemoryError: the pools do not fit in the memory available (checked before
@@ -224,7 +226,7 @@ def open_cache(
         for spec in specs
     ]
     try:
-        return _ext.ExpertCache(
+        cache = _ext.ExpertCache(
             layers,
             m.num_experts,
             # a pipeline stage of dense layers only has no MoE layer to size by
@@ -244,6 +246,14 @@ def open_cache(
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
         raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
+    # A layer whose real region holds every expert is read whole now, as resident mlx-lm
+    # reads every weight at load: it is complete from the first token (the table path,
+    # no host work), instead of missing once per expert, which a rarely routed expert
+    # may put off for a whole conversation.
+    for li, n in enumerate(slots):
+        if n == m.num_experts:
+            cache.fill(li)
+    return cache
 
 
 @dataclass(frozen=True)

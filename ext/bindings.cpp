@@ -229,6 +229,18 @@ valid while plan() returns PLAN_TABLE.
 Raises:
     IndexError: `layer` out of range.)";
 
+const char* kFill = R"(Reads every expert of MoE layer `layer` that has no real slot into a free
+one; the layer is then complete (is_complete() from the next plan()). Counts loads,
+bytes_read and read_seconds, not misses. Same thread rule as acquire.
+
+Returns:
+    The number of experts read.
+
+Raises:
+    IndexError: `layer` out of range.
+    ValueError: the layer's real region does not hold every expert.
+    ExpertReadError (and subclasses): a read failed (the experts that landed stay).)";
+
 const char* kLoadScratch = R"(Reads `experts` (at most scratch_slots of the `missing` list of
 acquire) into the scratch rows of MoE layer `layer`.
 
@@ -474,6 +486,13 @@ NB_MODULE(_ext, m) {
             c.impl->hint(li, probs.data(), probs.size());
           },
           "layer"_a, "probs"_a, doc::kHint)
+      .def(
+          "fill",
+          [](Cache& c, int li) {
+            nb::gil_scoped_release release;
+            return c.impl->fill(li);
+          },
+          "layer"_a, doc::kFill)
       .def(
           "load_scratch",
           [](Cache& c, int li, const std::vector<int>& experts) {

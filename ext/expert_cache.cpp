@@ -481,6 +481,45 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   return {};
 }
 
+int ExpertCache::fill(int li) {
+  check_layer(li, num_layers());
+  std::unique_lock<std::mutex> lk(mu_);
+  if (caps_[li] != num_experts_)
+    throw std::invalid_argument("fill: MoE layer " + std::to_string(li) + " has " +
+                                std::to_string(caps_[li]) + " real slots for " +
+                                std::to_string(num_experts_) + " experts");
+  auto& R = real_[li];
+  std::vector<std::pair<int, int>> loads;  // (expert, slot)
+  int slot = 0;
+  for (int e = 0; e < num_experts_; ++e) {
+    if (R.slot_of(e) >= 0) continue;
+    while (R.expert_at(slot) >= 0 || loading_[li][slot]) ++slot;  // one free slot per absent expert
+    loading_[li][slot] = 1;
+    loads.emplace_back(e, slot++);
+  }
+  if (loads.empty()) return 0;
+  lk.unlock();
+  std::vector<uint8_t> landed;
+  uint64_t us = 0;
+  std::exception_ptr err = demand_read(li, loads, landed, &us);
+  lk.lock();
+  auto& st = stats_[li];
+  st.read_seconds_us += us;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    auto [e, s] = loads[i];
+    loading_[li][s] = 0;
+    if (i >= landed.size() || !landed[i]) {
+      ++st.read_errors;
+      continue;
+    }
+    R.assign(s, e, tick_);
+    ++st.loads;
+    st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+  }
+  if (err) std::rethrow_exception(err);
+  return static_cast<int>(loads.size());
+}
+
 void ExpertCache::hint(int li, const float* probs, size_t n) {
   check_layer(li, num_layers());
   const auto E = static_cast<size_t>(num_experts_);

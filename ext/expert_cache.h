@@ -144,6 +144,14 @@ class ExpertCache {
   // it routes one token (n == num_experts).
   void hint(int li, const float* probs, size_t n);
 
+  // Reads every expert of MoE layer li that has no real slot into a free one, when its
+  // real region holds every expert (else std::invalid_argument): the layer is then
+  // complete, and decode takes the table path from its first token instead of missing
+  // once per expert first (resident mlx-lm reads every weight at load, too). Counts the
+  // loads, bytes and read time, not misses: nothing asked for these experts yet. Same
+  // thread rule as acquire. Returns the number of experts read.
+  int fill(int li);
+
   // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.
   std::vector<int> load_scratch(int li, const std::vector<int>& experts);
 
