@@ -57,6 +57,7 @@ STAT_KEYS = (
     "pins_dropped",
     "promotions",
     "promotions_declined",
+    "prefetch_late",
 )
 
 
@@ -273,7 +274,9 @@ class CacheSnapshot:
             prefetch; pins_dropped: pins the cache dropped because they cost hits, see
             engine.autopin; promotions: side hits copied into the real region, and
             promotions_declined: side hits left in their side row because no slot was
-            free of the call's experts and pins or the policy kept every occupant).
+            free of the call's experts and pins or the policy kept every occupant;
+            prefetch_late: misses whose fill was already being read, waited for instead
+            of read again, counted among side_hits).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
     """

@@ -84,6 +84,7 @@ nb::dict stats_dict(const es::LayerStats& s) {
   d["pins_dropped"] = s.pins_dropped;
   d["promotions"] = s.promotions;
   d["promotions_declined"] = s.promotions_declined;
+  d["prefetch_late"] = s.prefetch_late;
   return d;
 }
 

@@ -73,6 +73,7 @@ struct DemandBatch {
 // Copying releases the side row.
 struct ExpertCache::FillTicket {
   std::atomic<int> state{kPending};
+  std::atomic<bool> reading{false};  // a reader thread took the fill (it is not queued)
 };
 
 ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config)
@@ -396,6 +397,29 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
       row_of[e] = -1;
     }
   }
+  // A miss whose fill a reader has already started lands sooner than a second read of
+  // the same record (which would also compete with it for the disk): wait for it. A
+  // fill still queued behind others is not waited for.
+  for (int e : order) {
+    if (row_of[e] >= 0) continue;
+    int r = S.in_flight(e);
+    if (r < 0) continue;
+    const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * config_.spec + r)];
+    if (!t || !t->reading) continue;
+    auto settled = [&] { return S.in_flight(e) < 0; };
+    if (config_.read_timeout_ms > 0) {
+      drained_cv_.wait_for(lk, std::chrono::milliseconds(config_.read_timeout_ms), settled);
+    } else {
+      drained_cv_.wait(lk, settled);
+    }
+    if (int row = S.lookup(e); row >= 0) {
+      row_of[e] = side_base + row;
+      if (S.mark_read(row, forward_)) ++st.prefetch_used;
+      ++st.side_hits;
+      ++st.hits;
+      ++st.prefetch_late;
+    }
+  }
   CallContext ctx;
   for (int up : {1, 2})
     if (li >= up && last_forward_[li - up] == forward_)
@@ -577,6 +601,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
                             const std::shared_ptr<FillTicket>& t, bool cancelled) {
   bool landed = false;
   if (!cancelled && t->state.load() == kPending) {
+    t->reading = true;
     uint8_t* buf = nullptr;
     bool read = false;
     try {

@@ -77,6 +77,9 @@ struct LayerStats {
   // Side hits copied into the real region (no read), and side hits not copied because no
   // slot was free of this call's experts and pins or the policy kept every occupant.
   uint64_t promotions = 0, promotions_declined = 0;
+  // Misses whose prefetch fill was already reading: waited for (a side hit when it
+  // landed) instead of reading the record a second time.
+  uint64_t prefetch_late = 0;
 };
 
 struct LayerSnapshot {

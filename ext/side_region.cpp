@@ -94,6 +94,11 @@ int SideLedger::lookup(int expert) const {
   return (r >= 0 && row_state_[r] == RowState::kPublished) ? r : -1;
 }
 
+int SideLedger::in_flight(int expert) const {
+  int r = expert_row_[expert];
+  return (r >= 0 && row_state_[r] == RowState::kInFlight) ? r : -1;
+}
+
 bool SideLedger::mark_read(int row, uint64_t forward) {
   row_read_[row] = forward + 1;
   bool first = !row_hit_[row];

@@ -42,6 +42,8 @@ class SideLedger {
 
   // Published row of `expert`, or -1.
   int lookup(int expert) const;
+  // Row of `expert` whose fill is in flight, or -1.
+  int in_flight(int expert) const;
   // Records a hit on `row` by forward `forward`; returns true on the row's first hit.
   bool mark_read(int row, uint64_t forward);
 

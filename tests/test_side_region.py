@@ -179,3 +179,23 @@ def test_a_side_hit_is_promoted_into_the_real_region_without_a_read(qwen_store):
     s = cache.snapshot(0)
     assert missing == [] and s["stats"]["promotions_declined"] == 1
     assert s["slot_expert"].tolist() == [1]
+
+
+def test_a_miss_whose_fill_is_being_read_waits_for_it(qwen_store):
+    """Issue 11: a miss on an expert whose prefetch fill a reader has started is not read a
+    second time; the call waits for the fill and maps its side row (prefetch_late)."""
+    from rowcheck import RowChecker
+
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2))
+    checker = RowChecker(qwen_store, cache)
+    cache.inject_fault(0, "delay", expert=5, count=1, delay_ms=300)
+    cache.prefetch(0, ids(5))
+    time.sleep(0.05)  # the fill has started and sleeps in its read
+    assert side(cache)[0] == {5: ROW_IN_FLIGHT}
+    rows = acquire(cache, 0, 5)
+    s = cache.snapshot(0)["stats"]
+    assert rows == [cache.expert_slots + 0]
+    checker.assert_row(0, rows[0], 5)
+    assert (s["misses"], s["side_hits"], s["prefetch_late"], s["loads"]) == (0, 1, 1, 1)
+    assert s["bytes_read"] == qwen_store.manifest.layers[0].stride
+    assert cache.check() == ""
