@@ -254,7 +254,12 @@ def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Ad
         or curve.bytes[i] - curve.bytes[cur] <= free_bytes
     ]
     best = max(score[i] for i in fits)
-    pick = next(i for i in fits if i >= cur and score[i] >= score[cur] + gain * (best - score[cur]))
+    # The curve need not rise everywhere (a policy can lose a hit with a slot more), so
+    # the best may lie below the current budget: then growing buys nothing.
+    pick = next(
+        (i for i in fits if i >= cur and score[i] >= score[cur] + gain * (best - score[cur])),
+        cur,
+    )
     if score[pick] < 1.03 * score[cur]:
         pick = next(i for i in range(cur + 1) if score[i] >= 0.97 * score[cur])
     belady_at = curve.hit_rate[BELADY][pick]

@@ -191,12 +191,10 @@ def open_cache(
 
     Pool rows per layer: its real slots (`real_slots`: expert_slots, or by expert_memory)
     + 2 * side_slots + scratch_slots, each one record (`stride` bytes at most) spread over
-    the segment arrays. A layer with a real slot for every expert is filled now
-    (`ExpertCache.fill`).
+    the segment arrays. Nothing is read yet (see `fill_whole_layers`).
 
     Raises:
-        engine.cache.ExpertReadError: a blob file cannot be opened, has the wrong size, or
-            a record of a layer being filled cannot be read.
+        engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
         ValueError: expert_slots exceeds the store's expert count, or expert_memory is
             below top-k records per layer.
         PoolMemoryError: the pools do not fit in the memory available (checked before
@@ -247,14 +245,25 @@ def open_cache(
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
         raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
-    # A layer whose real region holds every expert is read whole now, as resident mlx-lm
-    # reads every weight at load: it is complete from the first token (the table path,
-    # no host work), instead of missing once per expert, which a rarely routed expert
-    # may put off for a whole conversation.
-    for li, n in enumerate(slots):
-        if n == m.num_experts:
-            cache.fill(li)
     return cache
+
+
+def fill_whole_layers(cache: _ext.ExpertCache) -> int:
+    """Reads every expert of each MoE layer whose real region holds them all
+    (`ExpertCache.fill`), as resident mlx-lm reads every weight at load: such a layer is
+    complete from the first token (the table path, no host work) instead of missing once
+    per expert first, which a rarely routed expert can put off for a whole conversation.
+    Returns the number of experts read (each one record, bytes_read counts them).
+
+    Raises:
+        engine.cache.ExpertReadError (and subclasses): a record cannot be read.
+    """
+    whole = [
+        li
+        for li in range(cache.num_layers)
+        if len(cache.snapshot(li)["slot_expert"]) == cache.num_experts
+    ]
+    return sum(cache.fill(li) for li in whole)
 
 
 @dataclass(frozen=True)

@@ -356,7 +356,8 @@ def load(
             describes, or its tokenizer files cannot be loaded.
         ValueError: experts the CPU backend cannot multiply (unquantized float16 /
             bfloat16, nvfp4 global scales) while it is the default device.
-        engine.cache.ExpertReadError: a blob file cannot be opened.
+        engine.cache.ExpertReadError: a blob file cannot be opened, or a record of a layer
+            whose real region holds every expert (read at load) cannot be read.
     """
     from engine.resources import default_model_path
 
@@ -401,6 +402,7 @@ def load(
         pipeline.connect(model, stage, group)
 
     tokenizer = load_store_tokenizer(store)
+    cache_mod.fill_whole_layers(cache)  # the last step: every check above is cheaper
     model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, stage)
     remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run

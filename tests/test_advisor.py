@@ -112,6 +112,11 @@ def test_estimate_and_advice():
     assert advise(curve, free_bytes=gib // 4).slots == 4  # no room for more: keep
     curve.current = 8
     assert advise(curve).slots == 6  # 2 slots less cost nothing
+    # A curve that falls at the current budget (a policy can lose hits with more slots):
+    # the best lies below, and the advice gives memory back instead of failing.
+    curve.tps = None
+    curve.hit_rate["lfu"] = [0.5, 0.9, 0.95, 0.8]
+    assert advise(curve).slots == 4
 
 
 def test_recorder_sees_what_the_sync_path_sees_and_changes_nothing(model_dirs):

@@ -13,8 +13,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from engine.cache import open_cache
 from engine.config import StreamConfig
-from engine.model import load
+from engine.model import load, resolve_store
 from engine.streamed_layer import PLAN_STREAM, PLAN_SYNC, PLAN_TABLE
 
 from test_equality import PROMPT, assert_same, greedy_logits
@@ -39,8 +40,7 @@ def lookups(sm) -> int:
 
 
 def test_plan_per_call_shape_and_residency(model_dir):
-    sm = load(model_dir, StreamConfig())
-    cache = sm.cache
+    cache = open_cache(resolve_store(model_dir), StreamConfig())  # load() would fill it
     assert cache.plan(0, TOP_K, TOP_K) == PLAN_STREAM  # nothing resident yet
     assert cache.plan(0, len(PROMPT) * TOP_K, TOP_K) == PLAN_SYNC  # may exceed the slots
     for e in range(NUM_EXPERTS):
@@ -56,6 +56,23 @@ def test_plan_per_call_shape_and_residency(model_dir):
 
     cache.reset()
     assert cache.plan(0, TOP_K, TOP_K) == PLAN_STREAM
+
+
+def test_a_layer_with_a_slot_for_every_expert_is_filled_at_load(model_dir):
+    """Every expert is read at load, as resident mlx-lm reads its weights: the first
+    decode step already takes the table, and decode never misses. With fewer slots
+    nothing is read at load."""
+    sm = load(model_dir, StreamConfig())
+    t = sm.snapshot().totals()
+    stride = sm.store.manifest.layers[0].stride
+    layers = sm.cache.num_layers
+    assert (t["loads"], t["misses"], t["hits"]) == (layers * NUM_EXPERTS, 0, 0)
+    assert t["bytes_read"] == layers * NUM_EXPERTS * stride
+    assert all(sm.cache.plan(li, TOP_K, TOP_K) == PLAN_TABLE for li in range(layers))
+    greedy_logits(sm.model)  # a prefill and decode steps
+    assert sm.snapshot().totals()["misses"] == 0
+    t = load(model_dir, StreamConfig(expert_slots=NUM_EXPERTS - 1)).snapshot().totals()
+    assert t["loads"] == t["bytes_read"] == 0
 
 
 def test_plan_counts_pinned_slots(model_dir):
