@@ -513,15 +513,17 @@ int ExpertCache::fill(int li) {
                                 std::to_string(caps_[li]) + " real slots for " +
                                 std::to_string(num_experts_) + " experts");
   auto& R = real_[li];
+  std::vector<int> free;  // cap == num_experts: one for every absent expert
+  for (int s = 0; s < caps_[li]; ++s)
+    if (R.expert_at(s) < 0 && !loading_[li][s]) free.push_back(s);
   std::vector<std::pair<int, int>> loads;  // (expert, slot)
-  int slot = 0;
   for (int e = 0; e < num_experts_; ++e) {
     if (R.slot_of(e) >= 0) continue;
-    while (R.expert_at(slot) >= 0 || loading_[li][slot]) ++slot;  // one free slot per absent expert
-    loading_[li][slot] = 1;
-    loads.emplace_back(e, slot++);
+    if (loads.size() == free.size()) throw std::logic_error("fill: no free slot for an expert");
+    loads.emplace_back(e, free[loads.size()]);
   }
   if (loads.empty()) return 0;
+  for (auto [e, s] : loads) loading_[li][s] = 1;
   lk.unlock();
   std::vector<uint8_t> landed;
   uint64_t us = 0;

@@ -302,6 +302,15 @@ uint64_t Stress::drive(double seconds) {
       } else if (p < 0.77) {
         cache_->reset();
         if (cache_->inflight() != 0) violations.add("fills in flight after a reset");
+        if (cache_->config().cap == kExperts && chance(0.5)) {  // as engine.model.load does
+          int li = randint(0, kLayers - 1);
+          try {
+            cache_->fill(li);
+          } catch (const es::ReadError& err) {
+            error(li, err);
+          }
+          verify_all("after a fill");
+        }
       } else if (p < 0.81) {
         cache_->set_side_lfu(chance(0.5));
       } else if (p < 0.83) {
