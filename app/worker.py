@@ -253,7 +253,10 @@ class Worker(QObject):
         else:
             if rec is not None:
                 rec.close()
-            self._recorder = record(sm, self.trace_tokens)
+            # ids only: the router's probabilities cost about 5% of decode CPU time (and
+            # 1.5% for ids alone: docs/benchmarks.md), and the advisor's replay gives the
+            # same hit rates without them (within 0.1 point)
+            self._recorder = record(sm, self.trace_tokens, router=False)
 
     def generate(self, request: dict) -> None:
         """Generates a reply to `request["conversation"]` (a Conversation) with

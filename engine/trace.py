@@ -247,9 +247,9 @@ def local_trace(
 
 
 class TraceRecorder:
-    """Records the routed expert ids of every MoE layer call of a `StreamedModel`, and the
-    top `ROUTER_TOP` of its router's probabilities, keeping the last `max_tokens` tokens
-    (all when None).
+    """Records the routed expert ids of every MoE layer call of a `StreamedModel`, and,
+    when `router`, the top `ROUTER_TOP` of its router's probabilities, keeping the last
+    `max_tokens` tokens (all when None).
 
     It costs the decode little: each layer call hands over its lazy ids array and hidden
     state (`Predictor.recorder`), whatever path the call takes (nothing is forced onto
@@ -269,7 +269,8 @@ class TraceRecorder:
         ValueError: max_tokens < 1.
     """
 
-    def __init__(self, sm, max_tokens: int | None = None):
+    def __init__(self, sm, max_tokens: int | None = None, router: bool = True):
+        self._router = router
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"trace tokens {max_tokens}: must be >= 1")
         self.max_tokens = max_tokens
@@ -307,12 +308,18 @@ class TraceRecorder:
         """Takes one MoE layer call's ids (an MLX array, lazy or not, (..., k)) and the
         hidden states entering the layer (..., hidden), for its router's probabilities."""
         if not self._pending or layer <= self._pending[-1][-1][0]:
+            if self._pending:
+                # The forward just built is queued for evaluation by now; its router
+                # figures are not part of its output, so queue them behind it: copied
+                # with a blocking eval later, they would wait for the forward in flight
+                # and undo mlx-lm's overlap of building one token with computing another.
+                mx.async_eval([a for c in self._pending[-1] if c[2] is not None for a in c[2:]])
             if len(self._pending) >= 2:  # evaluated by now in mlx-lm's pipelined loop
                 self._take(self._pending[:-1])
                 del self._pending[:-1]
             self._pending.append([])
-        router = self._sm.predictor.routers[layer]
-        if router is None:  # a family whose router the engine cannot find: ids only
+        router = self._sm.predictor.routers[layer] if self._router else None
+        if router is None:  # not asked for, or a family whose router is not found: ids only
             self._pending[-1].append((layer, ids, None, None))
             return
         probs = mx.softmax(router(x.reshape(-1, x.shape[-1])).astype(mx.float32), axis=-1)
@@ -423,7 +430,8 @@ class TraceRecorder:
         )
 
 
-def record(sm, max_tokens: int | None = None) -> TraceRecorder:
+def record(sm, max_tokens: int | None = None, router: bool = True) -> TraceRecorder:
     """Starts recording the routing of `sm` (a `StreamedModel`), keeping the last
-    `max_tokens` tokens (all when None); see `TraceRecorder`."""
-    return TraceRecorder(sm, max_tokens)
+    `max_tokens` tokens (all when None), with the router's top probabilities when
+    `router`; see `TraceRecorder`."""
+    return TraceRecorder(sm, max_tokens, router)
