@@ -146,11 +146,12 @@ def _generate_pipeline(args) -> int:
 
     from engine import pipeline
     from engine.generate import check_context, generate, prompt_tokens
+    from engine.model import load_stage
     from engine.store import layer_range
 
     group = pipeline.init_group()
     rank = group.rank()
-    sm = pipeline.load_stage(args.model, stream_config(args), group)
+    sm = load_stage(args.model, stream_config(args), group)
     prompt, error = None, None
     if rank == 0:  # rank 0 tokenizes; the others take its ids
         try:

@@ -428,29 +428,6 @@ def combine_stats(ranks: list[dict]) -> dict:
     return out
 
 
-def load_stage(path: str | Path | None, config, group):
-    """Loads this rank's stage of the model at `path` (`{rank}` in it becomes the rank:
-    a store per rank on one disk; None: the embedded default model) with `config`, an
-    engine.config.StreamConfig; every rank agrees that every rank loaded.
-
-    Returns:
-        The engine.model.StreamedModel of the stage.
-
-    Raises:
-        PipelineError: a rank could not load, naming each such rank and its reason.
-    """
-    from engine.model import load  # engine.model imports this module
-
-    sm, error = None, None
-    try:
-        path = path and str(path).replace("{rank}", str(group.rank()))
-        sm = load(path, config, group=group)
-    except (ValueError, OSError, KeyError) as e:
-        error = str(e)
-    agree(error, group)  # a failed rank stops every rank, with its reason
-    return sm
-
-
 def stage_of(config: dict, rank: int, size: int, where) -> Stage:
     """The stage of `rank` among `size` for the model of `config` (a parsed config.json
     at `where`), computed as `split` does on an unloaded model.

@@ -37,13 +37,13 @@ from mlx_lm.generate import generation_stream
 
 from engine.config import StreamConfig
 from engine.generate import GenerationResult, generate
+from engine.model import load_stage
 from engine.pipeline import (
     PipelineError,
     bounded,
     combine_stats,
     exit_now,
     gather_json,
-    load_stage,
     lost,
     rank_stats,
 )
