@@ -12,6 +12,9 @@ reply), `GET /v1/models`, `GET /v1/stats` (the expert cache's figures and tokens
 `GET /v1/trace` (the routing of the last N tokens as a `.npz` trace, with `--record-trace
 N`: `expertstream advise --trace` reads it), `GET /health`. A request names no file:
 `model` is not used to pick or load anything.
+
+`serve --pipeline` serves the same application with engine.pipeline_server's subclass of
+the generation thread, which runs each job on every rank of a pipeline.
 """
 
 import asyncio
