@@ -10,8 +10,10 @@ pipeline's collectives (engine.pipeline), every rank joining them in the same or
 - the reply (`reply`): every rank runs the same generation loop on the same sampled
   tokens. max_tokens and the end-of-sequence token end it at the same token on every
   rank by themselves; a stop string or a cancel (client gone, shutdown) is rank 0's to
-  see, so after each token every rank adds its wish to stop to a one-number all_sum and
-  all end at that token (the stop is not polled mid-forward, as a single process does);
+  see, so after each token every rank adds its wish to stop to a one-number all_sum,
+  read one token later so that it overlaps the next forward: all ranks end one token
+  after the wish, which is left out of the reply (the stop is not polled mid-forward,
+  as a single process does);
 - a stats round: every rank's cache counters (`rank_stats`), which rank 0 keeps for
   `/v1/stats` (gathered at load and after each reply, so a stats request never waits
   for a collective: during a reply it shows the figures as of the previous one).
@@ -24,6 +26,7 @@ a prompt), ending the process past it: MLX's ring backend may wait without a bou
 rank that went away (a collective issued after the one that failed never returns).
 """
 
+import dataclasses
 import os
 import queue
 import signal
@@ -87,24 +90,41 @@ def reply(
 ) -> GenerationResult:
     """This rank's part of one reply, which every rank runs with the same `params`.
 
+    After each token every rank adds its wish to stop to a one-number all_sum on the
+    generation stream, where it runs between this token's forward and the next on every
+    rank, and reads the sum of the token before: a wish ends the reply on every rank one
+    token later, never waiting on a forward in flight (the vote's round trip overlaps
+    the next forward). The extra token is left out of the returned reply.
+
     Args:
         sm: this rank's engine.model.StreamedModel (`load_stage`).
         params: `{"prompt": [ids], "max_tokens", "temperature", "top_p", "seed"}`.
-        on_response: as engine.generate.generate's (rank 0 sends the text).
-        stop: this rank's wish to stop, polled after each token; the reply ends on
-            every rank after the first token at which any rank wishes it.
+        on_response: as engine.generate.generate's (rank 0 sends the text); it also
+            sees the extra token (a stop string has already cut the text).
+        stop: this rank's wish to stop, polled after each token.
+
+    Returns:
+        The reply up to the first token after which any rank wished to stop.
 
     Raises:
         PipelineError: this rank failed, or the connection to another rank was lost.
     """
+    last = [None, ""]  # the vote after the previous token (in flight), its token's text
 
     def agreed() -> bool:
         wish = stop is not None and stop()
-        with mx.stream(generation_stream):  # after the forward in flight, on every rank
-            votes = mx.distributed.all_sum(mx.array(int(wish)), group=group)
-        stopping = votes.item() > 0
+        with mx.stream(generation_stream):
+            vote = mx.distributed.all_sum(mx.array(int(wish)), group=group)
+        mx.async_eval(vote)
+        previous, last[0] = last[0], vote
+        stopping = previous is not None and previous.item() > 0
         renew(STEP_TIMEOUT_S, "the other ranks did not finish a token")
         return stopping
+
+    def respond(r) -> None:
+        last[1] = r.text
+        if on_response is not None:
+            on_response(r)
 
     mx.random.seed(params["seed"])  # every rank samples the same token
     try:
@@ -115,7 +135,7 @@ def reply(
                 params["max_tokens"],
                 params["temperature"],
                 params["top_p"],
-                on_response=on_response,
+                on_response=respond,
                 stop=agreed,
                 stop_mid_forward=False,
             )
@@ -124,6 +144,9 @@ def reply(
             mx.eval(mx.random.state)
     except Exception as e:  # noqa: BLE001  (any failure leaves the ranks out of step)
         raise lost(group.rank(), e) from None
+    if result.stopped:  # the token after the wish
+        text = result.text[: len(result.text) - len(last[1])]
+        return dataclasses.replace(result, text=text, tokens=result.tokens[:-1])
     return result
 
 

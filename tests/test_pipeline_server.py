@@ -100,9 +100,10 @@ def test_two_ranks_serve_like_one_process(store, tmp_path):
     sm = load(store, StreamConfig(expert_slots=int(SLOTS)))
     single = generate(sm, prompt_tokens(sm, PROMPT, False), TOKENS)
     del sm
-    # A stop string that begins mid-reply: the first word not seen before, from the 4th.
+    # A stop string that begins mid-reply: the first word not seen before, from the 4th
+    # (one process stops after that word's token: its index + 1 tokens).
     words = single.text.split()
-    stop = next(" " + w for i, w in enumerate(words) if i >= 3 and w not in words[:i])
+    at, stop = next((i, " " + w) for i, w in enumerate(words) if i >= 3 and w not in words[:i])
     cut = single.text[: single.text.index(stop)]
 
     port = free_port()
@@ -125,11 +126,17 @@ def test_two_ranks_serve_like_one_process(store, tmp_path):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
         chunks = client.completions.create(
-            model="any", prompt=PROMPT, max_tokens=TOKENS, stop=[stop], stream=True
+            model="any",
+            prompt=PROMPT,
+            max_tokens=TOKENS,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
         )
         chunks = list(chunks)
-        assert "".join(c.choices[0].text for c in chunks) == cut
-        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert "".join(c.choices[0].text for c in chunks[:-1]) == cut
+        assert chunks[-2].choices[0].finish_reason == "stop"
+        assert chunks[-1].usage.completion_tokens == at + 1  # as one process counts
 
         # After a reply that stopped early on every rank, the next is still bit-exact.
         r = client.completions.create(model="any", prompt=PROMPT, max_tokens=TOKENS)
