@@ -3,10 +3,11 @@ official `openai` client.
 
 `mlx.launch --backend ring -n 2` starts the server: rank 0 serves HTTP, rank 1 follows.
 A greedy completion equals the single-process model's reply; a streamed one ends at its
-stop string on every rank (the next reply is still right); `/v1/stats` holds both ranks'
-figures; Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) ends
-every process, rank 1 by rank 0's word. A follower killed while rank 0 idles ends rank 0
-with an error. Every wait is bounded.
+stop string on every rank (the next reply is still right); a sampled one with a seed
+equals one process's with that seed; `/v1/stats` holds both ranks' figures; Ctrl-C
+(SIGINT to the launcher's process group, as a terminal sends it) ends every process,
+rank 1 by rank 0's word. A follower killed while rank 0 idles ends rank 0 with an error.
+Every wait is bounded.
 """
 
 import contextlib
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.skipif(
 
 PROMPT = "The cat sat on the mat"
 TOKENS = 12
+SEED = 7
 SLOTS = "3"  # of 8 experts: misses on every rank
 START_TIMEOUT_S = 180  # two ranks loading on a loaded 2-core machine; ~15 s alone
 RANK_LINE = "(pid "
@@ -98,7 +100,11 @@ def gone(pid: int) -> bool:
 
 def test_two_ranks_serve_like_one_process(store, tmp_path):
     sm = load(store, StreamConfig(expert_slots=int(SLOTS)))
-    single = generate(sm, prompt_tokens(sm, PROMPT, False), TOKENS)
+    ids = prompt_tokens(sm, PROMPT, False)
+    single = generate(sm, ids, TOKENS)
+    mx.random.seed(SEED)
+    sampled = generate(sm, ids, TOKENS, temperature=1.0)
+    assert sampled.tokens != single.tokens  # the sampling is seen
     del sm
     # A stop string that begins mid-reply: the first word not seen before, from the 4th
     # (one process stops after that word's token: its index + 1 tokens).
@@ -143,6 +149,11 @@ def test_two_ranks_serve_like_one_process(store, tmp_path):
         assert r.choices[0].text == single.text
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == len(single.tokens) == TOKENS
+        # Every rank samples with the request's seed: the tokens of one process.
+        r = client.completions.create(
+            model="any", prompt=PROMPT, max_tokens=TOKENS, temperature=1.0, seed=SEED
+        )
+        assert r.choices[0].text == sampled.text
 
         with urllib.request.urlopen(f"{url}/v1/stats", timeout=30) as resp:
             stats = json.loads(resp.read())
@@ -151,7 +162,7 @@ def test_two_ranks_serve_like_one_process(store, tmp_path):
         assert all(r["bytes_read"] > 0 and r["misses"] > 0 for r in ranks)
         for key in ("hits", "misses", "bytes_read", "evictions"):
             assert stats["cache"][key] == sum(r[key] for r in ranks), key
-        assert stats["server"]["completed"] == 2
+        assert stats["server"]["completed"] == 3
 
         os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C: every local rank and the launcher
         stopped = time.monotonic()
