@@ -371,8 +371,8 @@ def init_group(timeout_s: float = CONNECT_TIMEOUT_S):
     if hostfile and os.path.isfile(hostfile) and not Path(hostfile).read_text().strip():
         # mlx.launch -n 1 writes an empty host file, which MLX's ring cannot parse.
         del os.environ["MLX_HOSTFILE"]
-    try:
-        with bounded(timeout_s, "the other ranks did not connect"):  # MLX's connect may not
+    try:  # MLX's connect waits without a bound on some ranks
+        with bounded(timeout_s, "the other ranks did not connect"):
             group = mx.distributed.init()
             mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
     except RuntimeError as e:

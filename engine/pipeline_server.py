@@ -158,8 +158,9 @@ def follow(path: str | Path | None, config: StreamConfig, group) -> int:
     Raises:
         PipelineError: a rank could not load.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every local rank: rank 0
-    sm = load_stage(path, config, group)  # stops, then tells the others
+    sm = load_stage(path, config, group)
+    # Ctrl-C reaches every rank of a host: rank 0 stops, then tells the others.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(f"{sm.stage} (pid {os.getpid()}): following rank 0", file=sys.stderr, flush=True)
     try:
         stats_round(sm, group)
@@ -256,6 +257,5 @@ class PipelineGenerationThread(GenerationThread):
             with self._lock:
                 self.failure = str(e)
                 self._drain(self.failure)
-            self.sm = None
             if self.on_failure is not None:
                 self.on_failure()
