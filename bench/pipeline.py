@@ -8,14 +8,24 @@ every layer belongs to exactly one rank, so the total expert budget is the same 
 N. The ranks share this machine's cores and disk: the figures show the pipeline's
 overhead on one host, not what separate hosts gain (docs/benchmarks.md, "Several
 machines", estimates that).
+
+With `--serve`, each N serves instead: `expertstream serve` for 1 rank, `serve --pipeline`
+under `mlx.launch` for more; after a warm-up request, R greedy completions of T tokens
+through HTTP, each timed by the client (completion tokens / wall seconds) and by the
+server (`/v1/stats` last_decode_tps).
 """
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from bench.common import PROMPT, machine_load
@@ -47,6 +57,79 @@ def run_once(ranks: int, model: str | None, slots: int, tokens: int) -> dict:
     return json.loads(lines[-1])["stats"]
 
 
+def _http(url: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return _http(f"{url}/health")["status"] == "ok"
+    except OSError:
+        return False
+
+
+def serve_runs(ranks: int, model: str | None, slots: int, tokens: int, reps: int) -> list:
+    """`reps` timed completions through a server on `ranks` loopback ranks (after one
+    warm-up): per request, client tokens/s and the server's decode tok/s.
+
+    Raises:
+        RuntimeError: the server ended (with its output) or did not start within 300 s.
+    """
+    port = _free_port(1)
+    cmd = [str(CLI), "serve", "--port", str(port), "--expert-slots", str(slots)]
+    cmd += ["--log-level", "warning", *(["--model", model] if model else [])]
+    if ranks > 1:
+        launch = [str(LAUNCH), "--backend", "ring", "-n", str(ranks)]
+        cmd = [*launch, "--starting-port", str(_free_port(ranks)), "--", *cmd, "--pipeline"]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(url):
+            if server.poll() is not None:
+                raise RuntimeError(f"{ranks} ranks: the server ended:\n{server.stdout.read()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{ranks} ranks: the server did not start within 300 s")
+            time.sleep(0.5)
+        body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+        _http(f"{url}/v1/completions", body)
+        runs = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            reply = _http(f"{url}/v1/completions", body)
+            wall = time.perf_counter() - t
+            served = _http(f"{url}/v1/stats")["server"]
+            n = reply["usage"]["completion_tokens"]
+            runs.append({"client_tps": n / wall, "decode_tps": served["last_decode_tps"]})
+        return runs
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C: rank 0 stops the others
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def serve_markdown(results: dict) -> str:
+    """The table of `main`'s `--serve` results."""
+    rows = ["| ranks | client tok/s (median) | vs 1 rank | server decode tok/s (median) |"]
+    rows.append("|---|---|---|---|")
+    base = None
+    for n, rs in results["runs"].items():
+        client = statistics.median(r["client_tps"] for r in rs)
+        base = base or client
+        decode = statistics.median(r["decode_tps"] for r in rs)
+        rows.append(f"| {n} | {client:.1f} | {client / base:.2f} | {decode:.1f} |")
+    return "\n".join(rows)
+
+
 def markdown(results: dict) -> str:
     """The table of docs/benchmarks.md from `main`'s results."""
     rows = [
@@ -76,15 +159,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--reps", type=int, default=3, help="round-robin repetitions")
     p.add_argument("--out", help="folder for results.json and results.md")
+    p.add_argument("--serve", action="store_true", help="through the HTTP server")
     args = p.parse_args(argv)
     counts = [int(n) for n in args.ranks.split(",")]
     results = {"load_before": machine_load(), "expert_slots": args.expert_slots}
     results["runs"] = {n: [] for n in counts}
-    for _ in range(args.reps):
+    if args.serve:
         for n in counts:
-            results["runs"][n].append(run_once(n, args.model, args.expert_slots, args.tokens))
+            results["runs"][n] = serve_runs(
+                n, args.model, args.expert_slots, args.tokens, args.reps
+            )
+    else:
+        for _ in range(args.reps):
+            for n in counts:
+                runs = results["runs"][n]
+                runs.append(run_once(n, args.model, args.expert_slots, args.tokens))
     results["load_after"] = machine_load()
-    table = markdown(results)
+    table = (serve_markdown if args.serve else markdown)(results)
     print(table)
     if args.out:
         out = Path(args.out)

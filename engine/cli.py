@@ -146,21 +146,20 @@ def _generate_pipeline(args) -> int:
 
     from engine import pipeline
     from engine.generate import check_context, generate, prompt_tokens
-    from engine.model import load
+    from engine.model import load_stage
     from engine.store import layer_range
 
     group = pipeline.init_group()
     rank = group.rank()
-    sm, prompt, error = None, None, None
-    try:
-        model = args.model and args.model.replace("{rank}", str(rank))
-        sm = load(model, stream_config(args), group=group)
-        if rank == 0:  # rank 0 tokenizes; the others take its ids
+    sm = load_stage(args.model, stream_config(args), group)
+    prompt, error = None, None
+    if rank == 0:  # rank 0 tokenizes; the others take its ids
+        try:
             prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
             check_context(sm, len(prompt), args.max_tokens)
-    except (ValueError, OSError, KeyError) as e:
-        error = str(e)
-    pipeline.agree(error, group)  # a failed rank stops every rank, with its reason
+        except ValueError as e:
+            error = str(e)
+    pipeline.agree(error, group)
     # One seed for every rank: each samples from the same logits, and the first stage
     # embeds the token it sampled itself.
     prompt, seed = pipeline.gather_json([prompt, int.from_bytes(os.urandom(4))], group)[0]
@@ -178,9 +177,7 @@ def _generate_pipeline(args) -> int:
             on_response=(lambda r: print(r.text, end="", flush=True)) if show else None,
         )
     except RuntimeError as e:  # MLX's distributed backends raise RuntimeError
-        raise pipeline.PipelineError(
-            f"rank {rank}: the pipeline stopped ({e}): another rank failed or was killed"
-        ) from None
+        raise pipeline.lost(rank, e) from None
     ranks = pipeline.gather_json(
         {"layers": [sm.stage.start, sm.stage.end], **result.stats()}, group
     )
@@ -226,10 +223,23 @@ def _serve(args) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     config = stream_config(args)
     model = Path(args.model) if args.model else default_model_path()
-    print(f"loading {model}", file=sys.stderr)
     if args.record_trace < 0:
         raise ValueError(f"--record-trace {args.record_trace}: must be >= 0 tokens")
-    engine = GenerationThread(lambda: load(model, config), args.max_queue, args.record_trace)
+    if args.pipeline:
+        if args.record_trace:
+            raise ValueError("--record-trace records one process's layers: not with --pipeline")
+        from engine import pipeline
+        from engine.pipeline_server import PipelineGenerationThread, follow
+
+        group = pipeline.init_group()
+        model = Path(str(model).replace("{rank}", str(group.rank())))
+        print(f"loading {model}", file=sys.stderr)
+        if group.rank() != 0:
+            return follow(model, config, group)
+        engine = PipelineGenerationThread(model, config, group, args.max_queue)
+    else:
+        print(f"loading {model}", file=sys.stderr)
+        engine = GenerationThread(lambda: load(model, config), args.max_queue, args.record_trace)
     engine.start()
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
@@ -238,7 +248,15 @@ def _serve(args) -> int:
             file=sys.stderr,
         )
     app = build_app(engine, model.name, args.max_tokens)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    )
+    if args.pipeline:  # a failed rank stops the server; the command fails with its error
+        engine.on_failure = lambda: setattr(server, "should_exit", True)
+        server.should_exit = engine.failure is not None
+    server.run()
+    if getattr(engine, "failure", None) is not None:
+        pipeline.exit_now(engine.failure)
     return 0
 
 
@@ -382,6 +400,15 @@ def _record_for_advice(args, config):
     return trace, measured, sm.store
 
 
+def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help=f"run one pipeline stage per process (start every rank with mlx.launch; {rank0}); "
+        "{rank} in --model becomes the rank, for a store per rank on one disk",
+    )
+
+
 def _add_model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
@@ -437,12 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", help="system prompt of --chat (models with a chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="run one pipeline stage per process (start every rank with mlx.launch); "
-        "{rank} in --model becomes the rank, for a store per rank on one disk",
-    )
+    _add_pipeline_flag(p, "rank 0 prints")
     p.add_argument(
         "--record-trace",
         metavar="FILE.npz",
@@ -485,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the routing of the last N tokens, served at GET /v1/trace as .npz "
         "(for expertstream advise --trace; 0: off)",
     )
+    _add_pipeline_flag(p, "rank 0 serves, the other ranks follow it")
     add_cache_flags(p)
     p.set_defaults(func=_serve)
 

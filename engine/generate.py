@@ -188,15 +188,17 @@ def generate(
     stop: Callable[[], bool] | None = None,
     prompt_cache=None,
     cached_tokens: int = 0,
+    stop_mid_forward: bool = True,
 ) -> GenerationResult:
     """Generates a whole reply and updates autopin afterwards (when enabled); a trace
     recorder of `sm` (`engine.trace.record`) gets the reply as one segment.
 
     Args:
         on_response: called with each mlx-lm GenerationResponse as it is produced.
-        stop: polled at every MoE layer call (so also during a long prefill) and after
-            each token; the reply ends early when it returns True
-            (`GenerationResult.stopped`).
+        stop: polled after each token and, with `stop_mid_forward`, at every MoE layer
+            call (so also during a long prefill); the reply ends early when it returns
+            True (`GenerationResult.stopped`). A pipeline stage polls it between tokens
+            only (engine.pipeline_server): every rank must end at the same token.
         prompt_cache, cached_tokens: as for `stream_generate`.
 
     Raises:
@@ -205,7 +207,7 @@ def generate(
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
-    sm.predictor.should_stop = stop
+    sm.predictor.should_stop = stop if stop_mid_forward else None
     recorder = sm.predictor.recorder
     if recorder is not None:
         recorder.begin_segment()

@@ -410,3 +410,22 @@ def load(
         pins = autopin.load(model_obj.pin_path, n, cache.num_layers, model_obj.autopin_budget())
         autopin.apply(cache, pins)
     return model_obj
+
+
+def load_stage(path: str | Path | None, config: StreamConfig, group) -> StreamedModel:
+    """`load`s this rank's stage of the pipeline `group` (engine.pipeline) from `path`
+    (`{rank}` in it becomes the rank: a store per rank on one disk; None: the embedded
+    default model); every rank learns whether every rank loaded.
+
+    Raises:
+        engine.pipeline.PipelineError: on every rank when a rank could not load, naming
+            each such rank and its reason.
+    """
+    sm, error = None, None
+    try:
+        path = path and str(path).replace("{rank}", str(group.rank()))
+        sm = load(path, config, group=group)
+    except (ValueError, OSError, KeyError) as e:
+        error = str(e)
+    pipeline.agree(error, group)  # a failed rank stops every rank, with its reason
+    return sm

@@ -15,12 +15,14 @@ list is cut to the stage and its first and last layers do what mlx-lm's pipeline
 families are refused.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +37,8 @@ from engine.store import layer_range
 
 # Seconds that `init_group` waits for every rank to connect before it gives up.
 CONNECT_TIMEOUT_S = 120.0
+# Largest JSON `gather_json` takes from one rank, bytes: a longer size is a broken ring's.
+MAX_JSON_BYTES = 64 << 20
 
 _group = None  # the group this process joined (init_group)
 _LAYER_PATH = re.compile(r"^model\.layers\.(\d+)\.")
@@ -245,14 +249,90 @@ def connect(model: nn.Module, stage: Stage, group) -> None:
 
 def gather_json(obj, group) -> list:
     """Every rank's `obj` (JSON-serialisable), in rank order, on every rank (a collective:
-    each rank must call it)."""
+    each rank must call it).
+
+    Raises:
+        PipelineError: the connection to another rank was lost (MLX's error, or what a
+            broken ring delivers instead of a rank's JSON).
+    """
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = mx.distributed.all_gather(mx.array([data.size], mx.int32), group=group, stream=mx.cpu)
-    sizes = np.array(sizes)
-    buf = np.zeros((1, int(sizes.max())), np.uint8)
-    buf[0, : data.size] = data
-    rows = np.array(mx.distributed.all_gather(mx.array(buf), group=group, stream=mx.cpu))
-    return [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes, strict=True)]
+    try:
+        sizes = mx.distributed.all_gather(
+            mx.array([data.size], mx.int32), group=group, stream=mx.cpu
+        )
+        sizes = np.array(sizes)
+        if not 0 < sizes.min() <= sizes.max() <= MAX_JSON_BYTES:
+            raise ValueError(f"sizes {sizes.tolist()} of the ranks' JSON")
+        buf = np.zeros((1, int(sizes.max())), np.uint8)
+        buf[0, : data.size] = data
+        rows = np.array(mx.distributed.all_gather(mx.array(buf), group=group, stream=mx.cpu))
+        return [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes, strict=True)]
+    except (RuntimeError, ValueError) as e:  # ValueError: garbage instead of JSON
+        raise lost(group.rank(), e) from None
+
+
+def lost(rank: int, error: BaseException) -> PipelineError:
+    """The error of rank `rank` when a collective failed with `error`."""
+    return PipelineError(
+        f"rank {rank}: the pipeline stopped ({type(error).__name__}: {error}): another rank "
+        "failed or was killed"
+    )
+
+
+def exit_now(message: str) -> None:
+    """Prints `expertstream: error: {message}` and ends the process at once with exit
+    code 2: no MLX teardown, which can wait forever on a collective a lost rank left."""
+    print(f"expertstream: error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+class _Deadline:
+    """The one deadline of the thread that runs the collectives, watched by a daemon
+    thread that ends the process (`exit_now`) once it has passed."""
+
+    def __init__(self):
+        self._at: float | None = None
+        self._failure, self._timeout_s = "", 0.0
+        self._watcher: threading.Thread | None = None
+
+    def arm(self, timeout_s: float, failure: str) -> None:
+        """From now on, the process ends unless this is re-armed or `disarm`ed within
+        `timeout_s` seconds; `failure` says what was awaited."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="expertstream-deadline")
+            self._watcher.daemon = True
+            self._watcher.start()
+        self._failure, self._timeout_s = failure, timeout_s
+        self._at = time.monotonic() + timeout_s
+
+    def disarm(self) -> None:
+        self._at = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            at = self._at
+            if at is not None and time.monotonic() > at:
+                rank = os.environ.get("MLX_RANK", "?")
+                exit_now(f"rank {rank}: {self._failure} within {self._timeout_s:.0f} s")
+
+
+_deadline = _Deadline()
+
+
+@contextlib.contextmanager
+def bounded(timeout_s: float, failure: str):
+    """Ends the process (exit code 2, printing `failure` and the bound) when the block
+    runs longer than `timeout_s` seconds; yields `renew(timeout_s, failure)`, which
+    restarts the bound (a wait made of steps: each gets its own). MLX's ring backend may
+    wait without a bound on a rank that went away, where no exception can reach the
+    waiting thread. One bounded block at a time, on the thread that runs the collectives.
+    """
+    _deadline.arm(timeout_s, failure)
+    try:
+        yield _deadline.arm
+    finally:
+        _deadline.disarm()
 
 
 def agree(error: str | None, group) -> None:
@@ -287,34 +367,19 @@ def init_group(timeout_s: float = CONNECT_TIMEOUT_S):
     global _group
     if _group is not None:
         return _group
-
-    # MLX's connect waits without a bound on some ranks: a timer ends the process.
-    def give_up():
-        print(
-            f"expertstream: error: rank {os.environ.get('MLX_RANK', '?')}: the other ranks did "
-            f"not connect within {timeout_s:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(2)
-
     hostfile = os.environ.get("MLX_HOSTFILE")
     if hostfile and os.path.isfile(hostfile) and not Path(hostfile).read_text().strip():
         # mlx.launch -n 1 writes an empty host file, which MLX's ring cannot parse.
         del os.environ["MLX_HOSTFILE"]
-    timer = threading.Timer(timeout_s, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        group = mx.distributed.init()
-        mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
+    try:  # MLX's connect waits without a bound on some ranks
+        with bounded(timeout_s, "the other ranks did not connect"):
+            group = mx.distributed.init()
+            mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
     except RuntimeError as e:
         raise PipelineError(
             f"cannot join the pipeline ({e}); start every rank with mlx.launch, e.g. "
             "`mlx.launch --backend ring -n 2 -- expertstream generate --pipeline ...`"
         ) from None
-    finally:
-        timer.cancel()
     _group = group
     return group
 
@@ -331,6 +396,18 @@ _SUMMED = (
     "evictions",
     "overcap_calls",
 )
+
+
+def rank_stats(sm) -> dict:
+    """This rank's cache counters over its lifetime (`CacheSnapshot.totals()` keys that
+    `combine_stats` adds up, and `hit_rate`, `prefetch_accuracy`), its stage's decoder
+    layers as `layers` [start, end), and `peak_memory_bytes` since the last reply began."""
+    t = sm.snapshot().totals()
+    return {
+        "layers": [sm.stage.start, sm.stage.end],
+        **{k: t[k] for k in (*_SUMMED, "hit_rate", "prefetch_accuracy")},
+        "peak_memory_bytes": int(mx.get_peak_memory()),
+    }
 
 
 def combine_stats(ranks: list[dict]) -> dict:

@@ -12,6 +12,9 @@ reply), `GET /v1/models`, `GET /v1/stats` (the expert cache's figures and tokens
 `GET /v1/trace` (the routing of the last N tokens as a `.npz` trace, with `--record-trace
 N`: `expertstream advise --trace` reads it), `GET /health`. A request names no file:
 `model` is not used to pick or load anything.
+
+`serve --pipeline` serves the same application with engine.pipeline_server's subclass of
+the generation thread, which runs each job on every rank of a pipeline.
 """
 
 import asyncio
@@ -36,6 +39,18 @@ from engine.chat import ROLES, chat_ids, checked_ids, encode
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
+# The expert cache's counters that `/v1/stats` reports (CacheSnapshot.totals() keys).
+CACHE_STATS = (
+    "hits",
+    "misses",
+    "hit_rate",
+    "bytes_read",
+    "side_hits",
+    "prefetch_issued",
+    "prefetch_used",
+    "prefetch_accuracy",
+    "evictions",
+)
 
 
 class RequestError(Exception):
@@ -159,7 +174,13 @@ class GenerationThread:
         max_queue: jobs that may wait (beyond the one generating); more are refused.
         trace_tokens: keep the routing of the last this many tokens (`recorder`, an
             engine.trace.TraceRecorder; 0: none).
+
+    A subclass may change how the thread waits for a job (`_next_job`) and generates one
+    (`_generate`); an exception of `fatal` raised there ends the thread, not only the
+    request (engine.pipeline_server).
     """
+
+    fatal: tuple[type[BaseException], ...] = ()
 
     def __init__(self, load: Callable[[], object], max_queue: int = 32, trace_tokens: int = 0):
         if max_queue < 1:
@@ -214,21 +235,35 @@ class GenerationThread:
             mean = self.stats.generation_seconds / done if done else 1.0
         return max(1, math.ceil(mean * (self.queued() + 1)))
 
+    def cache_stats(self) -> dict:
+        """The expert cache's counters over the server's lifetime (`/v1/stats`'s "cache")."""
+        t = self.sm.snapshot().totals()
+        return {k: t[k] for k in CACHE_STATS}
+
     def close(self, timeout: float = 30.0) -> None:
         """Cancels the reply in progress and every queued job, ends the thread (the model
         is freed on it) and waits up to `timeout` seconds for it."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            job.cancel.set()
-            job.emit("error", "the server is shutting down")
+        self._drain("the server is shutting down")
         if (job := self._current) is not None:
             job.cancel.set()
         if self.thread.is_alive():
             self._jobs.put(None)
             self.thread.join(timeout)
+
+    def _drain(self, reason: str) -> None:
+        """Fails every queued job with `reason`."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel.set()
+                job.emit("error", reason)
+
+    def _next_job(self) -> Job | None:
+        """The next job to serve; None ends the thread."""
+        return self._jobs.get()
 
     def _run(self) -> None:
         try:
@@ -242,7 +277,7 @@ class GenerationThread:
             self._ready.set()
             return
         self._ready.set()
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next_job()) is not None:
             if job.cancel.is_set():
                 with self.stats.lock:
                     self.stats.cancelled += 1
@@ -255,10 +290,6 @@ class GenerationThread:
         self.sm = None  # the model's arrays are freed here, on their thread
 
     def _serve(self, job: Job) -> None:
-        import mlx.core as mx
-
-        from engine.generate import generate
-
         matcher = StopMatcher(job.stop)
 
         def on_response(r) -> None:
@@ -267,26 +298,15 @@ class GenerationThread:
 
         t0 = time.monotonic()
         try:
-            if job.seed is not None:
-                mx.random.seed(job.seed)
-            result = generate(
-                self.sm,
-                job.prompt,
-                job.max_tokens,
-                job.temperature,
-                job.top_p,
-                on_response=on_response,
-                stop=lambda: job.cancel.is_set() or matcher.hit,
-            )
+            result = self._generate(job, on_response, lambda: job.cancel.is_set() or matcher.hit)
+        except self.fatal:
+            raise
         except Exception as e:  # noqa: BLE001  (the request fails; the server goes on)
             with self.stats.lock:
                 self.stats.failed += 1
                 self.stats.generation_seconds += time.monotonic() - t0
             job.emit("error", f"generation failed: {type(e).__name__}: {e}")
             return
-        finally:
-            # Sampling leaves MLX's global random key lazy on this thread's stream.
-            mx.eval(mx.random.state)
         if matcher.hit:
             finish = "stop"
         elif job.cancel.is_set():
@@ -311,6 +331,28 @@ class GenerationThread:
             s.generation_seconds += time.monotonic() - t0
             s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
         job.emit("done", finish, usage)
+
+    def _generate(self, job: Job, on_response: Callable, stop: Callable[[], bool]):
+        """Generates `job`'s reply (engine.generate.generate); returns its GenerationResult."""
+        import mlx.core as mx
+
+        from engine.generate import generate
+
+        try:
+            if job.seed is not None:
+                mx.random.seed(job.seed)
+            return generate(
+                self.sm,
+                job.prompt,
+                job.max_tokens,
+                job.temperature,
+                job.top_p,
+                on_response=on_response,
+                stop=stop,
+            )
+        finally:
+            # Sampling leaves MLX's global random key lazy on this thread's stream.
+            mx.eval(mx.random.state)
 
 
 # ---- request fields -------------------------------------------------------------------
@@ -505,7 +547,7 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def stats(request: Request):
-        t = sm.snapshot().totals()
+        cache = engine.cache_stats()
         with engine.stats.lock:
             s = engine.stats
             served = {
@@ -523,20 +565,6 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
                 "last_prefill_tps": s.last_prefill_tps,
                 "last_decode_tps": s.last_decode_tps,
             }
-        cache = {
-            k: t[k]
-            for k in (
-                "hits",
-                "misses",
-                "hit_rate",
-                "bytes_read",
-                "side_hits",
-                "prefetch_issued",
-                "prefetch_used",
-                "prefetch_accuracy",
-                "evictions",
-            )
-        }
         return JSONResponse({"model": model_id, "cache": cache, "server": served})
 
     async def trace(request: Request):
