@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.worker import ModelInfo
+from app.worker import SETTING_NAMES, ModelInfo
 from engine.config import AUTO_MEMORY_FRACTION, parse_memory
 
 LIVE_LABELS = {
@@ -102,14 +102,20 @@ class ControlsPanel(QWidget):
 
         pool_box = QGroupBox("Pool · rebuilt between replies")
         form = QFormLayout()
-        form.addRow("expert slots", self.expert_slots)
-        form.addRow("expert memory", self.expert_memory)
-        form.addRow("side rows", self.side_slots)
-        form.addRow("autopin budget", self.autopin)
+        for field, box in (
+            ("expert_slots", self.expert_slots),
+            ("expert_memory", self.expert_memory),
+            ("side_slots", self.side_slots),
+            ("autopin_frac", self.autopin),
+        ):
+            form.addRow(SETTING_NAMES[field], box)
         form2 = QFormLayout()
-        form2.addRow("ahead lo", self.ahead_lo)
-        form2.addRow("ahead hi", self.ahead_hi)
-        form2.addRow("cutoff", self.cutoff)
+        for field, box in (
+            ("ahead_lo", self.ahead_lo),
+            ("ahead_hi", self.ahead_hi),
+            ("cutoff", self.cutoff),
+        ):
+            form2.addRow(SETTING_NAMES[field], box)
         grid = QHBoxLayout()
         grid.addLayout(form)
         grid.addSpacing(12)

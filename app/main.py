@@ -12,7 +12,14 @@ import argparse
 import os
 import sys
 
-from engine.flags import add_cache_flags, config_overrides
+from engine.config import ConfigError, StreamConfig
+from engine.flags import (
+    add_cache_flags,
+    config_error_message,
+    config_overrides,
+    positive_int,
+    prompt_text,
+)
 
 # What the app fills in when a flag is not given (app.worker.app_defaults), as --help says.
 APP_DEFAULTS = {
@@ -43,8 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PNG",
         help="run one chat turn, save the window as PNG while tokens are being generated, and exit",
     )
-    p.add_argument("--prompt", default="Once upon a time", help="the message of --screenshot")
-    p.add_argument("--max-tokens", type=int, default=64, help="reply length of --screenshot")
+    p.add_argument(
+        "--prompt",
+        type=prompt_text,
+        default="Once upon a time",
+        help="the message of --screenshot",
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="reply length of --screenshot (>= 1)"
+    )
     p.add_argument(
         "--tab",
         choices=["inspector", "advisor"],
@@ -53,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shot-at",
-        type=int,
+        type=positive_int,
         help="grab after this many reply tokens (default: three quarters of --max-tokens)",
     )
     add_cache_flags(p, APP_DEFAULTS).description = "All can be changed in the window."
@@ -140,13 +154,17 @@ def _screenshot(window, args, app) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `expertstream-gui`; returns the exit code."""
     args = build_parser().parse_args(argv)
-    if not has_display():
-        print(NO_DISPLAY, file=sys.stderr, end="")
-        return 2
     try:
         overrides = config_overrides(args)
+        StreamConfig(**overrides)  # the flags' ranges, before any window opens
+    except ConfigError as e:
+        print(f"expertstream-gui: error: {config_error_message(e, args)}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"expertstream-gui: error: {e}", file=sys.stderr)
+        return 2
+    if not has_display():
+        print(NO_DISPLAY, file=sys.stderr, end="")
         return 2
 
     import shiboken6

@@ -345,7 +345,8 @@ class MainWindow(QMainWindow):
         self.controls.set_model(info)
         self.inspector.set_model(info)
         self.chat.set_mode(info.chat_template)
-        self.chat.max_tokens.setMaximum(info.context or 8192)
+        # a reply needs one prompt token at least: the whole context never fits
+        self.chat.max_tokens.setMaximum(info.context - 1 if info.context else 8192)
         for name, on in wanted.items():  # toggled while loading
             if on != getattr(info.config, name):
                 self.controls.live[name].setChecked(on)
@@ -381,7 +382,7 @@ class MainWindow(QMainWindow):
         self.conversation.add(ASSISTANT, reply.text)
         self.last_reply = reply
         self.chat.end_reply(reply)
-        if reply.decode_tps > 0 and len(reply.tokens) > 1:
+        if reply.decode_tps:  # mlx-lm's convention: over every token of the reply
             self.decode[0] += len(reply.tokens)
             self.decode[1] += len(reply.tokens) / reply.decode_tps
         self._message(

@@ -35,6 +35,18 @@ from app.conversation import Conversation, prompt_ids
 LIVE_FIELDS = ("prefetch", "side_lfu", "sync")
 TRACE_TOKENS = 4096  # routing kept for the advisor, tokens (the app's default)
 
+# The names of the pool settings as the window labels them (app.controls), for messages
+# about their values; other fields keep their command-line flag's name.
+SETTING_NAMES = {
+    "expert_slots": "expert slots",
+    "expert_memory": "expert memory",
+    "side_slots": "side rows",
+    "autopin_frac": "autopin budget",
+    "ahead_lo": "ahead lo",
+    "ahead_hi": "ahead hi",
+    "cutoff": "cutoff",
+}
+
 
 class _Cancelled(Exception):
     """Raised in the convert progress callback when the app is closing."""
@@ -74,7 +86,7 @@ class Reply:
     prompt_tokens: int
     cached_tokens: int
     prefill_tps: float
-    decode_tps: float
+    decode_tps: float | None  # None without a decode step (engine.generate.GenerationResult)
     cache: dict
     stopped: bool
     seconds: float
@@ -199,7 +211,8 @@ class Worker(QObject):
         try:
             from engine.advisor import Budget
             from engine.cache import pool_bytes
-            from engine.config import StreamConfig
+            from engine.config import ConfigError, StreamConfig
+            from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
             from engine.model import load, resolve_store
             from engine.resources import default_model_path
@@ -207,9 +220,15 @@ class Worker(QObject):
             source = Path(default_model_path() if path is None else path)
             store = resolve_store(source, progress=self._progress)
             m = store.manifest
-            config = StreamConfig(**(app_defaults(m.num_experts, m.top_k) | overrides))
+            config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
             sm = load(store.path, config)
         except _Cancelled:
+            return
+        except ConfigError as e:  # a setting out of range: named as the window labels it
+            where = path or "the embedded model"
+            self.loadFailed.emit(
+                f"could not open {where}: {describe(e, flag_names() | SETTING_NAMES)}"
+            )
             return
         except Exception as e:  # noqa: BLE001  (any failure is reported, the app goes on)
             self.loadFailed.emit(
@@ -263,6 +282,8 @@ class Worker(QObject):
         `system` (the system prompt), `max_tokens`, `temperature`, `top_p`; emits `token`
         per token, then `replyFinished` (also when stopped) or `replyFailed`. The model's
         KV cache is kept between replies, so a follow-up prefills only its new turn."""
+        from engine.generate import ContextError
+
         text: list[str] = []
         try:
             sm = self._sm
@@ -297,6 +318,8 @@ class Worker(QObject):
                 peak_memory_bytes=result.peak_memory_bytes,
             )
             self.replyFinished.emit(reply)
+        except ContextError as e:
+            self.replyFailed.emit(_context_message(e), "".join(text))
         except Exception as e:  # noqa: BLE001  (shown in the window; the app goes on)
             self.replyFailed.emit(f"{type(e).__name__}: {e}", "".join(text))
         finally:
@@ -310,6 +333,16 @@ class Worker(QObject):
         if self._recorder is not None:
             self._recorder.close()
         del sm
+
+
+def _context_message(e) -> str:
+    """A ContextError (engine.generate) in the window's terms: which setting to lower."""
+    room = e.limit - e.prompt_tokens
+    fix = f"lower max tokens to {room} or less" if room >= 1 else "start a new chat"
+    return (
+        f"the conversation ({e.prompt_tokens} tokens) + max tokens ({e.max_tokens}) exceeds "
+        f"the model's context of {e.limit} tokens: {fix}"
+    )
 
 
 def _settle_random_state() -> None:

@@ -16,7 +16,12 @@ import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the exten
 import numpy as np
 
 from engine import _ext
-from engine.config import AUTO_MEMORY_FRACTION, StreamConfig, default_reader_threads
+from engine.config import (
+    AUTO_MEMORY_FRACTION,
+    ConfigError,
+    StreamConfig,
+    default_reader_threads,
+)
 from engine.memory import available_bytes
 from engine.store import ExpertStore, LayerSpec
 
@@ -88,8 +93,8 @@ def layer_slots(records: list[int], num_experts: int, top_k: int, budget: int) -
     need = top_k * sum(records)
     if budget < need:
         raise ValueError(
-            f"expert memory {budget / 2**20:.1f} MiB is below the {need / 2**20:.1f} MiB "
-            f"that top-k = {top_k} experts per MoE layer take ({len(records)} layers)"
+            f"{budget / 2**20:.1f} MiB is below the {need / 2**20:.1f} MiB that top-k = "
+            f"{top_k} experts per MoE layer take ({len(records)} layers)"
         )
     slots = [top_k] * len(records)
     left = budget - need
@@ -115,19 +120,15 @@ def real_slots(
     where that is unknown).
 
     Raises:
-        ValueError: expert_slots exceeds the store's expert count, or expert_memory is
-            below top-k records per layer.
+        ConfigError: expert_slots, side_slots or scratch_slots exceed the store's expert
+            count (`StreamConfig.check_experts`), or expert_memory is below top-k records
+            per layer.
     """
     m = store.manifest
     specs = m.layers if specs is None else specs
+    config.check_experts(m.num_experts)
     if config.expert_memory is None:
-        slots = m.num_experts if config.expert_slots is None else config.expert_slots
-        if slots > m.num_experts:
-            raise ValueError(
-                f"expert_slots = {slots} exceeds the {m.num_experts} experts per layer of "
-                f"{store.path}"
-            )
-        return [slots] * len(specs)
+        return [m.num_experts if config.expert_slots is None else config.expert_slots] * len(specs)
     if not specs:
         return []
     budget = config.expert_memory
@@ -136,7 +137,10 @@ def real_slots(
         if known is None:
             known = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = int(AUTO_MEMORY_FRACTION * known)
-    return layer_slots([s.record_bytes for s in specs], m.num_experts, m.top_k, budget)
+    try:
+        return layer_slots([s.record_bytes for s in specs], m.num_experts, m.top_k, budget)
+    except ValueError as e:
+        raise ConfigError("expert_memory", config.expert_memory, str(e)) from None
 
 
 def planned_pool_bytes(
@@ -195,8 +199,7 @@ def open_cache(
 
     Raises:
         engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
-        ValueError: expert_slots exceeds the store's expert count, or expert_memory is
-            below top-k records per layer.
+        ConfigError: as `real_slots`.
         PoolMemoryError: the pools do not fit in the memory available (checked before
             anything is allocated; also when the native allocation itself fails).
     """

@@ -8,7 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.flags import add_cache_flags, stream_config
+from engine.config import ConfigError
+from engine.flags import (
+    add_cache_flags,
+    config_error_message,
+    port,
+    positive_int,
+    prompt_text,
+    stream_config,
+    temperature,
+    top_p,
+)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -68,16 +78,31 @@ def _copy_stage(args) -> int:
     return 0
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuses an output file that could not be written (its folder missing or not
+    writable, or a folder itself) before anything is loaded or generated."""
+    if path is None:
+        return
+    folder = Path(path).parent
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def _check_generate_flags(args) -> None:
-    """Refuses flag values that cannot work, before anything is loaded or printed."""
-    if not args.prompt.strip():
-        raise ValueError("--prompt is empty: give the text to continue (or to answer)")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
-    if args.temp < 0:
-        raise ValueError(f"--temp {args.temp}: must be >= 0 (0: greedy)")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p {args.top_p}: must be in (0, 1]")
+    """Refuses flag combinations that cannot work, before anything is loaded or printed
+    (single values are refused by their argparse types)."""
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is the system prompt of --chat: add --chat")
+    _check_output("--record-trace", args.record_trace)
+
+
+def _tps(value: float | None) -> str:
+    """A tokens/s figure of the stats line; "—" where there is none (no decode step)."""
+    return "—" if value is None else f"{value:.1f}"
 
 
 def _generate(args) -> int:
@@ -126,13 +151,14 @@ def _generate_with(sm, prompt, args) -> int:
         args.top_p,
         on_response=lambda r: print(r.text, end="", flush=True),
     )
+    print(flush=True)  # the reply's line ends on stdout, before the figures on stderr
     s = result.stats()
     print(
-        f"\n--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
+        f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
         f"read {s['bytes_read'] / 1e6:.1f} MB  side hits {s['side_hits']}  "
         f"prefetch used/issued {s['prefetch_used']}/{s['prefetch_issued']}\n"
         f"prefill {s['prefill_tps']:.1f} tok/s ({s['prompt_tokens']} tokens)  "
-        f"decode {s['decode_tps']:.1f} tok/s ({s['generated_tokens']} tokens)  "
+        f"decode {_tps(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
         f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
         file=sys.stderr,
     )
@@ -187,7 +213,8 @@ def _generate_pipeline(args) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": stats}))
         return 0
-    print("\n--", file=sys.stderr)
+    print(flush=True)
+    print("--", file=sys.stderr)
     for r, s in enumerate(ranks):
         print(
             f"rank {r} ({layer_range(range(*s['layers']))}): hits {s['hits']}  "
@@ -197,7 +224,7 @@ def _generate_pipeline(args) -> int:
         )
     print(
         f"all ranks: hit rate {stats['hit_rate']:.1%}  read {stats['bytes_read'] / 1e6:.1f} MB  "
-        f"prefill {stats['prefill_tps']:.1f} tok/s  decode {stats['decode_tps']:.1f} tok/s "
+        f"prefill {stats['prefill_tps']:.1f} tok/s  decode {_tps(stats['decode_tps'])} tok/s "
         f"({stats['generated_tokens']} tokens)",
         file=sys.stderr,
     )
@@ -208,7 +235,7 @@ def _serve(args) -> int:
     try:
         import uvicorn
 
-        from engine.server import GenerationThread, build_app
+        from engine.server import GenerationThread, bind, build_app, url
     except ImportError as e:
         raise ValueError(
             f"serve needs the 'serve' extra ({e.name} is missing): "
@@ -217,14 +244,10 @@ def _serve(args) -> int:
     from engine.model import load
     from engine.resources import default_model_path
 
-    if args.max_queue < 1:
-        raise ValueError(f"--max-queue {args.max_queue}: must be >= 1")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
-    config = stream_config(args)
-    model = Path(args.model) if args.model else default_model_path()
     if args.record_trace < 0:
         raise ValueError(f"--record-trace {args.record_trace}: must be >= 0 tokens")
+    config = stream_config(args)
+    model = Path(args.model) if args.model else default_model_path()
     if args.pipeline:
         if args.record_trace:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
@@ -233,28 +256,33 @@ def _serve(args) -> int:
 
         group = pipeline.init_group()
         model = Path(str(model).replace("{rank}", str(group.rank())))
-        print(f"loading {model}", file=sys.stderr)
         if group.rank() != 0:
+            print(f"loading {model}", file=sys.stderr)
             return follow(model, config, group)
-        engine = PipelineGenerationThread(model, config, group, args.max_queue)
-    else:
+    # The address is taken before the model loads: a host or port that cannot work is
+    # refused at once, and nothing else can take the port while the model loads.
+    with bind(args.host, args.port) as sock:
         print(f"loading {model}", file=sys.stderr)
-        engine = GenerationThread(lambda: load(model, config), args.max_queue, args.record_trace)
-    engine.start()
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"note: serving on {args.host}: anyone who can reach port {args.port} can use "
-            "the model (no authentication)",
-            file=sys.stderr,
-        )
-    app = build_app(engine, model.name, args.max_tokens)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    )
-    if args.pipeline:  # a failed rank stops the server; the command fails with its error
-        engine.on_failure = lambda: setattr(server, "should_exit", True)
-        server.should_exit = engine.failure is not None
-    server.run()
+        if args.pipeline:
+            engine = PipelineGenerationThread(model, config, group, args.max_queue)
+        else:
+            engine = GenerationThread(
+                lambda: load(model, config), args.max_queue, args.record_trace
+            )
+        engine.start()
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(
+                f"note: serving on {args.host}: anyone who can reach port "
+                f"{sock.getsockname()[1]} can use the model (no authentication)",
+                file=sys.stderr,
+            )
+        app = build_app(engine, model.name, args.max_tokens)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+        if args.pipeline:  # a failed rank stops the server; the command fails with its error
+            engine.on_failure = lambda: setattr(server, "should_exit", True)
+            server.should_exit = engine.failure is not None
+        print(f"serving on {url(sock)} (Ctrl+C stops)", file=sys.stderr)
+        server.run(sockets=[sock])
     if getattr(engine, "failure", None) is not None:
         pipeline.exit_now(engine.failure)
     return 0
@@ -264,7 +292,7 @@ def _cache(args) -> int:
     from engine.store_cache import age, list_stores, remove_store, store_cache_dir
 
     if args.action == "rm":
-        for name in args.names:
+        for name in args.stores:
             print(f"removed {remove_store(name)}")
         return 0
     stores = list_stores()
@@ -311,6 +339,8 @@ def _advise(args) -> int:
     from engine.model import resolve_store, store_cache_dir
     from engine.trace import load_trace
 
+    _check_output("--save-trace", args.save_trace)
+    _check_output("--png", args.png)
     if args.trace is None and args.prompt_file is None:
         raise ValueError("give --trace FILE.npz, or --prompt-file FILE to record a fresh trace")
     if args.trace is not None and args.prompt_file is not None:
@@ -382,8 +412,6 @@ def _record_for_advice(args, config):
         raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it ({e})") from None
     if not text.strip():
         raise ValueError(f"--prompt-file {args.prompt_file} is empty")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     sm = load(args.model or default_model_path(), config)
     with record(sm) as recorder:
         result = generate(sm, prompt_tokens(sm, text, False), args.max_tokens)
@@ -391,12 +419,14 @@ def _record_for_advice(args, config):
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
     c = result.cache
-    measured = Measured(
-        decode_tps=result.decode_tps,
-        read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
-        hit_rate=c["hit_rate"],
-        decode_tokens=len(result.tokens),
-    )
+    measured = None  # nothing measured without a decode step (--max-tokens 1)
+    if result.decode_tps is not None:
+        measured = Measured(
+            decode_tps=result.decode_tps,
+            read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
+            hit_rate=c["hit_rate"],
+            decode_tokens=len(result.tokens),
+        )
     return trace, measured, sm.store
 
 
@@ -452,12 +482,18 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text with streamed experts", formatter_class=_HelpFormatter
     )
     _add_model_flag(p)
-    p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
-    p.add_argument("--max-tokens", type=int, default=64, help="longest reply, tokens (>= 1)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--prompt", type=prompt_text, default="Once upon a time", help="the text to continue"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="longest reply, tokens (>= 1)"
+    )
+    p.add_argument(
+        "--temp", type=temperature, default=0.0, help="sampling temperature (>= 0; 0: greedy)"
+    )
     p.add_argument(
         "--top-p",
-        type=float,
+        type=top_p,
         default=1.0,
         help="nucleus sampling: keep the most likely tokens up to this probability (1: all)",
     )
@@ -480,16 +516,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8080, help="TCP port")
+    p.add_argument("--port", type=port, default=8080, help="TCP port (0: any free port)")
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=positive_int,
         default=32,
         help="requests that may wait while one generates; more get 503 with Retry-After",
     )
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=256,
         help="reply limit of requests that set no max_tokens (tokens)",
     )
@@ -529,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="record a fresh trace: generate from this text with the cache flags, and "
         "estimate tokens/s from what it measures",
     )
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens --prompt-file generates")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=256, help="tokens --prompt-file generates"
+    )
     p.add_argument("--save-trace", metavar="FILE.npz", help="write the trace --prompt-file records")
     p.add_argument(
         "--png", metavar="FILE.png", help="save the plot (needs matplotlib, the 'bench' extra)"
@@ -542,8 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
         "cache",
         help="list or remove the stores converted from model directories on first use",
     )
-    p.add_argument("action", choices=["list", "rm"], help="list the stores, or rm some")
-    p.add_argument("names", nargs="*", metavar="STORE", help="stores to remove (rm)")
+    actions = p.add_subparsers(dest="action", required=True, metavar="{list,rm}")
+    actions.add_parser("list", help="list the stores, their models, sizes and last use")
+    rm = actions.add_parser("rm", help="remove stores")
+    rm.add_argument("stores", nargs="+", metavar="STORE", help="stores to remove (names as listed)")
     p.set_defaults(func=_cache)
 
     # Listed for --help only: main() hands `bench ...` to `python -m bench` unparsed.
@@ -563,9 +603,16 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe raises here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # Python's "Note on SIGPIPE": the reader went away (`| head`); stdout goes to
+        # devnull so that the flush at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, OSError, KeyError) as e:
-        print(f"expertstream: error: {e}", file=sys.stderr)
+        print(f"expertstream: error: {_error_text(e, args)}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         from engine.pipeline import PipelineError  # imports MLX: only when one is raised
@@ -574,6 +621,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"expertstream: error: {e}", file=sys.stderr)
         return 2
+
+
+def _error_text(e: Exception, args: argparse.Namespace) -> str:
+    """The one line of a refused command: a ConfigError in flag names, an OSError
+    without its "[Errno N]" (the file and the reason), anything else as it is."""
+    if isinstance(e, ConfigError):
+        return config_error_message(e, args)
+    if isinstance(e, OSError) and e.strerror and e.filename2 is None:
+        if e.filename is None or str(e.filename) in e.strerror:
+            return e.strerror
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ environment.
 """
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,13 +21,30 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
-def parse_memory(text: str) -> int | str:
+class MemorySize(int):
+    """A number of bytes parsed from a size as the user wrote it: `str()` gives that text
+    ("50MiB"), so a message about the value quotes it as typed."""
+
+    def __new__(cls, value: int, text: str):
+        size = super().__new__(cls, value)
+        size.text = text
+        return size
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __getnewargs__(self):
+        return int(self), self.text
+
+
+def parse_memory(text: str) -> MemorySize | str:
     """A memory size as users write it: "6GiB", "512 MiB", "8GB" (powers of 1000),
-    "1073741824" (bytes), or "auto". Returns bytes, or "auto".
+    "1073741824" (bytes), or "auto". Returns bytes (a `MemorySize`: an int whose str
+    is `text`), or "auto".
 
     Raises:
         ValueError: not a size with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB,
-            TiB (the message quotes the text).
+            TiB, or a size that is not > 0 (the message quotes the text).
     """
     t = str(text).strip().lower()
     if t == "auto":
@@ -36,20 +54,41 @@ def parse_memory(text: str) -> int | str:
     try:
         value = float(number)
     except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not value > 0:
-        raise ValueError(
-            f"{text!r} is not a memory size (e.g. 6GiB, 512MiB, 8GB, or auto)"
-        ) from None
-    return int(value * _UNITS[unit])
+        value = math.nan
+    if unit not in _UNITS or not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a memory size (e.g. 6GiB, 512MiB, 8GB, or auto)")
+    if int(value * _UNITS[unit]) < 1:
+        raise ValueError(f"must be > 0, got {str(text).strip()!r}")
+    return MemorySize(int(value * _UNITS[unit]), str(text).strip())
 
 
 class ConfigError(ValueError):
-    """A StreamConfig field out of range: `field`, `value`, and `what` it must be."""
+    """A setting out of range: `field` (a StreamConfig field, or "temperature" /
+    "top_p"), its `value`, and `what` it must be; or, with `also`, two fields given
+    together that exclude each other. Front ends name the fields their own way
+    (`engine.flags.describe`)."""
 
-    def __init__(self, field: str, value, what: str):
-        super().__init__(f"StreamConfig.{field} = {value!r}: {what}")
-        self.field, self.value, self.what = field, value, what
+    def __init__(self, field: str, value, what: str, also: str | None = None):
+        message = (
+            f"{field} and {also} are both set: {what}" if also else f"{field} = {value!r}: {what}"
+        )
+        super().__init__(message)
+        self.field, self.value, self.what, self.also = field, value, what, also
+
+
+def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
+    """Refuses sampling settings that mlx-lm's sampler cannot honour: a temperature that
+    is not a finite number >= 0 (nan samples garbage, 0 is greedy), or a top_p outside
+    (0, 1] (mlx-lm's sampler takes 0 as "off", the opposite of what it asks for). The one
+    check of the CLI's --temp / --top-p, the server's fields and `stream_generate`.
+
+    Raises:
+        ConfigError: naming "temperature" or "top_p".
+    """
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError("temperature", temperature, "must be a finite number >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError("top_p", top_p, "must be in (0, 1]")
 
 
 def default_reader_threads(top_k: int) -> int:
@@ -141,12 +180,8 @@ class StreamConfig:
             self.expert_memory,
             'must be a positive number of bytes or "auto"',
         )
-        need(
-            self.expert_memory is None or self.expert_slots is None,
-            "expert_memory",
-            self.expert_memory,
-            "and expert_slots both set: give one of them",
-        )
+        if self.expert_memory is not None and self.expert_slots is not None:
+            raise ConfigError("expert_slots", None, "give one of them", also="expert_memory")
         need(self.side_slots >= 0, "side_slots", self.side_slots, "must be >= 0")
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
@@ -177,6 +212,20 @@ class StreamConfig:
             self.read_timeout_s,
             "must be in [0, 86400] seconds",
         )
+
+    def check_experts(self, num_experts: int) -> None:
+        """Refuses slot counts beyond a model's `num_experts` experts per MoE layer
+        (checked when the store is known, before any pool is allocated).
+
+        Raises:
+            ConfigError: expert_slots, side_slots or scratch_slots > num_experts.
+        """
+        for name in ("expert_slots", "side_slots", "scratch_slots"):
+            value = getattr(self, name)
+            if value is not None and value > num_experts:
+                raise ConfigError(
+                    name, value, f"must be <= {num_experts}, the model's experts per MoE layer"
+                )
 
     def replace(self, **changes) -> "StreamConfig":
         """A copy with `changes` applied (validated again)."""

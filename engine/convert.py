@@ -94,8 +94,9 @@ def convert(
     Raises:
         FileNotFoundError: `model_dir`, its `config.json` or its weights are
             missing.
-        ValueError: invalid `config.json`, a config with `model_file` (custom
-            model code is never run), or weights that do not match the model.
+        ValueError: `model_dir` is an expert store already, invalid `config.json`, a
+            config with `model_file` (custom model code is never run), or weights that
+            do not match the model.
         UnsupportedModelError: mlx-lm has no such model, or its experts are not a
             stacked SwitchGLU / SwitchMLP (`engine.experts`).
         NotMoEError: no layer of the model has routed experts, or the config has no
@@ -149,6 +150,8 @@ def _read_config(model_dir: Path) -> dict:
         )
     if not model_dir.is_dir():
         raise FileNotFoundError(errno.ENOENT, "model directory does not exist", str(model_dir))
+    if is_store(model_dir):
+        raise ValueError(f"{model_dir} is already an expert store; use it directly with --model")
     try:
         config = read_json_object(contained(model_dir, CONFIG_FILE))
     except FileNotFoundError:

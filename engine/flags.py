@@ -1,9 +1,13 @@
-"""The expert-cache flags of every front end (the CLI, the server, the app), defined once.
+"""The flags of every front end (the CLI, the server, the app), defined once.
 
 `add_cache_flags(parser)` adds one argparse group whose help shows each flag's default;
 `stream_config(args)` builds the `StreamConfig`: its defaults, then the seed's environment
 variables (`ENV_FIELDS`, read here and nowhere else), then the flags given. The renamed
 flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
+`describe` words a `ConfigError` in a front end's names (`config_error_message`: the
+flag's or the environment variable's). The argparse types of the flags front ends share
+(`positive_int` for --max-tokens, `prompt_text`, `temperature`, `top_p`, `port`) refuse
+bad values while parsing.
 """
 
 import argparse
@@ -18,6 +22,7 @@ from engine.config import (
     EVICTION_POLICIES,
     ConfigError,
     StreamConfig,
+    check_sampling,
     parse_memory,
 )
 
@@ -37,6 +42,56 @@ def _memory(text: str) -> int | str:
         return parse_memory(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (--max-tokens, --max-queue, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    """An argparse type: a prompt that is not empty (nor only whitespace)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give the text to continue (or to answer)")
+    return text
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text!r}")
+    return value
+
+
+def _sampling(field: str):
+    """An argparse type of one `check_sampling` field."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        try:
+            check_sampling(**{field: value})
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(f"{e.what}, got {text!r}") from None
+        return value
+
+    return parse
+
+
+temperature = _sampling("temperature")
+top_p = _sampling("top_p")
 
 
 @dataclass(frozen=True)
@@ -210,6 +265,14 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
     return values
 
 
+def with_defaults(defaults: Mapping, given: Mapping) -> dict:
+    """StreamConfig fields `given` over `defaults`, less a default that sizes the real
+    regions the other way than `given` does (--expert-memory given: no default
+    expert_slots, and the reverse)."""
+    kept = {k: v for k, v in defaults.items() if given.get(_SIZES.get(k)) is None}
+    return {**kept, **given}
+
+
 def stream_config(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
@@ -222,18 +285,36 @@ def stream_config(
         ValueError: an environment variable does not parse, --prefetch is on without side
             slots, or a value is out of range; the message names the flag or variable.
     """
-    given = config_overrides(args, environ)
-    defaults = {k: v for k, v in (defaults or {}).items() if _SIZES.get(k) not in given}
-    values = {**defaults, **given}
+    values = with_defaults(defaults or {}, config_overrides(args, environ))
     if values.get("prefetch") and not values.get("side_slots"):
         raise ValueError("--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)")
     try:
         return StreamConfig(**values)
     except ConfigError as e:
-        if getattr(args, e.field, None) is not None:
-            flag = next(f.name for f in FLAGS if f.field == e.field)
-            raise ValueError(f"{flag} {e.value}: {e.what}") from None
-        var = next((v for v, f in ENV_FIELDS.items() if f == e.field and e.field in given), None)
-        if var is not None:
-            raise ValueError(f"environment variable {var}={e.value!r}: {e.what}") from None
-        raise
+        raise ValueError(config_error_message(e, args, environ)) from None
+
+
+def flag_names() -> dict[str, str]:
+    """{StreamConfig field: its flag}, e.g. {"expert_slots": "--expert-slots"}."""
+    return {f.field: f.name for f in FLAGS}
+
+
+def describe(e: ConfigError, names: Mapping[str, str]) -> str:
+    """`e` in a front end's words: each field by `names[field]` (the field itself when
+    absent), its value as the user gave it ("50MiB")."""
+    name = names.get(e.field, e.field)
+    if e.also:
+        return f"{name} and {names.get(e.also, e.also)} are both given: {e.what}"
+    return f"{name} {e.value}: {e.what}"
+
+
+def config_error_message(
+    e: ConfigError, args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> str:
+    """`e` naming what set the field: the environment variable (`ENV_FIELDS`, its text as
+    set) when it did and the flag was not given, else the flag."""
+    environ = os.environ if environ is None else environ
+    var = next((v for v, f in ENV_FIELDS.items() if f == e.field and v in environ), None)
+    if var is not None and not e.also and getattr(args, e.field, None) is None:
+        return f"environment variable {var}={environ[var]}: {e.what}"
+    return describe(e, flag_names())

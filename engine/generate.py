@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from engine import autopin
 from engine.chat import SYSTEM, USER, chat_ids, checked_ids, encode
+from engine.config import check_sampling
 from engine.model import StreamedModel
 from engine.predictor import GenerationStopped
 
@@ -45,15 +46,24 @@ def prompt_tokens(
     return checked_ids(encode(tok, prompt), vocab)
 
 
-def check_context(sm: StreamedModel, n_prompt: int, max_tokens: int) -> None:
-    """Raises ValueError when prompt + reply exceed the model's context window
-    (`max_position_embeddings` of config.json), naming both numbers."""
-    limit = sm.store.config.get("max_position_embeddings")
-    if limit and n_prompt + max_tokens > limit:
-        raise ValueError(
-            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+class ContextError(ValueError):
+    """Prompt + reply exceed the model's context: `prompt_tokens`, `max_tokens` and the
+    context `limit` (tokens), for a front end to say which of its settings to lower."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
             f"context of {limit} tokens (max_position_embeddings)"
         )
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+
+
+def check_context(sm: StreamedModel, n_prompt: int, max_tokens: int) -> None:
+    """Raises ContextError (a ValueError) when prompt + reply exceed the model's context
+    window (`max_position_embeddings` of config.json), naming both numbers."""
+    limit = sm.store.config.get("max_position_embeddings")
+    if limit and n_prompt + max_tokens > limit:
+        raise ContextError(n_prompt, max_tokens, limit)
 
 
 def stream_generate(
@@ -79,13 +89,15 @@ def stream_generate(
         cached_tokens: tokens `prompt_cache` already holds (counted against the context).
 
     Raises:
-        ValueError: max_tokens < 1, or the context is exceeded (`check_context`).
+        ValueError: max_tokens < 1, the context is exceeded (`check_context`), or a
+            sampling setting is out of range (`engine.config.check_sampling`'s ConfigError).
         engine.cache.ExpertReadError (ChecksumError, ExpertReadTimeout): an expert could
             not be read; no token computed without it is yielded.
         GenerationStopped: the caller's stop hook asked to stop mid-forward.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens is {max_tokens}: a reply needs at least 1 token")
+    check_sampling(temperature, top_p)
     check_context(sm, cached_tokens + len(prompt), max_tokens)
     sampler = make_sampler(temp=temperature, top_p=top_p)
     seen, restored = [], False
@@ -119,7 +131,14 @@ class GenerationResult:
         text: the decoded reply.
         tokens: generated token ids.
         prompt_tokens: prompt length, tokens.
-        prefill_tps / decode_tps: mlx-lm's prompt and generation tokens per second.
+        prefill_tps: mlx-lm's prompt tokens per second (prompt tokens / time to the first
+            token).
+        decode_tps: mlx-lm's generation tokens per second, by its convention
+            (`GenerationResponse.generation_tps`): every generated token, the first one
+            (sampled from the prefill's logits) included, over the time since the first
+            token, i.e. over `len(tokens)` (what "(N tokens)" beside it counts). None
+            with fewer than 2 tokens: no decode step ran, and mlx-lm's figure would
+            divide by the few microseconds after the first token.
         peak_memory_bytes: MLX peak memory of the process, bytes.
         cache: cache counter totals for this reply (`CacheSnapshot.totals()` deltas;
             hit_rate and prefetch_accuracy recomputed over the reply).
@@ -133,7 +152,7 @@ class GenerationResult:
     tokens: list[int]
     prompt_tokens: int
     prefill_tps: float
-    decode_tps: float
+    decode_tps: float | None
     peak_memory_bytes: int
     cache: dict = field(default_factory=dict)
     stopped: bool = False
@@ -141,7 +160,9 @@ class GenerationResult:
     cached_tokens: int = 0
 
     def stats(self) -> dict:
-        """The stats object of `expertstream generate --json`."""
+        """The stats object of `expertstream generate --json`: this reply's figures (the
+        cache counters are its deltas, not the totals since load that the server's
+        /v1/stats gives); decode_tps is None (JSON null) without a decode step."""
         c = self.cache
         return {
             "hits": c["hits"],
@@ -243,7 +264,7 @@ def generate(
         tokens=tokens,
         prompt_tokens=len(prompt),
         prefill_tps=last.prompt_tps if last else 0.0,
-        decode_tps=last.generation_tps if last else 0.0,
+        decode_tps=last.generation_tps if last and last.generation_tokens > 1 else None,
         peak_memory_bytes=int(mx.get_peak_memory()),
         cache=cache_delta(before, after),
         stopped=stopped,

@@ -8,10 +8,12 @@ event loop. A client that goes away sets the job's cancel flag, which the model 
 every MoE layer call, so its generation ends at the next one.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming or one JSON
-reply), `GET /v1/models`, `GET /v1/stats` (the expert cache's figures and tokens/s),
-`GET /v1/trace` (the routing of the last N tokens as a `.npz` trace, with `--record-trace
-N`: `expertstream advise --trace` reads it), `GET /health`. A request names no file:
-`model` is not used to pick or load anything.
+reply), `GET /v1/models`, `GET /v1/stats` (the expert cache's counters and the request
+counts since the server started: totals, unlike `expertstream generate --json`'s stats,
+which are one reply's), `GET /v1/trace` (the routing of the last N tokens as a `.npz`
+trace, with `--record-trace N`: `expertstream advise --trace` reads it), `GET /health`
+(with `last_error` while the latest reply failed). A request names no file: `model` is
+not used to pick or load anything.
 
 `serve --pipeline` serves the same application with engine.pipeline_server's subclass of
 the generation thread, which runs each job on every rank of a pipeline.
@@ -19,10 +21,12 @@ the generation thread, which runs each job on every rank of a pipeline.
 
 import asyncio
 import contextlib
+import errno
 import io
 import json
 import math
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -36,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat import ROLES, chat_ids, checked_ids, encode
+from engine.config import ConfigError, check_sampling
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -68,6 +73,40 @@ def error_response(
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host` (its first address) and `port`, for uvicorn to listen
+    on (`uvicorn.Server.run(sockets=[...])`): taken before the model loads, so that a host
+    that does not resolve, or a port in use, is refused at once.
+
+    Raises:
+        ValueError: naming --host or --port and the value, and why.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise ValueError(f"--host {host}: not an address of this machine ({reason})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: already in use on {host}") from None
+        if e.errno == errno.EACCES:
+            raise ValueError(f"--port {port}: not allowed ({e.strerror})") from None
+        raise ValueError(f"--host {host}: cannot listen there ({e.strerror})") from None
+    return sock
+
+
+def url(sock: socket.socket) -> str:
+    """The http:// address a bound socket serves."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
 # ---- the generation thread ------------------------------------------------------------
@@ -152,9 +191,19 @@ class StopMatcher:
 
 @dataclass
 class ServerStats:
-    """Request and token counters of the server's lifetime (guarded by `lock`)."""
+    """Request and token counters of the server's lifetime (guarded by `lock`).
+
+    Attributes:
+        requests: requests queued (refused ones are `requests_refused`).
+        requests_refused: requests refused with 503 (the queue was full).
+        completed, cancelled, failed: queued requests by how they ended.
+        last_error: why the latest reply failed; None once a later one succeeds.
+        last_decode_tps: the latest reply's decode tokens/s; None without a decode step
+            (`GenerationResult.decode_tps`).
+    """
 
     requests: int = 0
+    requests_refused: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -162,7 +211,8 @@ class ServerStats:
     completion_tokens: int = 0
     generation_seconds: float = 0.0
     last_prefill_tps: float = 0.0
-    last_decode_tps: float = 0.0
+    last_decode_tps: float | None = None
+    last_error: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -214,9 +264,15 @@ class GenerationThread:
         """Queues `job`.
 
         Raises:
-            queue.Full: `max_queue` jobs are waiting already.
+            queue.Full: `max_queue` jobs are waiting already (counted in
+                `requests_refused`).
         """
-        self._jobs.put_nowait(job)
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            with self.stats.lock:
+                self.stats.requests_refused += 1
+            raise
         with self.stats.lock:
             self.stats.requests += 1
 
@@ -302,10 +358,12 @@ class GenerationThread:
         except self.fatal:
             raise
         except Exception as e:  # noqa: BLE001  (the request fails; the server goes on)
+            message = f"generation failed: {type(e).__name__}: {e}"
             with self.stats.lock:
                 self.stats.failed += 1
                 self.stats.generation_seconds += time.monotonic() - t0
-            job.emit("error", f"generation failed: {type(e).__name__}: {e}")
+                self.stats.last_error = message
+            job.emit("error", message)
             return
         if matcher.hit:
             finish = "stop"
@@ -330,6 +388,7 @@ class GenerationThread:
             s.completion_tokens += usage["completion_tokens"]
             s.generation_seconds += time.monotonic() - t0
             s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
+            s.last_error = None
         job.emit("done", finish, usage)
 
     def _generate(self, job: Job, on_response: Callable, stop: Callable[[], bool]):
@@ -367,6 +426,33 @@ def _number(data: dict, name: str, default, lo: float, hi: float, integer: bool 
         what = "an integer" if integer else "a number"
         raise RequestError(name, f"{name} must be {what} in [{lo}, {hi}], got {value!r}")
     return value
+
+
+def _sampling(data: dict) -> tuple[float, float]:
+    """(temperature, top_p) of a request: numbers, refused as the CLI refuses them
+    (`check_sampling`)."""
+    values = {}
+    for name, default in (("temperature", 0.0), ("top_p", 1.0)):
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise RequestError(name, f"{name} must be a number, got {value!r}")
+        values[name] = default if value is None else float(value)
+    try:
+        check_sampling(**values)
+    except ConfigError as e:
+        raise RequestError(e.field, f"{e.field} {e.value}: {e.what}") from None
+    return values["temperature"], values["top_p"]
+
+
+def _response_format(data: dict) -> None:
+    """Refuses a `response_format` other than text: replies are never constrained (to
+    JSON or a schema), and a client that asks for that must not get free text."""
+    fmt = data.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError(
+            "response_format",
+            f'response_format {json.dumps(fmt)} is not supported: only {{"type": "text"}}',
+        )
 
 
 def _stop_strings(data: dict) -> list[str]:
@@ -430,7 +516,13 @@ def _prompt(data: dict, tokenizer, vocab: int | None) -> list[int]:
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
     ):
-        return checked_ids(prompt, vocab)
+        if vocab and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
+            raise RequestError(
+                "prompt",
+                f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens "
+                f"(ids 0 to {vocab - 1})",
+            )
+        return list(prompt)
     raise RequestError("prompt", "prompt must be a non-empty string or a list of token ids")
 
 
@@ -476,6 +568,8 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
             raise RequestError("model", "model must be a string")
         if not isinstance(data.get("stream", False), bool):
             raise RequestError("stream", "stream must be true or false")
+        _response_format(data)
+        temperature, top_p = _sampling(data)
         room = context - len(ids)
         if room < 1:
             raise RequestError(
@@ -495,8 +589,8 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
         return Job(
             prompt=ids,
             max_tokens=max_tokens,
-            temperature=float(_number(data, "temperature", 0.0, 0.0, 2.0)),
-            top_p=float(_number(data, "top_p", 1.0, 0.0, 1.0)),
+            temperature=temperature,
+            top_p=top_p,
             seed=_number(data, "seed", None, 0, 2**64 - 1, integer=True),
             stop=_stop_strings(data),
             loop=asyncio.get_running_loop(),
@@ -552,6 +646,7 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
             s = engine.stats
             served = {
                 "requests": s.requests,
+                "requests_refused": s.requests_refused,
                 "completed": s.completed,
                 "cancelled": s.cancelled,
                 "failed": s.failed,
@@ -582,7 +677,11 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
 
     async def health(request: Request):
         alive = engine.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "stopped"}, 200 if alive else 503)
+        body = {"status": "ok" if alive else "stopped"}
+        with engine.stats.lock:
+            if engine.stats.last_error is not None:
+                body["last_error"] = engine.stats.last_error
+        return JSONResponse(body, 200 if alive else 503)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

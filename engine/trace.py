@@ -23,6 +23,7 @@ recorded trace also holds the one forward mlx-lm runs ahead of the last token it
 
 import json
 import threading
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,39 +166,55 @@ def reuse_rate(trace: Trace) -> float:
     return float(hits.mean())
 
 
+# What a trace file of each suffix must be, as an error message says it.
+_TRACE_FORMATS = {
+    ".npz": "a routing trace (.npz written by --record-trace or Trace.save)",
+    ".json": "an HD-MoE trace (JSON: keys '0'..'L-1', lists of expert-id pairs)",
+}
+
+
 def load_trace(path: str | Path) -> Trace:
     """Reads a `.npz` trace written by `Trace.save`, or an HD-MoE JSON trace (segments
     found at the repeated routing of the first token, the BOS).
 
     Raises:
-        ValueError: unknown suffix or malformed content (the message names the file).
+        ValueError: unknown suffix, a file that cannot be read, or content that is not
+            such a trace (a cut or foreign .npz, invalid JSON); the message names the file.
     """
     path = Path(path)
-    if path.suffix == ".npz":
-        with np.load(path) as z:
-            has_router = "router_ids" in z
-            return Trace(
-                path.stem,
-                z["ids"].astype(np.int32),
-                int(z["num_experts"]),
-                z["segments"].astype(np.int64),
-                z["prefill"].astype(np.uint8),
-                z["router_ids"].astype(np.int32) if has_router else None,
-                z["router_probs"].astype(np.float32) if has_router else None,
-            )
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        try:
-            layers = [np.asarray(data[str(i)], dtype=np.int32) for i in range(len(data))]
-            ids = np.stack(layers, axis=1)
-        except (KeyError, ValueError) as e:
-            raise ValueError(
-                f"{path}: not an HD-MoE trace (keys '0'..'L-1', lists of expert-id pairs): {e}"
-            ) from None
-        s = np.sort(ids, -1)
-        starts = np.flatnonzero((s == s[0]).all((1, 2)))
-        return Trace(path.stem, ids, int(ids.max()) + 1, starts.astype(np.int64))
-    raise ValueError(f"{path}: unknown trace format (expected .npz or .json)")
+    if path.suffix not in _TRACE_FORMATS:
+        raise ValueError(f"{path}: unknown trace format (expected .npz or .json)")
+    try:
+        return _read_npz(path) if path.suffix == ".npz" else _read_hd_moe(path)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (zipfile.BadZipFile, EOFError, KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not {_TRACE_FORMATS[path.suffix]}: {e}") from None
+
+
+def _read_npz(path: Path) -> Trace:
+    with open(path, "rb") as f:
+        if not zipfile.is_zipfile(f):  # np.load would try it as a pickle
+            raise ValueError("not a complete .npz (zip) archive: cut short, or another file")
+    with np.load(path) as z:
+        has_router = "router_ids" in z
+        return Trace(
+            path.stem,
+            z["ids"].astype(np.int32),
+            int(z["num_experts"]),
+            z["segments"].astype(np.int64),
+            z["prefill"].astype(np.uint8),
+            z["router_ids"].astype(np.int32) if has_router else None,
+            z["router_probs"].astype(np.float32) if has_router else None,
+        )
+
+
+def _read_hd_moe(path: Path) -> Trace:
+    data = json.loads(path.read_text())
+    ids = np.stack([np.asarray(data[str(i)], dtype=np.int32) for i in range(len(data))], axis=1)
+    s = np.sort(ids, -1)
+    starts = np.flatnonzero((s == s[0]).all((1, 2)))
+    return Trace(path.stem, ids, int(ids.max()) + 1, starts.astype(np.int64))
 
 
 def random_trace(tokens: int, layers: int, num_experts: int, top_k: int, seed: int = 0) -> Trace:
