@@ -14,6 +14,7 @@ import sys
 
 from engine.config import ConfigError, StreamConfig
 from engine.flags import (
+    Parser,
     add_cache_flags,
     config_error_message,
     config_overrides,
@@ -37,7 +38,7 @@ NO_DISPLAY = """expertstream-gui: no display found (DISPLAY and WAYLAND_DISPLAY 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="expertstream-gui",
         description="Chat with a Mixture-of-Experts model whose experts stream from disk, "
         "and watch its expert cache live.",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.config import ConfigError
 from engine.flags import (
+    Parser,
     add_cache_flags,
     config_error_message,
     port,
@@ -446,7 +447,7 @@ def _add_model_flag(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="expertstream",
         description="Run Mixture-of-Experts models with experts streamed from disk.",
     )
@@ -580,7 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cache",
         help="list or remove the stores converted from model directories on first use",
     )
-    actions = p.add_subparsers(dest="action", required=True, metavar="{list,rm}")
+    actions = p.add_subparsers(
+        dest="action", required=True, metavar="{list,rm}", help="list the stores, or rm some"
+    )
     actions.add_parser("list", help="list the stores, their models, sizes and last use")
     rm = actions.add_parser("rm", help="remove stores")
     rm.add_argument("stores", nargs="+", metavar="STORE", help="stores to remove (names as listed)")

@@ -7,7 +7,7 @@ flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
 `describe` words a `ConfigError` in a front end's names (`config_error_message`: the
 flag's or the environment variable's). The argparse types of the flags front ends share
 (`positive_int` for --max-tokens, `prompt_text`, `temperature`, `top_p`, `port`) refuse
-bad values while parsing.
+bad values while parsing, and `Parser` says so in one line.
 """
 
 import argparse
@@ -34,6 +34,14 @@ ENV_FIELDS = {
     "AUTOPIN_BUDGET_FRAC": "autopin_frac",
     "PREFILL_CHUNK": "scratch_slots",
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the flag and the value, with
+    where to look (the usage of a command with every cache flag runs to 16 lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _memory(text: str) -> int | str:

@@ -189,7 +189,8 @@ def load_trace(path: str | Path) -> Trace:
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
     except (zipfile.BadZipFile, EOFError, KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"{path}: not {_TRACE_FORMATS[path.suffix]}: {e}") from None
+        detail = e.args[0] if isinstance(e, KeyError) and e.args else e  # without quotes
+        raise ValueError(f"{path}: not {_TRACE_FORMATS[path.suffix]}: {detail}") from None
 
 
 def _read_npz(path: Path) -> Trace:

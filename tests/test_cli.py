@@ -3,6 +3,10 @@ flag), its help, and the store cache (`expertstream cache`)."""
 
 import json
 import shutil
+import socket
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -11,14 +15,26 @@ from engine.cli import build_parser, main
 from engine.model import resolve_store
 from engine.resources import default_model_path
 from engine.store_cache import store_cache_dir
+from engine.trace import load_trace, local_trace
 
 from factories import write_tokenizer
 
 
 def run(capfd, *argv) -> tuple[int, str, str]:
-    code = main(list(argv))
+    """Exit code, stdout and stderr of `expertstream ARGV` (argparse's refusals too)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
     out, err = capfd.readouterr()
     return code, out, err
+
+
+def assert_refused(code: int, out: str, err: str, message: str) -> None:
+    """Refused with exit code 2 and one line on stderr that says `message`."""
+    assert code == 2 and out == "", (code, out)
+    assert err.startswith("expertstream") and ": error: " in err, err
+    assert message in err and err.count("\n") == 1, err  # one line: no usage, no dump
 
 
 def test_echoed_prompt_and_reply_keep_their_space(capfd):
@@ -29,24 +45,101 @@ def test_echoed_prompt_and_reply_keep_their_space(capfd):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--max-tokens", "-1"], "--max-tokens -1: must be >= 1"),
-        (["--max-tokens", "-5"], "--max-tokens -5: must be >= 1"),
-        (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
-        (["--prompt", ""], "--prompt is empty"),
-        (["--prompt", "  "], "--prompt is empty"),
-        (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
-        (["--temp", "-1"], "--temp -1.0: must be >= 0"),
+        (["--max-tokens", "-1"], "argument --max-tokens: must be an integer >= 1, got '-1'"),
+        (["--max-tokens", "-5"], "argument --max-tokens: must be an integer >= 1, got '-5'"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
+        (["--prompt", ""], "argument --prompt: is empty"),
+        (["--prompt", "  "], "argument --prompt: is empty"),
+        (["--top-p", "0"], "argument --top-p: must be in (0, 1], got '0'"),
+        (["--top-p", "nan"], "argument --top-p: must be in (0, 1], got 'nan'"),
+        (["--temp", "-1"], "argument --temp: must be a finite number >= 0 (0: greedy), got '-1'"),
+        (["--temp", "nan"], "argument --temp: must be a finite number >= 0 (0: greedy), got 'nan'"),
+        (["--temp", "inf"], "argument --temp: must be a finite number >= 0 (0: greedy), got 'inf'"),
         (["--expert-slots", "0"], "--expert-slots 0: must be >= 1"),
         (["--reader-threads", "0"], "--reader-threads 0: must be >= 1"),
         (["--prefetch"], "--prefetch needs side-region slots to fill: add --side-slots N"),
         (["--prompt", "cat " * 5000], "prompt (5003 tokens) + max_tokens (64) exceeds"),
+        (
+            ["--expert-slots", "8", "--expert-memory", "50MiB"],
+            "error: --expert-slots and --expert-memory are both given: give one of them",
+        ),
+        (["--expert-memory", "0"], "argument --expert-memory: must be > 0, got '0'"),
+        (["--expert-memory=-5MiB"], "argument --expert-memory: must be > 0, got '-5MiB'"),
+        (
+            ["--expert-memory", "1KiB"],
+            "error: --expert-memory 1KiB: 0.0 MiB is below the 1.9 MiB that top-k = 4 experts",
+        ),
+        # the embedded model has 32 experts per MoE layer
+        (["--expert-slots", "33"], "--expert-slots 33: must be <= 32, the model's experts"),
+        (["--side-slots", "1000"], "--side-slots 1000: must be <= 32, the model's experts"),
+        (["--scratch-slots", "1000"], "--scratch-slots 1000: must be <= 32, the model's experts"),
+        (["--system", "Be brief."], "--system is the system prompt of --chat: add --chat"),
+        (
+            ["--record-trace", "/nonexistent/x.npz"],
+            "--record-trace /nonexistent/x.npz: the folder /nonexistent does not exist",
+        ),
+        (["--record-trace", "/tmp"], "--record-trace /tmp: is a folder; give a file name"),
     ],
 )
 def test_refused_before_anything_is_printed(capfd, argv, message):
-    code, out, err = run(capfd, "generate", *argv)
-    assert code == 2 and out == ""
-    assert err == f"expertstream: error: {err.removeprefix('expertstream: error: ')}"
-    assert message in err and err.count("\n") == 1, err  # one line: no warning dump
+    assert_refused(*run(capfd, "generate", *argv), message)
+
+
+def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypatch):
+    monkeypatch.setenv("PREFILL_CHUNK", "1000")
+    code, out, err = run(capfd, "generate")
+    assert_refused(code, out, err, "environment variable PREFILL_CHUNK=1000: must be <= 32")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["cache"], "the following arguments are required: {list,rm}"),
+        (["cache", "rm"], "the following arguments are required: STORE"),
+        (["cache", "list", "foo"], "unrecognized arguments: foo"),
+        (["serve", "--port", "70000"], "argument --port: must be a TCP port in [0, 65535]"),
+        (["serve", "--port", "-1"], "argument --port: must be a TCP port in [0, 65535]"),
+        (["serve", "--max-queue", "0"], "argument --max-queue: must be an integer >= 1"),
+        (["advise", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1"),
+        (
+            ["advise", "--trace", "t.npz", "--save-trace", "/nonexistent/t.npz"],
+            "--save-trace /nonexistent/t.npz: the folder /nonexistent does not exist",
+        ),
+    ],
+)
+def test_other_commands_refuse_in_one_line(capfd, argv, message):
+    assert_refused(*run(capfd, *argv), message)
+
+
+def test_serve_refuses_a_host_or_port_before_loading(capfd):
+    code, out, err = run(capfd, "serve", "--host", "999.1.1.1")
+    assert_refused(code, out, err, "--host 999.1.1.1: not an address of this machine")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        code, out, err = run(capfd, "serve", "--port", port)
+    assert_refused(code, out, err, f"--port {port}: already in use on 127.0.0.1")
+    assert "loading" not in err  # refused before the model loads
+
+
+def test_a_cut_trace_file_is_named(capfd, tmp_path):
+    whole = tmp_path / "whole.npz"
+    local_trace(20, 4, 8, 2, 0.5).save(whole)
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(whole.read_bytes()[:-100])
+    code, out, err = run(capfd, "advise", "--trace", str(cut))
+    assert_refused(code, out, err, f"{cut}: not a routing trace (.npz written by --record-trace")
+    assert "cut short" in err
+    with zipfile.ZipFile(cut := tmp_path / "foreign.npz", "w") as z:
+        z.writestr("other.npy", b"")
+    with pytest.raises(ValueError, match=r"foreign\.npz: not a routing trace .*: ids is not a file"):
+        load_trace(cut)
+    with pytest.raises(ValueError, match=r"missing\.npz: cannot read it \(No such file"):
+        load_trace(tmp_path / "missing.npz")
+    (bad := tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match=r"bad\.json: not an HD-MoE trace \(JSON"):
+        load_trace(bad)
 
 
 def test_error_from_the_environment_names_the_variable(capfd, monkeypatch):
@@ -79,18 +172,31 @@ def test_help_shows_defaults_and_explains_every_argument():
             assert action.help, f"{name} {action.dest} has no help"
 
 
-def test_convert_errors_are_one_line_naming_the_flag(capfd, tmp_path, qwen_store):
+def test_convert_errors_are_one_line_naming_the_flag(capfd, tmp_path, qwen_store, model_dirs):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     code, _, err = run(capfd, "convert", str(a_file), str(tmp_path / "store"))
     assert code == 2 and err.count("\n") == 1 and "experts:" not in err
-    assert "is a file, not an mlx-lm model directory" in err and "does not exist" not in err
+    assert err == f"expertstream: error: {a_file}: is a file, not an mlx-lm model directory\n"
 
-    model = qwen_store.path  # a store has a config.json: an existing destination is refused
     dest = tmp_path / "exists"
     dest.mkdir()
-    code, _, err = run(capfd, "convert", str(model), str(dest))
+    code, _, err = run(capfd, "convert", str(model_dirs("qwen3_moe")), str(dest))
     assert code == 2 and err == f"expertstream: error: {dest} already exists: --force replaces it\n"
+
+    # A store is no model directory, though it has a config.json: said before the rest.
+    code, _, err = run(capfd, "convert", str(qwen_store.path), str(dest))
+    assert err == (
+        f"expertstream: error: {qwen_store.path} is already an expert store; use it directly "
+        "with --model\n"
+    )
+    # OS errors without their "[Errno N]": the path and what is wrong with it.
+    code, _, err = run(capfd, "convert", str(tmp_path / "none"), str(tmp_path / "out"))
+    assert err == f"expertstream: error: {tmp_path / 'none'}: model directory does not exist\n"
+    (empty := tmp_path / "empty").mkdir()
+    code, _, err = run(capfd, "convert", str(empty), str(tmp_path / "out"))
+    want = f"{empty / 'config.json'}: missing; not an mlx-lm model directory"
+    assert code == 2 and err == f"expertstream: error: {want}\n"
 
 
 def test_copies_of_a_model_share_a_store_and_cache_lists_it(capfd, model_dirs, tmp_path):
@@ -117,3 +223,36 @@ def test_embedded_model_json_reply_is_what_the_tokenizer_decodes(capfd):
     result = json.loads(out)
     assert code == 0 and result["text"].startswith(" time")
     assert default_model_path().is_dir()
+
+
+def test_one_token_has_no_decode_rate_and_the_count_is_mlx_lms(capfd):
+    code, out, _ = run(capfd, "generate", "--max-tokens", "1", "--json")
+    stats = json.loads(out)["stats"]
+    assert code == 0 and stats["generated_tokens"] == 1 and stats["decode_tps"] is None
+    code, out, err = run(capfd, "generate", "--max-tokens", "1")
+    assert code == 0 and "decode — tok/s (1 tokens)" in err, err
+
+    from engine.generate import generate, prompt_tokens
+    from engine.model import load
+
+    sm = load(None)
+    last = []
+    result = generate(sm, prompt_tokens(sm, "Once upon a", False), 5, on_response=last.append)
+    # mlx-lm's rate is over generation_tokens: every token of the reply, as counted
+    assert result.decode_tps == last[-1].generation_tps > 0
+    assert len(result.tokens) == last[-1].generation_tokens == 5
+
+
+def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
+    code, out, err = run(capfd, "generate", "--max-tokens", "3")
+    assert code == 0 and out.startswith("Once upon a time") and out.endswith("\n")
+    assert err.startswith("--\nhits "), err
+    # `expertstream generate --json | head -c 1`: the reader is gone before the reply.
+    p = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "generate", "--json", "--max-tokens", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(120) == 1 and err == "", err  # Python's "Note on SIGPIPE"
