@@ -190,11 +190,58 @@ def test_cancelled_stream_stops_generating(served, client):
         ({"prompt": {"file": "/etc/passwd"}}, "prompt"),
         ({"prompt": [1, 2, 99999]}, "prompt"),
         ({}, "prompt"),
+        ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ({"prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format"),
+        (b'{"prompt": "Once", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "Once", "temperature": Infinity}', "temperature"),
     ],
 )
 def test_bad_completion_requests(served, body, param):
     status, reply = http("POST", f"{served.url}/v1/completions", body)
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_refusals_name_the_field_and_value_as_the_cli_does(served):
+    vocab = served.engine.sm.store.config["vocab_size"]
+    url = f"{served.url}/v1/completions"
+    status, reply = http("POST", url, {"prompt": [5, 99999999]})
+    assert status == 400 and reply["error"]["param"] == "prompt"
+    assert reply["error"]["message"] == (
+        f"prompt token id 99999999 is outside the model's vocabulary of {vocab} tokens "
+        f"(ids 0 to {vocab - 1})"
+    )
+    status, reply = http("POST", url, {"prompt": PROMPT, "top_p": 0})
+    assert reply["error"]["message"] == "top_p 0.0: must be in (0, 1]"  # the CLI's words
+    status, reply = http("POST", url, {"prompt": PROMPT, "response_format": {"type": "x"}})
+    assert 'response_format {"type": "x"} is not supported' in reply["error"]["message"]
+    body = {"prompt": PROMPT, "max_tokens": 1, "response_format": {"type": "text"}}
+    assert http("POST", url, body)[0] == 200
+    assert http("POST", url, {"prompt": PROMPT, "max_tokens": 1, "temperature": 3})[0] == 200
+
+
+def test_health_reports_the_last_failure_until_a_reply_succeeds(served, monkeypatch):
+    import engine.generate
+
+    def failing(*args, **kwargs):
+        raise ValueError("layer01.blob (layer 1, expert 3): checksum mismatch")
+
+    url = f"{served.url}/v1/completions"
+    with monkeypatch.context() as m:
+        m.setattr(engine.generate, "generate", failing)
+        assert http("POST", url, {"prompt": PROMPT, "max_tokens": 2})[0] == 500
+        status, health = http("GET", f"{served.url}/health")
+    assert status == 200 and health == {
+        "status": "ok",
+        "last_error": "generation failed: ValueError: layer01.blob (layer 1, expert 3): "
+        "checksum mismatch",
+    }
+    assert http("POST", url, {"prompt": PROMPT, "max_tokens": 1})[0] == 200
+    assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+def test_a_single_token_reply_has_no_decode_rate(served):
+    assert http("POST", f"{served.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0]
+    assert served.stats()["server"]["last_decode_tps"] is None
 
 
 @pytest.mark.parametrize(
@@ -286,6 +333,8 @@ def test_full_queue_answers_503_with_retry_after():
         assert refused.value.status_code == 503
         assert int(refused.value.response.headers["retry-after"]) >= 1
         assert refused.value.body["type"] == "server_busy"
+        stats = small.stats()["server"]
+        assert (stats["requests"], stats["requests_refused"], stats["completed"]) == (2, 1, 2)
     finally:
         gate.set()
         small.close()
