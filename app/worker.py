@@ -311,7 +311,7 @@ class Worker(QObject):
                 prompt_tokens=result.prompt_tokens,
                 cached_tokens=result.cached_tokens,
                 prefill_tps=float(result.prefill_tps),
-                decode_tps=float(result.decode_tps),
+                decode_tps=result.decode_tps,
                 cache=result.cache,
                 stopped=result.stopped,
                 seconds=time.monotonic() - t0,

@@ -21,6 +21,7 @@ from PySide6.QtGui import QImage  # noqa: E402
 
 from app.conversation import ASSISTANT, USER, Conversation  # noqa: E402
 from app.main import has_display  # noqa: E402
+from app.main import main as app_main  # noqa: E402
 from app.monitor import (  # noqa: E402
     EMPTY,
     IN_FLIGHT,
@@ -166,6 +167,13 @@ def test_reply_tokens_equal_the_cli(window, qtbot):
     cli2 = cli_generate(plain_text(window.conversation.messages()).removesuffix(follow.text), 12)
     assert follow.tokens == cli2["tokens"]
 
+    # One token: no decode step, so no decode rate (not one token over ~0 seconds).
+    decode = list(window.decode)
+    one = chat_turn(qtbot, window, " Then", 1)
+    assert one is not None, window.statusBar().currentMessage()
+    assert len(one.tokens) == 1 and one.decode_tps is None
+    assert "decode — tok/s" in window.chat.figures.text() and window.decode == decode
+
 
 def test_heatmap_is_the_engine_snapshot(window, qtbot, monkeypatch):
     taken = []
@@ -282,10 +290,14 @@ def test_rebuild_waits_for_the_reply_and_errors_keep_the_conversation(window, qt
     assert "neither an expert store" in window.chat.transcript.toPlainText()
     assert window.info.config.expert_slots == 12 and window.conversation.turns == turns
 
-    # A failing reply (prompt over the context window) is shown; the app goes on.
+    # A failing reply (prompt over the context window) is shown, saying what to lower;
+    # the box never offers the whole context, which no reply can fill.
     limit = window.info.context
-    failed = chat_turn(qtbot, window, PROMPT, limit)
-    assert failed is None and "exceeds the model's context" in window.chat.transcript.toPlainText()
+    assert window.chat.max_tokens.maximum() == limit - 1
+    failed = chat_turn(qtbot, window, PROMPT, limit - 1)
+    shown = window.chat.transcript.toPlainText()
+    assert failed is None and "exceeds the model's context" in shown
+    assert f"max tokens ({limit - 1})" in shown and "lower max tokens to " in shown
     assert window.conversation.turns == turns
     again = chat_turn(qtbot, window, " Then", 6)
     assert again is not None and len(again.tokens) >= 1
@@ -337,6 +349,51 @@ def test_a_read_error_is_shown_and_the_app_goes_on(window, qtbot, tmp_path):
         window.open_model(good)
     again = chat_turn(qtbot, window, " Then", 4)
     assert again is not None and window.conversation.turns[: len(turns)] == turns
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt", ""], "argument --prompt: is empty"),  # as the CLI refuses it
+        (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
+        (["--max-tokens", "-5"], "argument --max-tokens: must be an integer >= 1, got '-5'"),
+        (["--shot-at", "0"], "argument --shot-at: must be an integer >= 1, got '0'"),
+        (["--expert-slots", "0"], "error: --expert-slots 0: must be >= 1"),
+        (
+            ["--expert-slots", "8", "--expert-memory", "50MiB"],
+            "error: --expert-slots and --expert-memory are both given: give one of them",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_before_a_window_opens(capsys, argv, message):
+    try:
+        code = app_main(["--screenshot", "never.png", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("expertstream-gui") and message in err, err
+    assert err.count("\n") == 1 and not os.path.exists("never.png")
+
+
+def test_settings_out_of_range_are_named_as_the_window_labels_them():
+    import threading
+
+    from app.worker import Worker
+
+    worker = Worker(threading.Event(), threading.Event())
+    failed, loaded = [], []
+    worker.loadFailed.connect(failed.append)
+    worker.loaded.connect(loaded.append)
+    worker.load(MODEL, {"expert_slots": 33})
+    worker.load(MODEL, {"side_slots": 0, "expert_slots": 0})
+    assert failed == [
+        "could not open " + MODEL + ": expert slots 33: must be <= 32, the model's experts "
+        "per MoE layer",
+        "could not open " + MODEL + ": expert slots 0: must be >= 1",
+    ]
+    worker.load(MODEL, {"expert_memory": 64 * 2**20})  # no default slot count beside it
+    assert len(failed) == 2 and loaded[0].config.expert_slots is None
+    worker.unload()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="display check is Linux's")
