@@ -18,7 +18,7 @@ import pytest
 
 from engine import cache as cache_mod
 from engine.cli import main
-from engine.config import StreamConfig
+from engine.config import ConfigError, StreamConfig
 from engine.convert import convert
 from engine.experts import find_experts, instantiate
 from engine.model import _expected_segments, load
@@ -81,17 +81,23 @@ def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypat
     assert len(err) == 1 and "the expert pools need 1.59 GB" in err[0]
 
 
-def test_pools_beyond_any_memory_are_refused(store_dir):
-    """Unpatched: a billion side slots ask for petabytes, refused by the real check."""
+def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
+    """A billion side slots are refused by the bound of the expert count (8); past it
+    (switched off), they ask for petabytes, refused by the real memory check."""
+    config = StreamConfig(expert_slots=2, side_slots=10**9)
+    with pytest.raises(ConfigError, match=r"side_slots = 1000000000: must be <= 8, the model's"):
+        load(store_dir, config)
+    monkeypatch.setattr(StreamConfig, "check_experts", lambda self, num_experts: None)
     with pytest.raises(cache_mod.PoolMemoryError, match=r"the expert pools need \d+\.\d+ GB"):
-        load(store_dir, StreamConfig(expert_slots=2, side_slots=10**9))
+        load(store_dir, config)
 
 
 def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
-    """Past the Python check (here: switched off), the native cache checks every
+    """Past the Python checks (here: switched off), the native cache checks every
     allocation: 2**48 bytes cannot be mapped on any machine."""
     make_wide_store(store_dir, 2**18)
     monkeypatch.setattr(cache_mod, "available_bytes", lambda: None)
+    monkeypatch.setattr(StreamConfig, "check_experts", lambda self, num_experts: None)
     message = r"cannot allocate \d+ bytes for .*layer00\.blob segment gate_proj\.weight"
     with pytest.raises(cache_mod.PoolMemoryError, match=message):
         cache_mod.open_cache(ExpertStore(store_dir), StreamConfig(side_slots=2**24))
