@@ -20,8 +20,9 @@ PROMPT = (
 
 @dataclass
 class Timing:
-    """One generation: mlx-lm's own definitions (prefill = prompt tokens / time to the
-    first token; decode = generated tokens after the first / time after the first)."""
+    """One generation: prefill = prompt tokens / time to the first token (mlx-lm's
+    definition); decode = generated tokens after the first / time after the first (the
+    tokens the decode steps made; mlx-lm's generation_tps counts the first one too)."""
 
     prompt_tokens: int
     tokens: list[int]

@@ -500,7 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", help="system prompt of --chat (models with a chat template)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, tokens and this reply's stats (its own cache "
+        "counts, not totals since load as the server's /v1/stats; decode_tps null for "
+        "one token)",
+    )
     _add_pipeline_flag(p, "rank 0 prints")
     p.add_argument(
         "--record-trace",
