@@ -620,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         # devnull so that the flush at exit raises nothing more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl+C: how a server is stopped, and a reply cut short
+        return 130  # 128 + SIGINT, as a shell reports it
     except (ValueError, OSError, KeyError) as e:
         print(f"expertstream: error: {_error_text(e, args)}", file=sys.stderr)
         return 2

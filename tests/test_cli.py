@@ -3,6 +3,7 @@ flag), its help, and the store cache (`expertstream cache`)."""
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -121,6 +122,18 @@ def test_serve_refuses_a_host_or_port_before_loading(capfd):
         code, out, err = run(capfd, "serve", "--port", port)
     assert_refused(code, out, err, f"--port {port}: already in use on 127.0.0.1")
     assert "loading" not in err  # refused before the model loads
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback():
+    p = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level", "warning"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = [p.stderr.readline(), p.stderr.readline()]
+    assert lines[0].startswith("loading ") and lines[1].startswith("serving on http://127.0.0.1:")
+    p.send_signal(signal.SIGINT)
+    assert p.wait(60) == 130 and "Traceback" not in p.stderr.read()
 
 
 def test_a_cut_trace_file_is_named(capfd, tmp_path):
