@@ -34,6 +34,10 @@ from app.conversation import Conversation, prompt_ids
 
 LIVE_FIELDS = ("prefetch", "side_lfu", "sync")
 TRACE_TOKENS = 4096  # routing kept for the advisor, tokens (the app's default)
+# The app records expert ids only: the router's top probabilities cost about 4% of decode
+# CPU time (ids alone about 1%: docs/benchmarks.md), and the advisor's replay gives the
+# same hit rates without them (within 0.1 point).
+RECORD_ROUTER = False
 
 # The names of the pool settings as the window labels them (app.controls), for messages
 # about their values; other fields keep their command-line flag's name.
@@ -193,7 +197,7 @@ class Worker(QObject):
         elif self._sm is not None:
             from engine.trace import record
 
-            self._recorder = record(self._sm, tokens)
+            self._recorder = record(self._sm, tokens, router=RECORD_ROUTER)
 
     def _progress(self, done: int, total: int) -> None:
         if self._cancel.is_set():
@@ -272,10 +276,7 @@ class Worker(QObject):
         else:
             if rec is not None:
                 rec.close()
-            # ids only: the router's probabilities cost about 5% of decode CPU time (and
-            # 1.5% for ids alone: docs/benchmarks.md), and the advisor's replay gives the
-            # same hit rates without them (within 0.1 point)
-            self._recorder = record(sm, self.trace_tokens, router=False)
+            self._recorder = record(sm, self.trace_tokens, router=RECORD_ROUTER)
 
     def generate(self, request: dict) -> None:
         """Generates a reply to `request["conversation"]` (a Conversation) with
