@@ -251,6 +251,10 @@ class PipelineGenerationThread(GenerationThread):
         return result
 
     def _run(self) -> None:
+        # Ctrl-C and SIGTERM are the main thread's (uvicorn's) to handle: delivered to this
+        # thread, they could interrupt a receive of the ring backend mid-collective and
+        # leave the ranks out of step until a deadline ends them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             super()._run()
         except PipelineError as e:
