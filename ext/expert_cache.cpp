@@ -456,7 +456,6 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
       ++st.evictions;
       R.clear(slot);
     }
-    loading_[li][slot] = 1;
     loads.emplace_back(e, slot);
   }
   st.misses += loads.size();
@@ -481,28 +480,37 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   }
   R.end_call();
   if (!loads.empty()) {
-    lk.unlock();
-    std::vector<uint8_t> landed;
-    uint64_t us = 0;
-    std::exception_ptr err = demand_read(li, loads, landed, &us);
-    lk.lock();
-    st.read_seconds_us += us;
-    for (size_t i = 0; i < loads.size(); ++i) {
-      auto [e, slot] = loads[i];
-      loading_[li][slot] = 0;
-      if (i >= landed.size() || !landed[i]) {
-        ++st.read_errors;
-        continue;  // the slot stays empty: no wrong bytes mapped
-      }
-      R.assign(slot, e, tick_);
-      row_of[e] = slot;
-      ++st.loads;
-      st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
-    }
+    std::exception_ptr err = load_slots(li, loads, lk);
+    for (auto [e, slot] : loads)
+      if (R.expert_at(slot) == e) row_of[e] = slot;
     if (err) std::rethrow_exception(err);
   }
   for (size_t i = 0; i < n; ++i) local[i] = row_of[ids[i]];
   return {};
+}
+
+std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<int, int>>& loads,
+                                           std::unique_lock<std::mutex>& lk) {
+  for (auto [e, slot] : loads) loading_[li][slot] = 1;
+  lk.unlock();
+  std::vector<uint8_t> landed;
+  uint64_t us = 0;
+  std::exception_ptr err = demand_read(li, loads, landed, &us);
+  lk.lock();
+  auto& st = stats_[li];
+  st.read_seconds_us += us;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    auto [e, slot] = loads[i];
+    loading_[li][slot] = 0;
+    if (i >= landed.size() || !landed[i]) {
+      ++st.read_errors;
+      continue;
+    }
+    real_[li].assign(slot, e, tick_);
+    ++st.loads;
+    st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+  }
+  return err;
 }
 
 int ExpertCache::fill(int li) {
@@ -523,26 +531,7 @@ int ExpertCache::fill(int li) {
     loads.emplace_back(e, free[loads.size()]);
   }
   if (loads.empty()) return 0;
-  for (auto [e, s] : loads) loading_[li][s] = 1;
-  lk.unlock();
-  std::vector<uint8_t> landed;
-  uint64_t us = 0;
-  std::exception_ptr err = demand_read(li, loads, landed, &us);
-  lk.lock();
-  auto& st = stats_[li];
-  st.read_seconds_us += us;
-  for (size_t i = 0; i < loads.size(); ++i) {
-    auto [e, s] = loads[i];
-    loading_[li][s] = 0;
-    if (i >= landed.size() || !landed[i]) {
-      ++st.read_errors;
-      continue;
-    }
-    R.assign(s, e, tick_);
-    ++st.loads;
-    st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
-  }
-  if (err) std::rethrow_exception(err);
+  if (std::exception_ptr err = load_slots(li, loads, lk)) std::rethrow_exception(err);
   return static_cast<int>(loads.size());
 }
 
@@ -702,19 +691,9 @@ void ExpertCache::pin(int li, int expert) {
       ++stats_[li].evictions;
       R.clear(slot);
     }
-    loading_[li][slot] = 1;
-    lk.unlock();
-    std::vector<uint8_t> landed;
-    std::exception_ptr err = demand_read(li, {{expert, slot}}, landed);
-    lk.lock();
-    loading_[li][slot] = 0;
-    if (err) {
-      ++stats_[li].read_errors;
+    ++tick_;
+    if (std::exception_ptr err = load_slots(li, {{expert, slot}}, lk))
       std::rethrow_exception(err);  // the slot stays empty
-    }
-    R.assign(slot, expert, ++tick_);
-    ++stats_[li].loads;
-    stats_[li].bytes_read += static_cast<uint64_t>(layers_[li].stride);
   } else if (!R.pinned(expert) && R.pinned_count() + 1 >= caps_[li]) {
     throw std::invalid_argument("pinning expert " + std::to_string(expert) +
                                 " would leave no evictable slot (cap " +

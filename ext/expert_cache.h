@@ -204,6 +204,12 @@ class ExpertCache {
   // adds the wall time to *micros when given.
   std::exception_ptr demand_read(int li, const std::vector<std::pair<int, int>>& loads,
                                  std::vector<uint8_t>& landed, uint64_t* micros = nullptr);
+  // Demand loads into real slots: marks `loads` ((expert, slot) pairs) loading, reads them
+  // with `lk` (on mu_) released, then under it again clears the marks, assigns each slot
+  // whose record landed (a failed one stays empty: no wrong bytes mapped) and counts
+  // loads, bytes, read time and errors. Returns the first read error.
+  std::exception_ptr load_slots(int li, const std::vector<std::pair<int, int>>& loads,
+                                std::unique_lock<std::mutex>& lk);
   void fill_task(int li, int gen, int expert, int row, const std::shared_ptr<FillTicket>& t,
                  bool cancelled);
 
