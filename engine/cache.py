@@ -261,11 +261,7 @@ def fill_whole_layers(cache: _ext.ExpertCache) -> int:
     Raises:
         engine.cache.ExpertReadError (and subclasses): a record cannot be read.
     """
-    whole = [
-        li
-        for li in range(cache.num_layers)
-        if len(cache.snapshot(li)["slot_expert"]) == cache.num_experts
-    ]
+    whole = [li for li, n in enumerate(cache.layer_slots) if n == cache.num_experts]
     return sum(cache.fill(li) for li in whole)
 
 
