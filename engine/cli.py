@@ -277,12 +277,17 @@ def _serve(args) -> int:
                 f"{sock.getsockname()[1]} can use the model (no authentication)",
                 file=sys.stderr,
             )
-        app = build_app(engine, model.name, args.max_tokens)
+        app = build_app(
+            engine,
+            model.name,
+            args.max_tokens,
+            # said once uvicorn handles Ctrl+C: a Ctrl+C before that could hang its start
+            on_start=lambda: print(f"serving on {url(sock)} (Ctrl+C stops)", file=sys.stderr),
+        )
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
         if args.pipeline:  # a failed rank stops the server; the command fails with its error
             engine.on_failure = lambda: setattr(server, "should_exit", True)
             server.should_exit = engine.failure is not None
-        print(f"serving on {url(sock)} (Ctrl+C stops)", file=sys.stderr)
         server.run(sockets=[sock])
     if getattr(engine, "failure", None) is not None:
         pipeline.exit_now(engine.failure)

@@ -529,7 +529,12 @@ def _prompt(data: dict, tokenizer, vocab: int | None) -> list[int]:
 # ---- the application ------------------------------------------------------------------
 
 
-def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int = 256) -> Starlette:
+def build_app(
+    engine: GenerationThread,
+    model_id: str,
+    default_max_tokens: int = 256,
+    on_start: Callable[[], None] | None = None,
+) -> Starlette:
     """The Starlette application serving `engine`'s model as `model_id`.
 
     Args:
@@ -537,6 +542,8 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
         model_id: the name `/v1/models` lists and replies carry.
         default_max_tokens: reply limit of requests that give no max_tokens (shortened to
             what the context leaves).
+        on_start: called once the server has started (under uvicorn, its Ctrl+C handling
+            is in place by then).
     """
     sm = engine.sm
     tokenizer = sm.tokenizer
@@ -685,6 +692,8 @@ def build_app(engine: GenerationThread, model_id: str, default_max_tokens: int =
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if on_start is not None:
+            on_start()
         yield
         await asyncio.to_thread(engine.close)
 
