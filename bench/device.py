@@ -131,9 +131,12 @@ def embedded(tokens: int, log) -> dict:
     ref, dt, _ = decode(model, prompt, tokens)
     base = (len(ref) - 1) / dt
     res = {"resident": {"decode_tps": base}, "runs": {}}
-    log(f"\n### Embedded model, {tokens} tokens: mlx-lm resident {base:.1f} tok/s\n\n{HEADER}")
     probe = load(None, StreamConfig())
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
+    log(
+        f"\n### Embedded model, {tokens} tokens: mlx-lm resident {base:.1f} tok/s\n\n"
+        f"(pool writes: {probe.cache.pool_writes})\n\n{HEADER}"
+    )
     del probe
     for frac in FRACTIONS:
         slots = max(1, round(e * frac))
@@ -174,7 +177,8 @@ def synthetic(store: Path, tokens: int, log) -> dict:
     res["bare_table_tps"] = base
     log(
         f"\n### Synthetic Qwen3-30B-A3B shapes ({e} experts, top-{k}), {tokens} tokens: "
-        f"bare device table {base:.1f} tok/s; dd O_DIRECT {res['dd_MBps']:.0f} MB/s\n\n{HEADER}"
+        f"bare device table {base:.1f} tok/s; dd O_DIRECT {res['dd_MBps']:.0f} MB/s\n\n"
+        f"(pool writes: {sm.cache.pool_writes})\n\n{HEADER}"
     )
     for sync_path in (False, True):
         r = run_streamed(sm, prompt, tokens, sync_path)

@@ -118,6 +118,12 @@ class ExpertCache:
     def scratch_slots(self) -> int:
         """Scratch rows per layer: experts per chunk of an over-capacity call."""
 
+    @property
+    def pool_writes(self) -> str:
+        """
+        How records reach the pools: "memcpy" (host memory, unified memory), or "cuda" (MLX CUDA's managed memory, written with cudaMemcpyAsync so its pages stay on the GPU).
+        """
+
     def pool(self, layer: int) -> list[mlx.core.array]:
         """
         The pool arrays of MoE layer `layer`, one per segment in record order, each

@@ -151,6 +151,10 @@ const char* kExpertSlots = "Real-region slots of the largest MoE layer (layer_sl
 const char* kLayerSlots = "Real-region slots of each MoE layer (list of int, in MoE order).";
 const char* kSideSlots = "Side-region rows per bank (two banks).";
 const char* kScratchSlots = "Scratch rows per layer: experts per chunk of an over-capacity call.";
+const char* kPoolWrites =
+    "How records reach the pools: \"memcpy\" (host memory, unified memory), or \"cuda\" "
+    "(MLX CUDA's managed memory, written with cudaMemcpyAsync so its pages stay on the "
+    "GPU).";
 
 const char* kPool = R"(The pool arrays of MoE layer `layer`, one per segment in record order, each
 shaped (rows, *segment shape) with the segment's dtype. They share memory with the
@@ -444,6 +448,8 @@ NB_MODULE(_ext, m) {
                    doc::kSideSlots)
       .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
                    doc::kScratchSlots)
+      .def_prop_ro("pool_writes", [](const Cache& c) { return c.impl->pool_writes(); },
+                   doc::kPoolWrites)
       .def("pool", [](const Cache& c, int li) { return c.impl->pool(li); }, "layer"_a,
            nb::sig("def pool(self, layer: int) -> list[mlx.core.array]"), doc::kPool)
       .def(

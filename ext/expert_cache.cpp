@@ -117,7 +117,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       if (a.nbytes() != bytes)
         throw std::invalid_argument(L.path + ": segment " + seg.key +
                                     " shape and dtype disagree with nbytes");
-      std::memset(a.data<uint8_t>(), 0, bytes);
+      if (li == 0 && arrays.empty()) writer_ = PoolWriter(a.data<uint8_t>());
+      writer_.zero(a.data<uint8_t>(), bytes);
       ptrs.push_back(a.data<uint8_t>());
       arrays.push_back(std::move(a));
     }
@@ -153,20 +154,31 @@ int ExpertCache::fill_gen() const { return side_lfu_ ? 0 : static_cast<int>(forw
 
 void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
   const auto& L = layers_[li];
+  std::vector<Span> spans;
+  spans.reserve(L.segments.size());
   for (size_t s = 0; s < L.segments.size(); ++s) {
     const auto& seg = L.segments[s];
-    std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, buf + seg.offset,
-                static_cast<size_t>(seg.nbytes));
+    spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes,
+                     buf + seg.offset, static_cast<size_t>(seg.nbytes)});
+  }
+  try {
+    writer_.copy(spans);
+  } catch (const std::exception& e) {
+    throw ReadError(L.path + " (layer " + std::to_string(L.layer) + ", row " +
+                    std::to_string(row) + "): " + e.what());
   }
 }
 
 void ExpertCache::copy_row(int li, int from, int to) {
   const auto& L = layers_[li];
+  std::vector<Span> spans;
+  spans.reserve(L.segments.size());
   for (size_t s = 0; s < L.segments.size(); ++s) {
     const auto n = static_cast<size_t>(L.segments[s].nbytes);
-    std::memcpy(pool_ptrs_[li][s] + static_cast<size_t>(to) * n,
-                pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n);
+    spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(to) * n,
+                     pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n});
   }
+  writer_.copy(spans);
 }
 
 std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
@@ -205,9 +217,14 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
         }
         b.state[i] = kCopying;
       }
-      copy_record(li, buf, row);
+      try {
+        copy_record(li, buf, row);
+      } catch (...) {
+        err = std::current_exception();
+      }
       std::lock_guard<std::mutex> lk(b.mu);
-      b.state[i] = kDone;
+      b.state[i] = err ? kFailed : kDone;
+      if (err) b.error[i] = err;
       ++b.settled;
       b.cv.notify_all();
     });
@@ -604,8 +621,12 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     }
     int expect = kPending;
     if (read && t->state.compare_exchange_strong(expect, kCopying)) {
-      copy_record(li, buf, caps_[li] + gen * config_.spec + row);
-      landed = true;
+      try {
+        copy_record(li, buf, caps_[li] + gen * config_.spec + row);
+        landed = true;
+      } catch (...) {
+        t->state.store(kPending);  // settled Failed below, or Abandoned by a drain: released
+      }
     }
   }
   std::lock_guard<std::mutex> lk(mu_);

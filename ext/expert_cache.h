@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "blob_file.h"
+#include "pool_writer.h"
 #include "mlx/array.h"
 #include "reader_pool.h"
 #include "real_region.h"
@@ -97,6 +98,8 @@ class ExpertCache {
   ~ExpertCache();
 
   int num_layers() const { return static_cast<int>(layers_.size()); }
+  // How records reach the pools: "memcpy", or "cuda" for MLX CUDA's managed memory.
+  const char* pool_writes() const { return writer_.kind(); }
   int num_experts() const { return num_experts_; }
   const CacheConfig& config() const { return config_; }
   // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
@@ -245,6 +248,7 @@ class ExpertCache {
   bool side_lfu_;
   bool sync_;
 
+  PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
   std::unique_ptr<ReaderPool> readers_;
 };
 

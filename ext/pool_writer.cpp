@@ -1,0 +1,155 @@
+#include "pool_writer.h"
+
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#if defined(__linux__)
+#include <dlfcn.h>
+#endif
+
+namespace es {
+
+namespace {
+
+// The few CUDA runtime entry points the writer uses, declared here so that nothing is
+// linked against (cuda_runtime_api.h gives the same signatures; the enum values are
+// CUDA's: cudaMemcpyDefault 4, cudaMemoryTypeDevice 2, cudaMemoryTypeManaged 3,
+// cudaStreamNonBlocking 1).
+using Stream = void*;
+struct PointerAttributes {
+  int type;
+  int device;
+  void* device_pointer;
+  void* host_pointer;
+  char reserved[256];  // room for fields a later runtime may add
+};
+
+struct Cuda {
+  int (*pointer_attributes)(PointerAttributes*, const void*) = nullptr;
+  int (*set_device)(int) = nullptr;
+  int (*stream_create)(Stream*, unsigned) = nullptr;
+  int (*memcpy_async)(void*, const void*, size_t, int, Stream) = nullptr;
+  int (*memset_async)(void*, int, size_t, Stream) = nullptr;
+  int (*stream_sync)(Stream) = nullptr;
+  const char* (*error_string)(int) = nullptr;
+};
+
+// The runtime MLX loaded, or null (no CUDA backend in this process).
+const Cuda* cuda() {
+  static Cuda table;
+  static const Cuda* found = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+#if defined(__linux__)
+    for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+      void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+      if (!h) continue;
+      auto sym = [h](auto& fn, const char* s) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, s));
+        return fn != nullptr;
+      };
+      if (sym(table.pointer_attributes, "cudaPointerGetAttributes") &&
+          sym(table.set_device, "cudaSetDevice") &&
+          sym(table.stream_create, "cudaStreamCreateWithFlags") &&
+          sym(table.memcpy_async, "cudaMemcpyAsync") &&
+          sym(table.memset_async, "cudaMemsetAsync") &&
+          sym(table.stream_sync, "cudaStreamSynchronize") &&
+          sym(table.error_string, "cudaGetErrorString")) {
+        found = &table;
+        return;
+      }
+    }
+#endif
+  });
+  return found;
+}
+
+void check(int rc, const char* what) {
+  if (rc != 0)
+    throw std::runtime_error(std::string("pool write: ") + what + " failed: " +
+                             cuda()->error_string(rc));
+}
+
+// Non-blocking streams for pool writes, one per concurrent writer, kept for the process:
+// a stream is never destroyed, so no thread exit or interpreter shutdown races the
+// runtime's own teardown. At most one per thread that ever wrote at once.
+class StreamPool {
+ public:
+  Stream take(int device) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second != device) continue;
+        Stream s = it->first;
+        free_.erase(it);
+        return s;
+      }
+    }
+    Stream s = nullptr;
+    check(cuda()->stream_create(&s, 1), "cudaStreamCreateWithFlags");
+    return s;
+  }
+  void give(Stream s, int device) {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_.emplace_back(s, device);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<Stream, int>> free_;
+};
+
+StreamPool& streams() {
+  static auto* pool = new StreamPool;  // never destroyed, like its streams
+  return *pool;
+}
+
+// Runs `issue(stream)` on a pool stream of `device` and waits for that stream alone.
+template <typename F>
+void on_stream(int device, F&& issue) {
+  check(cuda()->set_device(device), "cudaSetDevice");
+  Stream s = streams().take(device);
+  try {
+    issue(s);
+    check(cuda()->stream_sync(s), "cudaStreamSynchronize");
+  } catch (...) {
+    streams().give(s, device);
+    throw;
+  }
+  streams().give(s, device);
+}
+
+}  // namespace
+
+PoolWriter::PoolWriter(const void* probe) {
+  const Cuda* c = cuda();
+  if (!c || !probe) return;
+  PointerAttributes a{};
+  if (c->pointer_attributes(&a, probe) != 0) return;  // not CUDA memory
+  if (a.type == 2 || a.type == 3) device_ = a.device;
+}
+
+void PoolWriter::copy(const std::vector<Span>& spans) const {
+  if (device_ < 0) {
+    for (const auto& s : spans) std::memcpy(s.dst, s.src, s.bytes);
+    return;
+  }
+  on_stream(device_, [&](Stream st) {
+    for (const auto& s : spans)
+      check(cuda()->memcpy_async(s.dst, s.src, s.bytes, 4, st), "cudaMemcpyAsync");
+  });
+}
+
+void PoolWriter::zero(uint8_t* dst, size_t bytes) const {
+  if (device_ < 0) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  on_stream(device_, [&](Stream st) {
+    check(cuda()->memset_async(dst, 0, bytes, st), "cudaMemsetAsync");
+  });
+}
+
+}  // namespace es
