@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -136,6 +137,33 @@ def test_ctrl_c_stops_the_server_without_a_traceback():
     # 130 as a shell reports Ctrl+C; 0 when uvicorn's graceful stop swallows it (seen once
     # in a full-suite run, cause not found): either way stopped, without a traceback
     assert p.wait(60) in (130, 0) and "Traceback" not in p.stderr.read()
+
+
+def test_ctrl_c_cuts_the_reply_in_progress():
+    """uvicorn waits for open replies before it stops: without a cancel at the Ctrl+C,
+    the server stopped only once a long reply had run to its max_tokens."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level", "warning"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    p.stderr.readline()
+    address = p.stderr.readline().split()[2]  # "serving on http://127.0.0.1:PORT ..."
+    request = urllib.request.Request(
+        f"{address}/v1/completions",
+        json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        for line in reply:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+                if len(chunks) == 2:
+                    p.send_signal(signal.SIGINT)
+    assert p.wait(60) in (130, 0) and "Traceback" not in p.stderr.read()
+    assert len(chunks) < 100, len(chunks)  # ended at the next MoE layer, not after 400
+    assert chunks[-1]["finish_reason"] is None  # cut short: neither "length" nor "stop"
 
 
 def test_a_cut_trace_file_is_named(capfd, tmp_path):
