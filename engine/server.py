@@ -419,14 +419,26 @@ class GenerationThread:
             mx.eval(mx.random.state)
 
 
-def uvicorn_server(app: Starlette, engine: GenerationThread, log_level: str):
-    """A `uvicorn.Server` of `app` whose shutdown (Ctrl+C, SIGTERM) starts with
+def uvicorn_server(
+    app: Starlette,
+    engine: GenerationThread,
+    log_level: str,
+    on_start: Callable[[], None] | None = None,
+):
+    """A `uvicorn.Server` of `app` that calls `on_start` once it listens (its Ctrl+C
+    handling is in place by then; the app's lifespan starts before it listens, so a
+    client told then was refused), and whose shutdown (Ctrl+C, SIGTERM) starts with
     `engine.cancel_all()`: uvicorn waits for open replies before the app's lifespan ends
     (`engine.close`), so a long reply would otherwise hold the shutdown until its last
     token."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if on_start is not None and not self.should_exit:
+                on_start()
+
         def handle_exit(self, sig, frame) -> None:
             engine.cancel_all()
             super().handle_exit(sig, frame)
@@ -553,7 +565,6 @@ def build_app(
     engine: GenerationThread,
     model_id: str,
     default_max_tokens: int = 256,
-    on_start: Callable[[], None] | None = None,
 ) -> Starlette:
     """The Starlette application serving `engine`'s model as `model_id`.
 
@@ -562,8 +573,6 @@ def build_app(
         model_id: the name `/v1/models` lists and replies carry.
         default_max_tokens: reply limit of requests that give no max_tokens (shortened to
             what the context leaves).
-        on_start: called once the server has started (under uvicorn, its Ctrl+C handling
-            is in place by then).
     """
     sm = engine.sm
     tokenizer = sm.tokenizer
@@ -712,8 +721,6 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if on_start is not None:
-            on_start()
         yield
         await asyncio.to_thread(engine.close)
 

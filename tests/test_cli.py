@@ -87,6 +87,22 @@ def test_refused_before_anything_is_printed(capfd, argv, message):
     assert_refused(*run(capfd, "generate", *argv), message)
 
 
+def test_a_model_larger_than_memory_streams_by_default(capfd, monkeypatch):
+    # the embedded model: 17.9 MB of expert pools (every expert) and 1.7 MB of dense weights
+    from engine import cache, memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 15_000_000)
+    monkeypatch.setattr(cache, "available_bytes", lambda: 15_000_000)
+    code, out, err = run(capfd, "generate", "--max-tokens", "4", "--json")
+    assert code == 0, err
+    assert "\nnote: every expert (0.02 GB) and the dense weights (0.00 GB) exceed" in "\n" + err
+    assert "streaming with --expert-memory auto" in err
+    assert json.loads(out)["stats"]["misses"] > 0  # streamed: 7.5 MB of real slots
+    # every expert asked for is refused, not streamed
+    code, out, err = run(capfd, "generate", "--expert-slots", "32")
+    assert_refused(code, out, err, "the expert pools need 0.02 GB")
+
+
 def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypatch):
     monkeypatch.setenv("PREFILL_CHUNK", "1000")
     code, out, err = run(capfd, "generate")
