@@ -85,9 +85,9 @@ def _convert(args) -> int:
 
 def _load(model: str | Path | None, config):
     """`engine.model.load` for one process: a model directory's first-use convert draws
-    a bar on a terminal, and without --expert-slots or --expert-memory (every expert) a model whose
-    experts and dense weights exceed the memory available is streamed with
-    --expert-memory auto instead, said on stderr, rather than failing to allocate."""
+    a bar on a terminal, and without --expert-slots or --expert-memory (every expert), a
+    model whose experts and dense weights exceed the memory available is streamed with
+    --expert-memory auto instead, said on stderr, rather than refused."""
     import dataclasses
 
     from engine.memory import available_bytes
