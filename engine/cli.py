@@ -43,29 +43,72 @@ def _new_store(dest: str, force: bool):
         raise ValueError(f"{dest} already exists: --force replaces it") from e
 
 
-def _convert(args) -> int:
+@contextlib.contextmanager
+def _progress_bar(terminal_only: bool = False):
+    """A convert's `progress(done, total)` drawing a bar on stderr (`terminal_only`: only
+    when stderr is a terminal); the bar is made at the first report, so that an error
+    before it prints alone."""
     from tqdm import tqdm
 
-    from engine.convert import convert
-
-    bar = None  # made at the first progress report: an error before it prints alone
+    bar = None
 
     def progress(done, total):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                desc="experts",
+                file=sys.stderr,
+                disable=None if terminal_only else False,  # None: off unless a terminal
+            )
         bar.total = total
         bar.n = done
         bar.refresh()
 
     try:
-        with _new_store(args.store_dir, args.force):
-            path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
+        yield progress
     finally:
         if bar is not None:
             bar.close()
+
+
+def _convert(args) -> int:
+    from engine.convert import convert
+
+    with _progress_bar() as progress, _new_store(args.store_dir, args.force):
+        path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
     print(f"wrote {path}")
     return 0
+
+
+def _load(model: str | Path | None, config):
+    """`engine.model.load` for one process: a model directory's first-use convert draws
+    a bar on a terminal, and without --expert-slots or --expert-memory (every expert), a
+    model whose experts and dense weights exceed the memory available is streamed with
+    --expert-memory auto instead, said on stderr, rather than refused."""
+    import dataclasses
+
+    from engine.memory import available_bytes
+    from engine.model import load, load_bytes, resolve_store
+    from engine.resources import default_model_path
+
+    with _progress_bar(terminal_only=True) as progress:
+        store = resolve_store(model or default_model_path(), progress)
+    if config.expert_slots is None and config.expert_memory is None:
+        pools, dense = load_bytes(store, config)
+        available = available_bytes()
+        if available is not None and pools + dense > available:
+            print(
+                f"note: every expert ({pools / 1e9:.2f} GB) and the dense weights "
+                f"({dense / 1e9:.2f} GB) exceed the {available / 1e9:.2f} GB of memory "
+                "available: streaming with --expert-memory auto (--expert-slots or "
+                "--expert-memory sets it)",
+                file=sys.stderr,
+            )
+            config = dataclasses.replace(config, expert_memory="auto")
+    return load(store.path, config)
 
 
 def _copy_stage(args) -> int:
@@ -109,14 +152,13 @@ def _tps(value: float | None) -> str:
 def _generate(args) -> int:
     from engine.chat import has_chat_template
     from engine.generate import check_context, prompt_tokens
-    from engine.model import load
 
     _check_generate_flags(args)
     if args.pipeline:
         if args.record_trace:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
         return _generate_pipeline(args)
-    sm = load(args.model, stream_config(args))
+    sm = _load(args.model, stream_config(args))
     if args.chat and not has_chat_template(sm.tokenizer):
         print(
             "note: the model has no chat template: --chat continues the prompt as plain text",
@@ -234,15 +276,14 @@ def _generate_pipeline(args) -> int:
 
 def _serve(args) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the serve extra: refused here in one line)
 
-        from engine.server import GenerationThread, bind, build_app, url
+        from engine.server import GenerationThread, bind, build_app, url, uvicorn_server
     except ImportError as e:
         raise ValueError(
             f"serve needs the 'serve' extra ({e.name} is missing): "
             "pip install 'expertstream[serve]'"
         ) from None
-    from engine.model import load
     from engine.resources import default_model_path
 
     if args.record_trace < 0:
@@ -268,7 +309,7 @@ def _serve(args) -> int:
             engine = PipelineGenerationThread(model, config, group, args.max_queue)
         else:
             engine = GenerationThread(
-                lambda: load(model, config), args.max_queue, args.record_trace
+                lambda: _load(model, config), args.max_queue, args.record_trace
             )
         engine.start()
         if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -277,14 +318,14 @@ def _serve(args) -> int:
                 f"{sock.getsockname()[1]} can use the model (no authentication)",
                 file=sys.stderr,
             )
-        app = build_app(
+        app = build_app(engine, model.name, args.max_tokens)
+        server = uvicorn_server(
+            app,
             engine,
-            model.name,
-            args.max_tokens,
-            # said once uvicorn handles Ctrl+C: a Ctrl+C before that could hang its start
+            args.log_level,
+            # said once uvicorn listens and handles Ctrl+C (a Ctrl+C before could hang it)
             on_start=lambda: print(f"serving on {url(sock)} (Ctrl+C stops)", file=sys.stderr),
         )
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
         if args.pipeline:  # a failed rank stops the server; the command fails with its error
             engine.on_failure = lambda: setattr(server, "should_exit", True)
             server.should_exit = engine.failure is not None
@@ -408,8 +449,6 @@ def _record_for_advice(args, config):
     the trace, the measured figures and the store."""
     from engine.advisor import Measured
     from engine.generate import generate, prompt_tokens
-    from engine.model import load
-    from engine.resources import default_model_path
     from engine.trace import record
 
     try:
@@ -418,7 +457,7 @@ def _record_for_advice(args, config):
         raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it ({e})") from None
     if not text.strip():
         raise ValueError(f"--prompt-file {args.prompt_file} is empty")
-    sm = load(args.model or default_model_path(), config)
+    sm = _load(args.model, config)
     with record(sm) as recorder:
         result = generate(sm, prompt_tokens(sm, text, False), args.max_tokens)
     trace = recorder.trace(Path(args.prompt_file).stem)

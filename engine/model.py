@@ -332,6 +332,13 @@ def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
     return tokenizer
 
 
+def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
+    """(expert pools, dense weights) in bytes that `load(store, config)` holds before the
+    first token: every MoE layer's pools (`engine.cache.planned_pool_bytes`) and
+    `dense.safetensors`. Front ends compare their sum with the memory available."""
+    return cache_mod.planned_pool_bytes(store, config)[0], store.manifest.dense_bytes
+
+
 def load(
     path: str | Path | None = None,
     config: StreamConfig | None = None,

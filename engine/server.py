@@ -296,12 +296,17 @@ class GenerationThread:
         t = self.sm.snapshot().totals()
         return {k: t[k] for k in CACHE_STATS}
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Cancels the reply in progress and every queued job, ends the thread (the model
-        is freed on it) and waits up to `timeout` seconds for it."""
+    def cancel_all(self) -> None:
+        """Fails every queued job and cancels the reply in progress (it ends at its next
+        MoE layer, with no finish reason); returns at once."""
         self._drain("the server is shutting down")
         if (job := self._current) is not None:
             job.cancel.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """`cancel_all`, then ends the thread (the model is freed on it) and waits up to
+        `timeout` seconds for it."""
+        self.cancel_all()
         if self.thread.is_alive():
             self._jobs.put(None)
             self.thread.join(timeout)
@@ -412,6 +417,33 @@ class GenerationThread:
         finally:
             # Sampling leaves MLX's global random key lazy on this thread's stream.
             mx.eval(mx.random.state)
+
+
+def uvicorn_server(
+    app: Starlette,
+    engine: GenerationThread,
+    log_level: str,
+    on_start: Callable[[], None] | None = None,
+):
+    """A `uvicorn.Server` of `app` that calls `on_start` once it listens (its Ctrl+C
+    handling is in place by then; the app's lifespan starts before it listens, so a
+    client told then was refused), and whose shutdown (Ctrl+C, SIGTERM) starts with
+    `engine.cancel_all()`: uvicorn waits for open replies before the app's lifespan ends
+    (`engine.close`), so a long reply would otherwise hold the shutdown until its last
+    token."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if on_start is not None and not self.should_exit:
+                on_start()
+
+        def handle_exit(self, sig, frame) -> None:
+            engine.cancel_all()
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, log_level=log_level))
 
 
 # ---- request fields -------------------------------------------------------------------
@@ -533,7 +565,6 @@ def build_app(
     engine: GenerationThread,
     model_id: str,
     default_max_tokens: int = 256,
-    on_start: Callable[[], None] | None = None,
 ) -> Starlette:
     """The Starlette application serving `engine`'s model as `model_id`.
 
@@ -542,8 +573,6 @@ def build_app(
         model_id: the name `/v1/models` lists and replies carry.
         default_max_tokens: reply limit of requests that give no max_tokens (shortened to
             what the context leaves).
-        on_start: called once the server has started (under uvicorn, its Ctrl+C handling
-            is in place by then).
     """
     sm = engine.sm
     tokenizer = sm.tokenizer
@@ -692,8 +721,6 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if on_start is not None:
-            on_start()
         yield
         await asyncio.to_thread(engine.close)
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -86,6 +87,22 @@ def test_refused_before_anything_is_printed(capfd, argv, message):
     assert_refused(*run(capfd, "generate", *argv), message)
 
 
+def test_a_model_larger_than_memory_streams_by_default(capfd, monkeypatch):
+    # the embedded model: 17.9 MB of expert pools (every expert) and 1.7 MB of dense weights
+    from engine import cache, memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 15_000_000)
+    monkeypatch.setattr(cache, "available_bytes", lambda: 15_000_000)
+    code, out, err = run(capfd, "generate", "--max-tokens", "4", "--json")
+    assert code == 0, err
+    assert "\nnote: every expert (0.02 GB) and the dense weights (0.00 GB) exceed" in "\n" + err
+    assert "streaming with --expert-memory auto" in err
+    assert json.loads(out)["stats"]["misses"] > 0  # streamed: 7.5 MB of real slots
+    # every expert asked for is refused, not streamed
+    code, out, err = run(capfd, "generate", "--expert-slots", "32")
+    assert_refused(code, out, err, "the expert pools need 0.02 GB")
+
+
 def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypatch):
     monkeypatch.setenv("PREFILL_CHUNK", "1000")
     code, out, err = run(capfd, "generate")
@@ -136,6 +153,33 @@ def test_ctrl_c_stops_the_server_without_a_traceback():
     # 130 as a shell reports Ctrl+C; 0 when uvicorn's graceful stop swallows it (seen once
     # in a full-suite run, cause not found): either way stopped, without a traceback
     assert p.wait(60) in (130, 0) and "Traceback" not in p.stderr.read()
+
+
+def test_ctrl_c_cuts_the_reply_in_progress():
+    """uvicorn waits for open replies before it stops: without a cancel at the Ctrl+C,
+    the server stopped only once a long reply had run to its max_tokens."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level", "warning"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    p.stderr.readline()
+    address = p.stderr.readline().split()[2]  # "serving on http://127.0.0.1:PORT ..."
+    request = urllib.request.Request(
+        f"{address}/v1/completions",
+        json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        for line in reply:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+                if len(chunks) == 2:
+                    p.send_signal(signal.SIGINT)
+    assert p.wait(60) in (130, 0) and "Traceback" not in p.stderr.read()
+    assert len(chunks) < 100, len(chunks)  # ended at the next MoE layer, not after 400
+    assert chunks[-1]["finish_reason"] is None  # cut short: neither "length" nor "stop"
 
 
 def test_a_cut_trace_file_is_named(capfd, tmp_path):

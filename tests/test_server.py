@@ -15,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import uvicorn
+from starlette.applications import Starlette
 
 from engine.config import StreamConfig
 from engine.model import load
-from engine.server import GenerationThread, StopMatcher, build_app
+from engine.server import GenerationThread, StopMatcher, bind, build_app, uvicorn_server
 
 PROMPT = "Once upon a"
 
@@ -338,3 +339,24 @@ def test_full_queue_answers_503_with_retry_after():
     finally:
         gate.set()
         small.close()
+
+
+def test_on_start_is_called_once_the_port_listens():
+    """`serving on ...` was said from the app's lifespan, which uvicorn starts before it
+    listens: a client that connected on reading it was refused."""
+
+    class Idle:
+        def cancel_all(self):
+            pass
+
+    connected = []
+    with bind("127.0.0.1", 0) as sock:
+
+        def on_start():
+            with socket.create_connection(sock.getsockname(), timeout=10):
+                connected.append(True)
+            server.should_exit = True
+
+        server = uvicorn_server(Starlette(), Idle(), "warning", on_start)
+        server.run(sockets=[sock])
+    assert connected == [True]
