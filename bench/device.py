@@ -119,7 +119,7 @@ HEADER = (
 )
 
 
-def embedded(tokens: int, log) -> dict:
+def embedded(tokens: int, log, fractions=FRACTIONS) -> dict:
     from mlx_lm import load as mlx_load
 
     from engine.resources import default_model_path
@@ -138,7 +138,7 @@ def embedded(tokens: int, log) -> dict:
         f"(pool writes: {probe.cache.pool_writes})\n\n{HEADER}"
     )
     del probe
-    for frac in FRACTIONS:
+    for frac in fractions:
         slots = max(1, round(e * frac))
         for prefetch in (False, True):
             side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
@@ -155,7 +155,7 @@ def embedded(tokens: int, log) -> dict:
     return res
 
 
-def synthetic(store: Path, tokens: int, log) -> dict:
+def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS) -> dict:
     rng = np.random.default_rng(0)
     probe = load(store, StreamConfig(expert_slots=1))
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
@@ -187,7 +187,7 @@ def synthetic(store: Path, tokens: int, log) -> dict:
         res["runs"][label] = r
         log(row(label, r, base))
     del sm
-    for frac in FRACTIONS[1:]:
+    for frac in [f for f in fractions if f < 1.0]:
         slots = round(e * frac)
         for prefetch in (False, True):
             side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
@@ -210,6 +210,12 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic", type=Path, help="a synthetic 30B-A3B-shaped store")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
     p.add_argument("--skip-embedded", action="store_true", help="only the synthetic store")
+    p.add_argument(
+        "--fractions",
+        type=lambda v: tuple(float(f) for f in v.split(",")),
+        default=FRACTIONS,
+        help="fractions of the experts cached, comma-separated (default 1,0.5,0.25,0.125)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -221,9 +227,9 @@ def main(argv=None) -> int:
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
     results = {}
     if not args.skip_embedded:
-        results["embedded"] = embedded(args.tokens, log)
+        results["embedded"] = embedded(args.tokens, log, args.fractions)
     if args.synthetic:
-        results["synthetic"] = synthetic(args.synthetic, args.tokens, log)
+        results["synthetic"] = synthetic(args.synthetic, args.tokens, log, args.fractions)
     (args.out / "device.json").write_text(json.dumps(results, indent=1))
     (args.out / "device.md").write_text("\n".join(lines) + "\n")
     return 0
