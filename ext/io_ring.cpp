@@ -101,13 +101,12 @@ std::unique_ptr<IoRing> IoRing::create(unsigned buffers, size_t buffer_bytes) {
   r->buffers_ = buffers;
   r->buffer_bytes_ = (buffer_bytes + 4095) / 4096 * 4096;
   r->base_bytes_ = std::max(r->buffer_bytes_ * buffers, size_t{2} << 20);
-  auto* region = new AlignedBuffer(r->base_bytes_);
-  r->base_ = region->data();
+  r->region_ = std::make_unique<AlignedBuffer>(r->base_bytes_);
+  r->base_ = r->region_->data();
   // Registered buffers spare each read the pinning of its pages; refused (RLIMIT_MEMLOCK
   // on kernels before 5.12, or a region over 1 GiB), reads pass the address instead.
   iovec iov{r->base_, r->base_bytes_};
   r->fixed_ = ::syscall(__NR_io_uring_register, r->fd_, IORING_REGISTER_BUFFERS, &iov, 1) == 0;
-  r->region_.reset(region);
   return r;
 }
 
