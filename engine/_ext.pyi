@@ -76,13 +76,13 @@ class ExpertCache:
             threads: reader threads, >= 1.
             read_timeout: seconds a demand read or a drain waits without progress, in
                 [0, 86400] (0: forever).
-            io_uring: demand reads through io_uring on the calling thread, threads + 1 in
-                flight, where the kernel has it (see the io_uring property); else on the reader
-                threads. Prefetch fills always use the reader threads.
             top_k: experts per token; calls of at most top_k ids teach the predictive policy
                 (0: every call does).
             layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
                 expert_slots for every layer), each in [1, num_experts].
+            io_uring: demand reads through io_uring on the calling thread, threads + 1 in
+                flight, where the kernel has it (see the io_uring property); else on the reader
+                threads. Prefetch fills always use the reader threads.
 
         Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
 
