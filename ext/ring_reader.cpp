@@ -167,7 +167,13 @@ class RingReader::Call {
       failed(i, std::current_exception());
       return;
     }
-    land_(i, bytes);
+    try {
+      land_(i, bytes);
+    } catch (...) {  // the copy into the pool failed (a device copy): not a read to retry
+      it.error = std::current_exception();
+      settle(i, kFailed);
+      return;
+    }
     settle(i, kDone);
   }
 

@@ -13,6 +13,7 @@
 //   O_DIRECT), the same error texts.
 // - Bytes reach the caller only through land(i, bytes), called on the caller's thread,
 //   before read() returns, for a record whose read and checksum succeeded; never later.
+//   An exception from land fails that record with it (no retry).
 // - When no record of a call settles for timeout_ms, every unsettled record of the call
 //   is given up: its operations are cancelled, its buffer is never handed out again, and
 //   the ring is retired (IoRing::retire) for a new one if they have not completed by the
