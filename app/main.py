@@ -86,7 +86,7 @@ def has_display(environ=None) -> bool:
 def _screenshot(window, args, app) -> None:
     """Sends --prompt once the model is loaded, grabs the window at the --shot-at-th
     token (or at the reply's end if it is shorter), then stops and quits."""
-    from PySide6.QtCore import Qt
+    from PySide6.QtCore import Qt, QTimer
 
     shot_at = args.shot_at or max(1, args.max_tokens * 3 // 4)
     state = {"saved": False, "grabbing": False}
@@ -123,6 +123,12 @@ def _screenshot(window, args, app) -> None:
             window.stop()
 
     def on_done(reply) -> None:
+        if state["grabbing"]:
+            # Delivered by the grab's own processEvents (the reply ended while the window
+            # was being grabbed): decide once that grab has saved, not before (which quit
+            # with 1, the shot not yet saved).
+            QTimer.singleShot(0, lambda: on_done(reply))
+            return
         if reply is None:
             print("expertstream-gui: the reply failed (see the screenshot)", file=sys.stderr)
         elif args.tab == "advisor":

@@ -239,12 +239,13 @@ def engine_at_depth(
     Calls go round the MoE layers; each asks for `depth` random experts of its layer that
     the previous call of that layer did not hold, into a real region of `depth` slots, so
     every id misses. `fields` override the StreamConfig (reader_threads, verify_checksums,
-    ...); the blob files are evicted from the page cache first.
+    io_uring, ...); the blob files are evicted from the page cache first.
 
     Returns:
-        {"depth", "calls", "threads", "verify", "bytes", "read_seconds", "MBps"}: bytes
-        is the cache's bytes_read (calls x depth x stride), MBps bytes / read_seconds (the
-        time inside the calls' reads).
+        {"depth", "calls", "threads", "verify", "io_uring", "bytes", "read_seconds",
+        "MBps"}: io_uring tells whether the demand reads went through io_uring (else the
+        reader threads); bytes is the cache's bytes_read (calls x depth x stride), MBps
+        bytes / read_seconds (the time inside the calls' reads).
 
     Raises:
         ValueError: 2 * depth exceeds the store's experts per layer.
@@ -267,17 +268,24 @@ def engine_at_depth(
     cache = open_cache(store, config)
     for c, pick in enumerate(ids):
         cache.acquire(c % layers, pick)
-    t = snapshot(cache).totals()
+    snap = snapshot(cache)
+    t = snap.totals()
     del cache
     return {
         "depth": depth,
         "calls": calls,
         "threads": config.reader_threads or default_reader_threads(m.top_k),
         "verify": config.verify_checksums,
+        "io_uring": snap.io_uring,
         "bytes": t["bytes_read"],
         "read_seconds": t["read_seconds"],
         "MBps": t["bytes_read"] / t["read_seconds"] / 1e6 if t["read_seconds"] else 0.0,
     }
+
+
+# The engine's two ways of demand reading (StreamConfig.io_uring), named as the results
+# name them.
+READ_PATHS = {"io_uring": True, "threads": False}
 
 
 def depth_sweep(
@@ -289,9 +297,19 @@ def depth_sweep(
     **fields,
 ) -> list[dict]:
     """Raw random O_DIRECT pread with `depth` threads (huge-page buffers) and
-    `engine_at_depth(depth)`, alternated `rounds` times per depth so both see the same
-    load: per depth the median of each and the median engine / raw ratio of the rounds.
-    Depths above half the store's experts per layer are skipped."""
+    `engine_at_depth(depth)` both ways (`READ_PATHS`: io_uring, and the reader threads),
+    alternated `rounds` times per depth so all three see the same load (the two engine
+    runs swap order every round). Depths above half the store's experts per layer are
+    skipped.
+
+    Returns:
+        Per depth {"depth", "threads", "verify", "raw_MBps", "paths", "path",
+        "engine_MBps", "ratio", "ratios"}: threads the reader threads, raw_MBps the
+        median raw rate; paths[name] for each name of READ_PATHS {"engine_MBps",
+        "ratio", "ratios"} (medians over the rounds, and each round's engine / raw), None
+        for io_uring where the kernel has none; path the one the engine uses by default
+        (io_uring where the kernel has it) and the last three its figures.
+    """
     m = store.manifest
     paths = blob_paths(store)
     stride = m.layers[0].stride
@@ -299,28 +317,53 @@ def depth_sweep(
     for depth in depths:
         if 2 * depth > m.num_experts:
             continue
-        pairs = []
+        raws, engines = [], {name: [] for name in READ_PATHS}
         for i in range(rounds):
-            raw = raw_pread(paths, stride, "rand", depth, max_bytes, seed=200 + i)
-            eng = engine_at_depth(store, depth, max_bytes, seed=200 + i, **fields)
-            pairs.append((raw["MBps"], eng["MBps"], eng["MBps"] / raw["MBps"]))
-        mid = len(pairs) // 2
+            raws.append(raw_pread(paths, stride, "rand", depth, max_bytes, seed=200 + i)["MBps"])
+            order = list(READ_PATHS) if i % 2 == 0 else list(reversed(READ_PATHS))
+            for name in order:
+                engines[name].append(
+                    engine_at_depth(
+                        store, depth, max_bytes, seed=200 + i, io_uring=READ_PATHS[name], **fields
+                    )
+                )
+        mid = len(raws) // 2
+        last = engines["threads"][-1]
         r = {
             "depth": depth,
-            "threads": eng["threads"],
-            "verify": eng["verify"],
-            "raw_MBps": sorted(p[0] for p in pairs)[mid],
-            "engine_MBps": sorted(p[1] for p in pairs)[mid],
-            "ratio": sorted(p[2] for p in pairs)[mid],
-            "ratios": [p[2] for p in pairs],
+            "threads": last["threads"],
+            "verify": last["verify"],
+            "raw_MBps": sorted(raws)[mid],
         }
+        r["paths"] = {}
+        for name, runs in engines.items():
+            if runs[0]["io_uring"] != READ_PATHS[name]:  # asked for io_uring, not there
+                r["paths"][name] = None
+                continue
+            ratios = [e["MBps"] / raw for e, raw in zip(runs, raws, strict=True)]
+            r["paths"][name] = {
+                "engine_MBps": sorted(e["MBps"] for e in runs)[mid],
+                "ratio": sorted(ratios)[mid],
+                "ratios": ratios,
+            }
+        default = "io_uring" if r["paths"]["io_uring"] else "threads"
+        r |= dict(r["paths"][default], path=default)
         out.append(r)
+
         log(
-            f"depth {depth}: raw {r['raw_MBps']:.0f} MB/s, engine {r['engine_MBps']:.0f} MB/s "
-            f"({r['threads']} reader threads, checksums {'on' if r['verify'] else 'off'}), "
-            f"ratio {r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])})"
+            f"depth {depth}: raw {r['raw_MBps']:.0f} MB/s; "
+            + "; ".join(_path_text(name, p) for name, p in r["paths"].items())
+            + f" ({r['threads']} reader threads, checksums {'on' if r['verify'] else 'off'})"
         )
     return out
+
+
+def _path_text(name: str, p: dict | None) -> str:
+    """One read path's figures of a `depth_sweep` row, for its log line."""
+    if p is None:
+        return f"{name}: n/a (no io_uring here)"
+    each = ", ".join(f"{x:.2f}" for x in p["ratios"])
+    return f"{name} {p['engine_MBps']:.0f} MB/s, ratio {p['ratio']:.2f} ({each})"
 
 
 def engine_bandwidth(

@@ -171,14 +171,25 @@ def io_markdown(io: dict) -> str:
     if io.get("depth"):
         out.append(
             "Engine against raw random `O_DIRECT` pread at the same queue depth (misses per "
-            "`acquire` call; raw: that many threads), alternated per round; median:\n\n"
-            "| depth | raw MB/s | engine MB/s | reader threads | checksums | engine / raw |\n"
-            "|---|---|---|---|---|---|"
+            "`acquire` call; raw: that many threads), demand reads through io_uring and "
+            "through the reader threads, alternated per round; median:\n\n"
+            "| depth | raw MB/s | io_uring MB/s | threads MB/s | reader threads | checksums "
+            "| io_uring / raw | threads / raw |\n"
+            "|---|---|---|---|---|---|---|---|"
         )
+
+        def path(d, name, key, fmt):
+            p = d["paths"][name]
+            return "n/a" if p is None else format(p[key], fmt)
+
         for d in io["depth"]:
             out.append(
-                f"| {d['depth']} | {d['raw_MBps']:.0f} | {d['engine_MBps']:.0f} | "
-                f"{d['threads']} | {'on' if d['verify'] else 'off'} | **{d['ratio']:.2f}** |"
+                f"| {d['depth']} | {d['raw_MBps']:.0f} | "
+                f"{path(d, 'io_uring', 'engine_MBps', '.0f')} | "
+                f"{path(d, 'threads', 'engine_MBps', '.0f')} | {d['threads']} | "
+                f"{'on' if d['verify'] else 'off'} | "
+                f"**{path(d, 'io_uring', 'ratio', '.2f')}** | "
+                f"{path(d, 'threads', 'ratio', '.2f')} |"
             )
         out.append("")
     c = io["engine_buffered"]

@@ -53,7 +53,7 @@ class ExpertCache:
     snapshot, check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = []) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], io_uring: bool = True) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -80,6 +80,9 @@ class ExpertCache:
                 (0: every call does).
             layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
                 expert_slots for every layer), each in [1, num_experts].
+            io_uring: demand reads through io_uring on the calling thread, threads + 1 in
+                flight, where the kernel has it (see the io_uring property); else on the reader
+                threads. Prefetch fills always use the reader threads.
 
         Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
 
@@ -113,6 +116,12 @@ class ExpertCache:
     @property
     def side_slots(self) -> int:
         """Side-region rows per bank (two banks)."""
+
+    @property
+    def io_uring(self) -> bool:
+        """
+        Whether demand reads go through io_uring (asked for, and the kernel has it); else they use the reader threads.
+        """
 
     @property
     def scratch_slots(self) -> int:
@@ -378,7 +387,7 @@ class ExpertCache:
             side_state (2 * side_slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
             frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
             prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
-            overcap_calls, read_errors: int; read_seconds: float seconds).
+            overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
 
         Raises:
             IndexError: `layer` out of range.

@@ -63,6 +63,7 @@ STAT_KEYS = (
     "promotions",
     "promotions_declined",
     "prefetch_late",
+    "io_uring_reads",
 )
 
 
@@ -149,7 +150,8 @@ def planned_pool_bytes(
     """(bytes, rows of the largest layer) the native cache will allocate for the MoE
     layers `specs` of `store` (default: all) under `config`: every layer's pool of its
     real slots (`real_slots`) + 2 x side_slots + scratch_slots records, plus one read
-    buffer (a record's stride) per reader thread."""
+    buffer (a record's stride) per reader thread, and with `io_uring` one per demand read
+    in flight (reader threads + 1; at least 2 MiB together)."""
     m = store.manifest
     specs = m.layers if specs is None else specs
     extra = 2 * config.side_slots + (config.scratch_slots or m.top_k)
@@ -159,7 +161,9 @@ def planned_pool_bytes(
         for n, spec in zip(slots, specs, strict=True)
     )
     largest = max((s.stride for s in specs), default=0)
-    return total + reader_threads(store, config) * largest, max(slots, default=0) + extra
+    threads = reader_threads(store, config)
+    ring = max((threads + 1) * largest, 2 << 20) if config.io_uring and specs else 0
+    return total + threads * largest + ring, max(slots, default=0) + extra
 
 
 def check_pool_fits(
@@ -245,6 +249,7 @@ def open_cache(
             read_timeout=config.read_timeout_s,
             top_k=m.top_k,
             layer_slots=slots if config.expert_memory is not None else [],
+            io_uring=config.io_uring,
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
         raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
@@ -284,9 +289,12 @@ class CacheSnapshot:
             promotions_declined: side hits left in their side row because no slot was
             free of the call's experts and pins or the policy kept every occupant;
             prefetch_late: misses whose fill was already being read, waited for instead
-            of read again, counted among side_hits).
+            of read again, counted among side_hits; io_uring_reads: records demand-read
+            through io_uring, counted among loads).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
+        io_uring: whether demand reads go through io_uring (`StreamConfig.io_uring` and
+            the kernel has it), else the reader threads read them.
     """
 
     slot_expert: np.ndarray
@@ -297,6 +305,7 @@ class CacheSnapshot:
     stats: dict
     inflight: int
     forward: int
+    io_uring: bool
 
     def totals(self) -> dict:
         """Counters summed over layers, plus `hit_rate` (hits / lookups) and
@@ -342,4 +351,5 @@ def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
         stats={k: np.array([p["stats"][k] for p in per]) for k in STAT_KEYS},
         inflight=cache.inflight,
         forward=cache.forward,
+        io_uring=cache.io_uring,
     )

@@ -141,6 +141,10 @@ class StreamConfig:
             expert (a given-up fill is left to a later demand read); the late read never
             writes a pool row. 0 waits forever. Not applied to SYNC fills, which read on
             the submitting thread.
+        io_uring: demand reads through io_uring on the thread that waits for them (one
+            system call per batch of misses, no hand-off to a reader thread), reader
+            threads + 1 in flight, used where the kernel has it (Linux 5.11+, not
+            disabled); else, and for prefetch fills, the reader threads read.
     """
 
     expert_slots: int | None = None
@@ -160,6 +164,7 @@ class StreamConfig:
     verify_checksums: bool = True
     uncached_io: bool = True
     read_timeout_s: float = 30.0
+    io_uring: bool = True
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):

@@ -85,6 +85,7 @@ nb::dict stats_dict(const es::LayerStats& s) {
   d["promotions"] = s.promotions;
   d["promotions_declined"] = s.promotions_declined;
   d["prefetch_late"] = s.prefetch_late;
+  d["io_uring_reads"] = s.io_uring_reads;
   return d;
 }
 
@@ -135,6 +136,9 @@ Args:
         (0: every call does).
     layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
         expert_slots for every layer), each in [1, num_experts].
+    io_uring: demand reads through io_uring on the calling thread, threads + 1 in
+        flight, where the kernel has it (see the io_uring property); else on the reader
+        threads. Prefetch fills always use the reader threads.
 
 Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
 
@@ -150,6 +154,9 @@ const char* kRows =
 const char* kExpertSlots = "Real-region slots of the largest MoE layer (layer_slots: each's).";
 const char* kLayerSlots = "Real-region slots of each MoE layer (list of int, in MoE order).";
 const char* kSideSlots = "Side-region rows per bank (two banks).";
+const char* kIoUring =
+    "Whether demand reads go through io_uring (asked for, and the kernel has it); else "
+    "they use the reader threads.";
 const char* kScratchSlots = "Scratch rows per layer: experts per chunk of an over-capacity call.";
 const char* kPoolWrites =
     "How records reach the pools: \"memcpy\" (host memory, unified memory), or \"cuda\" "
@@ -322,7 +329,7 @@ Returns:
     side_state (2 * side_slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
     frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
     prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
-    overcap_calls, read_errors: int; read_seconds: float seconds).
+    overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
 
 Raises:
     IndexError: `layer` out of range.)";
@@ -393,7 +400,7 @@ NB_MODULE(_ext, m) {
              int scratch_slots,
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
              bool uncached, int threads, double read_timeout, int top_k,
-             const std::vector<int>& layer_slots) {
+             const std::vector<int>& layer_slots, bool io_uring) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
@@ -410,6 +417,7 @@ NB_MODULE(_ext, m) {
             c.verify = verify;
             c.uncached = uncached;
             c.threads = threads;
+            c.io_uring = io_uring;
             if (!(read_timeout >= 0 && read_timeout <= 86400))
               throw std::invalid_argument("read_timeout must be in [0, 86400] seconds, got " +
                                           std::to_string(read_timeout));
@@ -421,7 +429,7 @@ NB_MODULE(_ext, m) {
           "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
           "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
           "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
-          doc::kInit)
+          "io_uring"_a = true, doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
@@ -446,6 +454,7 @@ NB_MODULE(_ext, m) {
           doc::kExpertSlots)
       .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
                    doc::kSideSlots)
+      .def_prop_ro("io_uring", [](const Cache& c) { return c.impl->io_uring(); }, doc::kIoUring)
       .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
                    doc::kScratchSlots)
       .def_prop_ro("pool_writes", [](const Cache& c) { return c.impl->pool_writes(); },

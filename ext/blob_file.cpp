@@ -12,7 +12,6 @@
 #include <cstring>
 #include <thread>
 
-#include "errors.h"
 
 namespace es {
 
@@ -98,21 +97,29 @@ void BlobFile::inject_fault(Fault fault, int expert, int count, int delay_ms) {
   armed_any_.store(fault != Fault::kNone && count > 0);
 }
 
-void BlobFile::read_once(int expert, uint8_t* dst) const {
-  Fault fault = Fault::kNone;
-  int delay_ms = 0;
-  if (armed_any_.load(std::memory_order_relaxed)) {
-    std::lock_guard<std::mutex> lk(fault_mu_);
-    if (armed_.count > 0 && (armed_.expert < 0 || armed_.expert == expert)) {
-      fault = armed_.fault;
-      delay_ms = armed_.delay_ms;
-      if (--armed_.count == 0) armed_any_.store(false);
-    }
-  }
-  if (fault == Fault::kEIO) throw ReadError(where(expert) + ": read failed: " + errno_text(EIO));
-  if (fault == Fault::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+Fault BlobFile::take_fault(int expert, int* delay_ms) const {
+  if (!armed_any_.load(std::memory_order_relaxed)) return Fault::kNone;
+  std::lock_guard<std::mutex> lk(fault_mu_);
+  if (armed_.count <= 0 || (armed_.expert >= 0 && armed_.expert != expert)) return Fault::kNone;
+  *delay_ms = armed_.delay_ms;
+  if (--armed_.count == 0) armed_any_.store(false);
+  return armed_.fault;
+}
 
-  const off_t base = static_cast<off_t>(expert) * static_cast<off_t>(stride_);
+ReadError BlobFile::read_failed(int expert, int err) const {
+  return ReadError(where(expert) + ": read failed: " + errno_text(err));
+}
+
+void BlobFile::check_expert(int expert) const {
+  if (expert < 0 || expert >= num_records_)
+    throw ReadError(where(expert) + ": expert id out of range [0, " +
+                    std::to_string(num_records_) + ")");
+}
+
+size_t BlobFile::read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const {
+  if (fault == Fault::kEIO) throw read_failed(expert, EIO);
+  if (fault == Fault::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  const off_t base = static_cast<off_t>(offset(expert));
   size_t want = static_cast<size_t>(stride_);
   if (fault == Fault::kShortRead) want /= 2;
   size_t got = 0;
@@ -120,40 +127,46 @@ void BlobFile::read_once(int expert, uint8_t* dst) const {
     ssize_t n = ::pread(fd_, dst + got, want - got, base + static_cast<off_t>(got));
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw ReadError(where(expert) + ": read failed: " + errno_text(errno));
+      throw read_failed(expert, errno);
     }
     if (n == 0) break;  // end of file: never read zeros past it
     got += static_cast<size_t>(n);
     // O_DIRECT continues only at aligned offsets; a misaligned short read is an error.
     if (direct_ && got % kAlign != 0 && got < want) break;
   }
+  return got;
+}
+
+void BlobFile::finish_record(int expert, uint8_t* buf, size_t got, Fault fault,
+                             bool verify) const {
   if (got < static_cast<size_t>(stride_))
     throw ReadError(where(expert) + ": short read: " + std::to_string(got) + " of " +
                     std::to_string(stride_) + " bytes");
 #if defined(__linux__)
-  if (fadvise_) ::posix_fadvise(fd_, base, static_cast<off_t>(stride_), POSIX_FADV_DONTNEED);
+  if (fadvise_)
+    ::posix_fadvise(fd_, static_cast<off_t>(offset(expert)), static_cast<off_t>(stride_),
+                    POSIX_FADV_DONTNEED);
 #endif
-  if (fault == Fault::kCorrupt) dst[0] ^= 0xFF;
+  if (fault == Fault::kCorrupt) buf[0] ^= 0xFF;
+  if (!verify) return;
+  uint32_t crc = static_cast<uint32_t>(::crc32(0L, buf, static_cast<uInt>(record_bytes_)));
+  if (crc != checksums_[expert])
+    throw ChecksumError(where(expert) + ": checksum mismatch: crc32 " + std::to_string(crc) +
+                        ", the manifest says " + std::to_string(checksums_[expert]));
 }
 
 void BlobFile::read_record(int expert, uint8_t* dst, bool verify) const {
-  if (expert < 0 || expert >= num_records_)
-    throw ReadError(where(expert) + ": expert id out of range [0, " +
-                    std::to_string(num_records_) + ")");
+  check_expert(expert);
   for (int attempt = 0;; ++attempt) {
     try {
-      read_once(expert, dst);
+      int delay_ms = 0;
+      const Fault fault = take_fault(expert, &delay_ms);
+      finish_record(expert, dst, read_once(expert, dst, fault, delay_ms), fault, verify);
+      return;
     } catch (const ReadError&) {
-      if (attempt == 0) continue;  // transient errors get one retry
+      if (attempt == 0) continue;  // one retry, after a failed read or a checksum mismatch
       throw;
     }
-    if (!verify) return;
-    uint32_t crc = static_cast<uint32_t>(
-        ::crc32(0L, dst, static_cast<uInt>(record_bytes_)));
-    if (crc == checksums_[expert]) return;
-    if (attempt > 0)
-      throw ChecksumError(where(expert) + ": checksum mismatch: crc32 " + std::to_string(crc) +
-                          ", the manifest says " + std::to_string(checksums_[expert]));
   }
 }
 

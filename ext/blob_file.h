@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "errors.h"
+
 namespace es {
 
 // A test-only fault to inject into reads (issue 6). kNone costs one branch.
@@ -35,6 +37,28 @@ class BlobFile {
   // (or ChecksumError) naming the file, layer and expert.
   void read_record(int expert, uint8_t* dst, bool verify) const;
 
+  // The pieces of read_record that another reader of this file's records (io_uring,
+  // ext/ring_reader.h) shares, so that both follow the same rules: at most two attempts
+  // per record (one retry after any ReadError, ChecksumError included); each attempt
+  // takes the armed fault (take_fault), reads stride bytes at offset(expert) from fd()
+  // (stride / 2 under kShortRead; none under kEIO, which fails as read_failed(EIO);
+  // under O_DIRECT continuing after a short read only at a 4096-aligned count), then
+  // finish_record checks what it got.
+  int fd() const { return fd_; }
+  int64_t offset(int expert) const { return static_cast<int64_t>(expert) * stride_; }
+  // Throws ReadError unless expert is in [0, num_records).
+  void check_expert(int expert) const;
+  // The fault armed for the next read of `expert` (kNone mostly), counted as taken;
+  // *delay_ms is set for kDelay.
+  Fault take_fault(int expert, int* delay_ms) const;
+  // ReadError "<where>: read failed: <strerror(err)>".
+  ReadError read_failed(int expert, int err) const;
+  // One attempt's checks on `got` bytes read into `buf` (stride bytes, 4096-aligned):
+  // a short read (got < stride) throws ReadError; then the page-cache hint where
+  // O_DIRECT was refused, the injected corruption (kCorrupt flips buf[0]) and, when
+  // `verify`, the crc32 of the first record_bytes bytes (ChecksumError on a mismatch).
+  void finish_record(int expert, uint8_t* buf, size_t got, Fault fault, bool verify) const;
+
   const std::string& path() const { return path_; }
   int64_t stride() const { return stride_; }
   int64_t record_bytes() const { return record_bytes_; }
@@ -47,7 +71,8 @@ class BlobFile {
   std::string where(int expert) const;
 
  private:
-  void read_once(int expert, uint8_t* dst) const;
+  // One attempt with the fault already taken; returns the bytes read.
+  size_t read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const;
 
   std::string path_;
   int layer_;

@@ -142,6 +142,13 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
   last_forward_.assign(layers_.size(), 0);
   router_hint_.resize(layers_.size());
   readers_ = std::make_unique<ReaderPool>(config_.threads);
+  if (config_.io_uring && !layers_.empty()) {
+    int64_t stride = 0;
+    for (const auto& L : layers_) stride = std::max(stride, L.stride);
+    // As many demand reads in flight as the reader pool gives them (threads + 1 lanes).
+    ring_ = RingReader::create(static_cast<unsigned>(std::max(config_.threads, 1) + 1),
+                               static_cast<size_t>(stride));
+  }
 }
 
 ExpertCache::~ExpertCache() {
@@ -182,11 +189,51 @@ void ExpertCache::copy_row(int li, int from, int to) {
 }
 
 std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
-                                            std::vector<uint8_t>& landed, uint64_t* micros) {
+                                            std::vector<uint8_t>& landed, ReadTally* tally) {
   const auto t0 = std::chrono::steady_clock::now();
   const size_t n = loads.size();
   landed.assign(n, 0);
   if (n == 0) return nullptr;
+  std::vector<std::exception_ptr> errors(n);
+  std::exception_ptr first;  // a failed submission to the reader pool comes first
+  const bool ring = ring_ && ring_read(li, loads, landed, errors);
+  if (!ring) first = pool_read(li, loads, landed, errors);
+  for (size_t i = 0; i < n && !first; ++i) {
+    if (landed[i]) continue;
+    first = errors[i] ? errors[i]
+                      : std::make_exception_ptr(ReadTimeout(
+                            files_[li]->where(loads[i].first) +
+                            ": read timed out (no read finished within " +
+                            duration_text(config_.read_timeout_ms) +
+                            "; is the storage responding?)"));
+  }
+  if (tally) {
+    tally->micros += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                               std::chrono::steady_clock::now() - t0)
+                                               .count());
+    if (ring)
+      tally->io_uring_reads += static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
+  }
+  return first;
+}
+
+bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& loads,
+                            std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors) {
+  std::vector<int> experts;
+  for (auto [e, row] : loads) {
+    if (e < 0 || e >= num_experts_) return false;  // the reader pool words the error
+    experts.push_back(e);
+  }
+  return ring_->read(
+      *files_[li], experts, config_.verify, config_.read_timeout_ms,
+      [&](size_t i, const uint8_t* bytes) { copy_record(li, bytes, loads[i].second); }, landed,
+      errors);
+}
+
+std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<int, int>>& loads,
+                                          std::vector<uint8_t>& landed,
+                                          std::vector<std::exception_ptr>& errors) {
+  const size_t n = loads.size();
   auto batch = std::make_shared<DemandBatch>(n);
   std::vector<std::function<void()>> tasks;
   tasks.reserve(n);
@@ -255,24 +302,11 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
       abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
     }
   }
-  std::exception_ptr first = submit_error;
   for (size_t i = 0; i < n; ++i) {
     landed[i] = batch->state[i] == kDone;
-    if (first || landed[i]) continue;
-    if (batch->state[i] == kFailed) {
-      first = batch->error[i];
-    } else {
-      first = std::make_exception_ptr(ReadTimeout(
-          files_[li]->where(loads[i].first) + ": read timed out (no read finished within " +
-          duration_text(config_.read_timeout_ms) + "; is the storage responding?)"));
-    }
+    if (batch->state[i] == kFailed) errors[i] = batch->error[i];
   }
-  lk.unlock();
-  if (micros)
-    *micros += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                         std::chrono::steady_clock::now() - t0)
-                                         .count());
-  return first;
+  return submit_error;
 }
 
 void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
@@ -511,11 +545,12 @@ std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<i
   for (auto [e, slot] : loads) loading_[li][slot] = 1;
   lk.unlock();
   std::vector<uint8_t> landed;
-  uint64_t us = 0;
-  std::exception_ptr err = demand_read(li, loads, landed, &us);
+  ReadTally tally;
+  std::exception_ptr err = demand_read(li, loads, landed, &tally);
   lk.lock();
   auto& st = stats_[li];
-  st.read_seconds_us += us;
+  st.read_seconds_us += tally.micros;
+  st.io_uring_reads += tally.io_uring_reads;
   for (size_t i = 0; i < loads.size(); ++i) {
     auto [e, slot] = loads[i];
     loading_[li][slot] = 0;
@@ -590,8 +625,8 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
     loads.emplace_back(e, row);
   }
   std::vector<uint8_t> landed;
-  uint64_t us = 0;
-  std::exception_ptr err = demand_read(li, loads, landed, &us);
+  ReadTally tally;
+  std::exception_ptr err = demand_read(li, loads, landed, &tally);
   const auto ok = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
   std::lock_guard<std::mutex> lk(mu_);
   auto& st = stats_[li];
@@ -599,8 +634,9 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   st.loads += ok;
   st.read_errors += experts.size() - ok;
   st.bytes_read += ok * static_cast<uint64_t>(layers_[li].stride);
-  st.read_seconds_us += us;
-  st.acquire_seconds_us += us;  // the over-capacity path's share of the cache's time
+  st.read_seconds_us += tally.micros;
+  st.io_uring_reads += tally.io_uring_reads;
+  st.acquire_seconds_us += tally.micros;  // the over-capacity path's share of the cache's time
   if (err) std::rethrow_exception(err);
   return rows;
 }

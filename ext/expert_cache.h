@@ -10,10 +10,11 @@
 //                                  misses chunk by chunk, leaving the real region intact
 // Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
 // run on the reader pool or inline (SYNC); snapshots may be taken from any thread.
-// Reads: every record is read into the reading thread's own buffer and copied into a pool
-// row only after the read and its checksum succeeded, and only if nobody gave up on it:
-// a read abandoned on timeout (demand reads and drains wait at most `read_timeout_ms`
-// without progress) can never write a row, however late it returns.
+// Reads: every record is read into a buffer of the reader's own (a reader thread's, or
+// the io_uring's of demand reads, see config.io_uring) and copied into a pool row only
+// after the read and its checksum succeeded, and only if nobody gave up on it: a read
+// abandoned on timeout (demand reads and drains wait at most `read_timeout_ms` without
+// progress) can never write a row, however late it returns.
 #pragma once
 
 #include <condition_variable>
@@ -28,6 +29,7 @@
 #include "mlx/array.h"
 #include "reader_pool.h"
 #include "real_region.h"
+#include "ring_reader.h"
 #include "side_region.h"
 
 namespace es {
@@ -65,6 +67,10 @@ struct CacheConfig {
   bool uncached = true;   // O_DIRECT / F_NOCACHE
   int threads = 2;        // reader pool
   int read_timeout_ms = 30000;  // longest wait without a read finishing (0: no limit)
+  // Demand reads through io_uring on the calling thread (ext/ring_reader.h), threads + 1
+  // in flight, where the kernel has it; else (and when the ring is busy with another
+  // thread's call) on the reader pool. Prefetch fills always use the reader pool.
+  bool io_uring = true;
 };
 
 // Counters of one layer. Lookups count distinct experts per acquire call.
@@ -81,6 +87,8 @@ struct LayerStats {
   // Misses whose prefetch fill was already reading: waited for (a side hit when it
   // landed) instead of reading the record a second time.
   uint64_t prefetch_late = 0;
+  // Records demand-read through io_uring (counted among loads).
+  uint64_t io_uring_reads = 0;
 };
 
 struct LayerSnapshot {
@@ -102,6 +110,8 @@ class ExpertCache {
   const char* pool_writes() const { return writer_.kind(); }
   int num_experts() const { return num_experts_; }
   const CacheConfig& config() const { return config_; }
+  // Whether demand reads go through io_uring: config.io_uring and the kernel has it.
+  bool io_uring() const { return ring_ != nullptr; }
   // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
   int cap(int li) const { return caps_.at(li); }
   int rows(int li) const { return caps_.at(li) + 2 * config_.spec + config_.scratch; }
@@ -201,12 +211,25 @@ class ExpertCache {
   int fill_gen() const;
   void copy_record(int li, const uint8_t* buf, int row);
   void copy_row(int li, int from, int to);
-  // Reads each (expert, row) of layer li on the reader threads into its row and waits.
-  // landed[i] tells whether load i's row now holds its expert. Returns the first error
-  // (in load order) once every read has landed, failed or been given up, else null;
-  // adds the wall time to *micros when given.
+  // What demand_read adds to a layer's counters.
+  struct ReadTally {
+    uint64_t micros = 0;          // wall time
+    uint64_t io_uring_reads = 0;  // records landed through io_uring
+  };
+  // Reads each (expert, row) of layer li into its row (through io_uring where it is used
+  // and free, else on the reader threads) and waits. landed[i] tells whether load i's row
+  // now holds its expert. Returns the first error (in load order) once every read has
+  // landed, failed or been given up, else null; adds to *tally when given.
   std::exception_ptr demand_read(int li, const std::vector<std::pair<int, int>>& loads,
-                                 std::vector<uint8_t>& landed, uint64_t* micros = nullptr);
+                                 std::vector<uint8_t>& landed, ReadTally* tally = nullptr);
+  // The two ways of demand_read: each fills landed[i] and, for a failed read, errors[i]
+  // (neither: given up on timeout). ring_read returns false (nothing read) when the ring
+  // is in use by another thread; pool_read returns a failed submission's error.
+  bool ring_read(int li, const std::vector<std::pair<int, int>>& loads,
+                 std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors);
+  std::exception_ptr pool_read(int li, const std::vector<std::pair<int, int>>& loads,
+                               std::vector<uint8_t>& landed,
+                               std::vector<std::exception_ptr>& errors);
   // Demand loads into real slots: marks `loads` ((expert, slot) pairs) loading, reads them
   // with `lk` (on mu_) released, then under it again clears the marks, assigns each slot
   // whose record landed (a failed one stays empty: no wrong bytes mapped) and counts
@@ -250,6 +273,7 @@ class ExpertCache {
 
   PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
   std::unique_ptr<ReaderPool> readers_;
+  std::unique_ptr<RingReader> ring_;  // null: demand reads use readers_
 };
 
 }  // namespace es

@@ -33,6 +33,13 @@ def model_dirs(tmp_path_factory):
     return get
 
 
+@pytest.fixture(params=[True, False], ids=["io_uring", "threads"])
+def io_uring(request) -> bool:
+    """StreamConfig.io_uring for a test of the demand read path, run both ways: through
+    io_uring (where the kernel has it) and through the reader threads (the fallback)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def qwen_store(model_dirs, tmp_path_factory):
     """ExpertStore of a 4-layer, 8-expert, top-2 quantized qwen3_moe model."""

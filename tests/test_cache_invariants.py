@@ -41,8 +41,9 @@ class CacheMachine(RuleBasedStateMachine):
         side_lfu=st.booleans(),
         sync=st.booleans(),
         policy=st.sampled_from(EVICTION_POLICIES),
+        io_uring=st.booleans(),
     )
-    def open(self, cap, spec, side_lfu, sync, policy):
+    def open(self, cap, spec, side_lfu, sync, policy, io_uring):
         store = self.store
         self.cache = open_cache(
             store,
@@ -54,6 +55,7 @@ class CacheMachine(RuleBasedStateMachine):
                 policy=policy,
                 decay_every=3,
                 scratch_slots=2,
+                io_uring=io_uring,
             ),
         )
         self.checker = RowChecker(store, self.cache)
@@ -200,12 +202,15 @@ def test_cache_state_machine(qwen_store):
     )
 
 
-def test_concurrent_soak(qwen_store):
+def test_concurrent_soak(qwen_store, io_uring):
     """Async prefetch, re-predictions of in-flight experts, transient read faults (which
     must stay invisible), drains and resets on the generation thread while two threads
     poll snapshots; bounded at ~3 s."""
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=3, side_slots=3, scratch_slots=2, decay_every=5)
+        qwen_store,
+        StreamConfig(
+            expert_slots=3, side_slots=3, scratch_slots=2, decay_every=5, io_uring=io_uring
+        ),
     )
     checker = RowChecker(qwen_store, cache)
     stop = threading.Event()

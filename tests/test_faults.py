@@ -85,18 +85,18 @@ def settle(cache, seconds=5.0):
     cache.drain()
 
 
-def stream_config(prefetch, **kw):
+def stream_config(prefetch, io_uring, **kw):
     if prefetch:
         kw |= {"side_slots": 3, "prefetch": True, "ahead_lo": 1, "ahead_hi": 1}
-    return StreamConfig(expert_slots=2, **kw)
+    return StreamConfig(expert_slots=2, io_uring=io_uring, **kw)
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["demand", "prefetch"])
 @pytest.mark.parametrize("kind", ["eio", "short_read", "corrupt", "delay"])
-def test_transient_fault_is_retried_transparently(model_dir, resident, kind, prefetch):
+def test_transient_fault_is_retried_transparently(model_dir, resident, kind, prefetch, io_uring):
     """One bad read per layer before every forward: retried (EIO, short read) or re-read
     (checksum), or merely slow (delay < timeout); the logits do not change."""
-    sm = load(model_dir, stream_config(prefetch, read_timeout_s=5.0))
+    sm = load(model_dir, stream_config(prefetch, io_uring, read_timeout_s=5.0))
 
     def arm():
         for li in range(sm.cache.num_layers):
@@ -110,8 +110,8 @@ def test_transient_fault_is_retried_transparently(model_dir, resident, kind, pre
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["demand", "prefetch"])
 @pytest.mark.parametrize("kind", ["eio", "short_read", "corrupt"])
-def test_persistent_fault_names_file_layer_expert(model_dir, resident, kind, prefetch):
-    sm = load(model_dir, stream_config(prefetch))
+def test_persistent_fault_names_file_layer_expert(model_dir, resident, kind, prefetch, io_uring):
+    sm = load(model_dir, stream_config(prefetch, io_uring))
     assert_same(resident, greedy(sm.model))  # some experts resident, some fills published
     sm.cache.inject_fault(1, kind, count=10**6)
     with pytest.raises(ExpertReadError) as info:
@@ -129,10 +129,10 @@ def test_persistent_fault_names_file_layer_expert(model_dir, resident, kind, pre
     assert assert_clean(sm) > 0
 
 
-def test_partial_batch_failure_maps_only_the_good_loads(qwen_store):
+def test_partial_batch_failure_maps_only_the_good_loads(qwen_store, io_uring):
     """One of three demand loads fails for good: the other two are mapped with the right
     bytes, the failed one's slot stays empty, and a retry after the fault reads it."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=4))
+    cache = open_cache(qwen_store, StreamConfig(io_uring=io_uring, expert_slots=4))
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(0, "eio", expert=5, count=10**6)
     with pytest.raises(ExpertReadError, match=r"layer00\.blob \(layer 0, expert 5\): read failed"):
@@ -151,10 +151,12 @@ def test_partial_batch_failure_maps_only_the_good_loads(qwen_store):
 
 @pytest.mark.parametrize("sync", [False, True])
 @pytest.mark.parametrize("kind", ["eio", "short_read", "corrupt"])
-def test_failed_prefetch_becomes_a_demand_read(qwen_store, kind, sync):
+def test_failed_prefetch_becomes_a_demand_read(qwen_store, kind, sync, io_uring):
     """Both attempts of a fill fail: the row is released, nothing is published, the
     counters drain, and the expert is demand-read later with the right bytes."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=sync))
+    cache = open_cache(
+        qwen_store, StreamConfig(io_uring=io_uring, expert_slots=2, side_slots=2, sync=sync)
+    )
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(2, kind, expert=6, count=2)
     cache.prefetch(2, np.array([6, 7], dtype=np.int32))
@@ -174,8 +176,8 @@ def test_failed_prefetch_becomes_a_demand_read(qwen_store, kind, sync):
     assert cache.snapshot(2)["stats"]["side_hits"] == 1
 
 
-def test_failed_pin_leaves_the_slot_empty(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=3))
+def test_failed_pin_leaves_the_slot_empty(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(io_uring=io_uring, expert_slots=3))
     cache.inject_fault(1, "short_read", expert=4, count=2)
     with pytest.raises(ExpertReadError, match=r"\(layer 1, expert 4\): short read"):
         cache.pin(1, 4)
@@ -186,10 +188,12 @@ def test_failed_pin_leaves_the_slot_empty(qwen_store):
     assert cache.check() == ""
 
 
-def test_verification_off_lets_corruption_through_by_design(qwen_store):
+def test_verification_off_lets_corruption_through_by_design(qwen_store, io_uring):
     """verify_checksums=False trusts the disk: documented, so the check above is what
     keeps corrupt bytes out of the pool."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, verify_checksums=False))
+    cache = open_cache(
+        qwen_store, StreamConfig(io_uring=io_uring, expert_slots=2, verify_checksums=False)
+    )
     cache.inject_fault(0, "corrupt", expert=1, count=1)
     rows, _ = cache.acquire(0, np.array([[1]], dtype=np.int32))
     with pytest.raises(AssertionError):
@@ -202,10 +206,12 @@ HANG_MS = 1500
 TIMEOUT_S = 0.2
 
 
-def test_hung_demand_read_times_out_and_never_writes_late(qwen_store):
+def test_hung_demand_read_times_out_and_never_writes_late(qwen_store, io_uring):
     """cap 1: the slot a timed-out read was headed for is given to the next expert at
     once; when the hung read returns it must not overwrite that slot."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, read_timeout_s=TIMEOUT_S))
+    cache = open_cache(
+        qwen_store, StreamConfig(io_uring=io_uring, expert_slots=1, read_timeout_s=TIMEOUT_S)
+    )
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(0, "delay", expert=3, count=1, delay_ms=HANG_MS)
     t0 = time.monotonic()
@@ -230,9 +236,10 @@ def test_hung_demand_read_times_out_and_never_writes_late(qwen_store):
     assert cache.check() == "" and cache.inflight == 0
 
 
-def test_hung_scratch_read_times_out_and_never_writes_late(qwen_store):
+def test_hung_scratch_read_times_out_and_never_writes_late(qwen_store, io_uring):
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=1, scratch_slots=2, read_timeout_s=TIMEOUT_S)
+        qwen_store,
+        StreamConfig(io_uring=io_uring, expert_slots=1, scratch_slots=2, read_timeout_s=TIMEOUT_S),
     )
     checker = RowChecker(qwen_store, cache)
     rows, missing = cache.acquire(0, np.array([[1], [2], [3]], dtype=np.int32))
@@ -246,12 +253,13 @@ def test_hung_scratch_read_times_out_and_never_writes_late(qwen_store):
     checker.assert_row(0, scratch[1], 5)
 
 
-def test_hung_fill_is_given_up_by_drain_and_never_writes_late(qwen_store):
+def test_hung_fill_is_given_up_by_drain_and_never_writes_late(qwen_store, io_uring):
     """A prefetch fill hangs: the drain gives up on it after the timeout (instead of
     freezing the next forward), frees its row, and the row's next owner keeps its bytes
     when the hung read returns."""
     cache = open_cache(
-        qwen_store, StreamConfig(expert_slots=1, side_slots=1, read_timeout_s=TIMEOUT_S)
+        qwen_store,
+        StreamConfig(io_uring=io_uring, expert_slots=1, side_slots=1, read_timeout_s=TIMEOUT_S),
     )
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(0, "delay", expert=5, count=1, delay_ms=HANG_MS)
@@ -275,8 +283,8 @@ def test_hung_fill_is_given_up_by_drain_and_never_writes_late(qwen_store):
     assert cache.check() == ""
 
 
-def test_hung_read_in_a_generation(model_dir, resident):
-    sm = load(model_dir, stream_config(True, read_timeout_s=0.25))
+def test_hung_read_in_a_generation(model_dir, resident, io_uring):
+    sm = load(model_dir, stream_config(True, io_uring, read_timeout_s=0.25))
     sm.cache.inject_fault(2, "delay", count=1, delay_ms=HANG_MS)
     t0 = time.monotonic()
     with pytest.raises(ExpertReadTimeout) as info:
@@ -290,8 +298,10 @@ def test_hung_read_in_a_generation(model_dir, resident):
     assert assert_clean(sm) > 0
 
 
-def test_no_timeout_waits_for_a_slow_read(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, read_timeout_s=0))
+def test_no_timeout_waits_for_a_slow_read(qwen_store, io_uring):
+    cache = open_cache(
+        qwen_store, StreamConfig(io_uring=io_uring, expert_slots=1, read_timeout_s=0)
+    )
     cache.inject_fault(0, "delay", expert=2, count=1, delay_ms=300)
     rows, _ = cache.acquire(0, np.array([[2]], dtype=np.int32))
     RowChecker(qwen_store, cache).assert_row(0, int(rows[0, 0]), 2)
