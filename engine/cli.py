@@ -88,18 +88,15 @@ def _load(model: str | Path | None, config):
     a bar on a terminal, and without --expert-slots or --expert-memory (every expert), a
     model whose experts and dense weights exceed the memory available is streamed with
     --expert-memory auto instead, said on stderr, rather than refused."""
-    import dataclasses
-
-    from engine.memory import available_bytes
-    from engine.model import load, load_bytes, resolve_store
+    from engine.model import auto_if_too_large, load, resolve_store
     from engine.resources import default_model_path
 
     with _progress_bar(terminal_only=True) as progress:
         store = resolve_store(model or default_model_path(), progress)
     if config.expert_slots is None and config.expert_memory is None:
-        pools, dense = load_bytes(store, config)
-        available = available_bytes()
-        if available is not None and pools + dense > available:
+        config, sizes = auto_if_too_large(store, config)
+        if sizes is not None:
+            pools, dense, available = sizes
             print(
                 f"note: every expert ({pools / 1e9:.2f} GB) and the dense weights "
                 f"({dense / 1e9:.2f} GB) exceed the {available / 1e9:.2f} GB of memory "
@@ -107,7 +104,6 @@ def _load(model: str | Path | None, config):
                 "--expert-memory sets it)",
                 file=sys.stderr,
             )
-            config = dataclasses.replace(config, expert_memory="auto")
     return load(store.path, config)
 
 
