@@ -90,7 +90,7 @@ class Reply:
     tokens: list[int]
     prompt_tokens: int
     cached_tokens: int
-    prefill_tps: float
+    prefill_tps: float | None  # None: stopped before the first token
     decode_tps: float | None  # None without a decode step (engine.generate.GenerationResult)
     cache: dict
     stopped: bool
@@ -316,7 +316,7 @@ class Worker(QObject):
                 tokens=[int(t) for t in result.tokens],
                 prompt_tokens=result.prompt_tokens,
                 cached_tokens=result.cached_tokens,
-                prefill_tps=float(result.prefill_tps),
+                prefill_tps=result.prefill_tps,
                 decode_tps=result.decode_tps,
                 cache=result.cache,
                 stopped=result.stopped,

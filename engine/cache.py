@@ -355,6 +355,12 @@ class CacheSnapshot:
         return t
 
 
+def ratio(num: float, den: float) -> float | None:
+    """num / den, or None (JSON null) where den is 0: a rate of nothing (no lookup, no
+    prefetch issued, no time), which a 0.0 would report as measured."""
+    return num / den if den else None
+
+
 def pool_bytes(cache: _ext.ExpertCache) -> int:
     """Bytes the pools of `cache` hold, all MoE layers: rows x record bytes each."""
     return sum(a.nbytes for li in range(cache.num_layers) for a in cache.pool(li))

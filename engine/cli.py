@@ -140,9 +140,10 @@ def _check_generate_flags(args) -> None:
     _check_output("--record-trace", args.record_trace)
 
 
-def _tps(value: float | None) -> str:
-    """A tokens/s figure of the stats line; "—" where there is none (no decode step)."""
-    return "—" if value is None else f"{value:.1f}"
+def _figure(value: float | None, spec: str = ".1f") -> str:
+    """A tokens/s or rate figure of the stats line, formatted by `spec`; "—" where there is
+    none (no decode step, nothing looked up)."""
+    return "—" if value is None else format(value, spec)
 
 
 def _generate(args) -> int:
@@ -193,11 +194,11 @@ def _generate_with(sm, prompt, args) -> int:
     print(flush=True)  # the reply's line ends on stdout, before the figures on stderr
     s = result.stats()
     print(
-        f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
+        f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {_figure(s['hit_rate'], '.1%')}  "
         f"read {s['bytes_read'] / 1e6:.1f} MB  side hits {s['side_hits']}  "
         f"prefetch used/issued {s['prefetch_used']}/{s['prefetch_issued']}\n"
-        f"prefill {s['prefill_tps']:.1f} tok/s ({s['prompt_tokens']} tokens)  "
-        f"decode {_tps(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
+        f"prefill {_figure(s['prefill_tps'])} tok/s ({s['prompt_tokens']} tokens)  "
+        f"decode {_figure(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
         f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
         file=sys.stderr,
     )
@@ -262,8 +263,9 @@ def _generate_pipeline(args) -> int:
             file=sys.stderr,
         )
     print(
-        f"all ranks: hit rate {stats['hit_rate']:.1%}  read {stats['bytes_read'] / 1e6:.1f} MB  "
-        f"prefill {stats['prefill_tps']:.1f} tok/s  decode {_tps(stats['decode_tps'])} tok/s "
+        f"all ranks: hit rate {_figure(stats['hit_rate'], '.1%')}  "
+        f"read {stats['bytes_read'] / 1e6:.1f} MB  prefill {_figure(stats['prefill_tps'])} tok/s  "
+        f"decode {_figure(stats['decode_tps'])} tok/s "
         f"({stats['generated_tokens']} tokens)",
         file=sys.stderr,
     )
