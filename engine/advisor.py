@@ -66,14 +66,21 @@ class Measured:
     Attributes:
         decode_tps: decode tokens/s over the session's replies.
         read_Bps: bytes/s of one expert read (bytes_read / read_seconds).
-        hit_rate: the session's hit rate (side hits count as hits).
+        hit_rate: the session's hit rate, its prefill included (side hits count as
+            hits). A forward of several tokens (the prompt) looks up each distinct expert
+            of a layer once, mostly into a cold cache, where the replay looks up every
+            token's experts one token at a time: this is lower than the replayed figure.
         decode_tokens: tokens the decode_tps is measured over.
+        decode_hit_rate: the hit rate from the first generated token on (lookups per
+            token, as the replay counts them; side hits count as hits); None where not
+            measured apart.
     """
 
     decode_tps: float
     read_Bps: float
     hit_rate: float
     decode_tokens: int
+    decode_hit_rate: float | None = None
 
 
 @dataclass

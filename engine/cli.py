@@ -429,11 +429,19 @@ def _advise(args) -> int:
         )
     else:
         print(table(curve))
+        print(
+            f"hit rates replayed: the trace's {trace.num_tokens} tokens one at a time, the "
+            "prompt's included (1 - expert reads / lookups; Belady's: hits / lookups)"
+        )
         if measured is not None:
+            m = measured
             print(
-                f"measured: decode {measured.decode_tps:.1f} tok/s over {measured.decode_tokens} "
-                f"tokens, reads {measured.read_Bps / 1e6:.0f} MB/s, hit rate "
-                f"{measured.hit_rate:.1%} (side hits included); tok/s at other budgets: estimated"
+                f"measured at {current} slots: decode {m.decode_tps:.1f} tok/s over "
+                f"{m.decode_tokens} tokens, reads {m.read_Bps / 1e6:.0f} MB/s; hit rate "
+                f"{_figure(m.decode_hit_rate, '.1%')} over the decode, {m.hit_rate:.1%} with "
+                "the prefill (a forward of many prompt tokens looks up each of their "
+                "distinct experts once, into a cold cache); side hits count as hits; tok/s at "
+                "other budgets: estimated"
             )
         print(advice.line)
     if args.png:
@@ -444,9 +452,10 @@ def _advise(args) -> int:
 
 def _record_for_advice(args, config):
     """Generates from --prompt-file with the cache flags, recording the routing; returns
-    the trace, the measured figures and the store."""
+    the trace, the measured figures (the hit rate over the reply and over its decode)
+    and the store."""
     from engine.advisor import Measured
-    from engine.generate import generate, prompt_tokens
+    from engine.generate import cache_delta, generate, prompt_tokens
     from engine.trace import record
 
     try:
@@ -456,8 +465,16 @@ def _record_for_advice(args, config):
     if not text.strip():
         raise ValueError(f"--prompt-file {args.prompt_file} is empty")
     sm = _load(args.model, config)
+    first = {}  # the counters at the first token: the decode's start
+
+    def on_response(_response) -> None:
+        first or first.update(sm.snapshot().totals())
+
     with record(sm) as recorder:
-        result = generate(sm, prompt_tokens(sm, text, False), args.max_tokens)
+        result = generate(
+            sm, prompt_tokens(sm, text, False), args.max_tokens, on_response=on_response
+        )
+    decode = cache_delta(first, sm.snapshot().totals())
     trace = recorder.trace(Path(args.prompt_file).stem)
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
@@ -469,6 +486,7 @@ def _record_for_advice(args, config):
             read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
             hit_rate=c["hit_rate"],
             decode_tokens=len(result.tokens),
+            decode_hit_rate=decode["hit_rate"],
         )
     return trace, measured, sm.store
 
