@@ -339,7 +339,7 @@ class MainWindow(QMainWindow):
     def _on_progress(self, done: float, total: float) -> None:
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(1000 * done / total) if total else 0)
-        self.progress.setFormat(f"converting %p%  ({done / 2**20:.0f}/{total / 2**20:.0f} MiB)")
+        self.progress.setFormat(f"converting %p%  ({done / 1e6:.0f}/{total / 1e6:.0f} MB)")
 
     def _on_loaded(self, info: ModelInfo) -> None:
         wanted = self.controls.live_settings() if self.info else {}

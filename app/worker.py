@@ -345,6 +345,7 @@ def _auto_if_too_large(store, config) -> tuple:
     """(config, note): the app's default expert slots, or expert memory auto where those
     and the dense weights exceed the memory available (`engine.model.auto_if_too_large`),
     with a note in the window's words saying so ("" when unchanged)."""
+    from engine.advisor import human_bytes
     from engine.config import AUTO_MEMORY_FRACTION
     from engine.model import auto_if_too_large
 
@@ -353,8 +354,8 @@ def _auto_if_too_large(store, config) -> tuple:
         return config, ""
     pools, dense, available = sizes
     return auto, (
-        f"The default {config.expert_slots} expert slots per layer ({pools / 1e9:.2f} GB) "
-        f"and the dense weights ({dense / 1e9:.2f} GB) exceed the {available / 1e9:.2f} GB "
+        f"The default {config.expert_slots} expert slots per layer ({human_bytes(pools)}) "
+        f"and the dense weights ({human_bytes(dense)}) exceed the {human_bytes(available)} "
         f"of memory available: expert memory is set to auto ({AUTO_MEMORY_FRACTION:.0%} "
         "of it), so the experts stream from disk"
     )

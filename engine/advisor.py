@@ -237,12 +237,13 @@ class Advice:
 
 
 def human_bytes(n: float) -> str:
-    """`n` bytes as B / KiB / MiB / GiB text (one decimal above bytes)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    """`n` bytes as B / kB / MB / GB text (decimal, as every byte and rate figure the
+    CLI, the server and the app show; one decimal above bytes)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Advice:

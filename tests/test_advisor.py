@@ -27,6 +27,7 @@ from engine.advisor import (  # noqa: E402
     advise,
     budgets,
     estimate_tps,
+    human_bytes,
     sweep,
 )
 from engine.config import StreamConfig  # noqa: E402
@@ -107,9 +108,16 @@ def test_estimate_and_advice():
     advice = advise(curve)
     assert advice.slots == 6
     assert advice.line == (
-        "+1.0 GiB of expert memory (4 → 6 slots per layer): hit rate 70% → 80%, about +11% "
+        "+1.1 GB of expert memory (4 → 6 slots per layer): hit rate 70% → 80%, about +11% "
         "tokens/s; the ceiling at this budget (Belady) is 90%"
     )
+    # 1 GiB in decimal units, as every byte figure (the slots cost 2**29 bytes each)
+    assert [human_bytes(n) for n in (999, 61_440, gib, 2 * gib)] == [
+        "999 B",
+        "61.4 kB",
+        "1.1 GB",
+        "2.1 GB",
+    ]
     assert advise(curve, free_bytes=gib // 4).slots == 4  # no room for more: keep
     curve.current = 8
     assert advise(curve).slots == 6  # 2 slots less cost nothing

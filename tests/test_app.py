@@ -405,17 +405,21 @@ def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 12_000_000)
     monkeypatch.setattr(cache, "available_bytes", lambda: 12_000_000)
-    w = MainWindow(MODEL, {"side_slots": 1})
+    w = MainWindow(MODEL, {"side_slots": 1, "reader_threads": 2})
     qtbot.addWidget(w)
     with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS) as loaded:
         w.show()
     info = loaded.args[0]
     assert info.config.expert_memory == "auto" and info.config.expert_slots is None
     assert info.note == (
-        "The default 16 expert slots per layer (0.01 GB) and the dense weights (0.00 GB) "
-        "exceed the 0.01 GB of memory available: expert memory is set to auto (50% of it), "
+        "The default 16 expert slots per layer (10.9 MB) and the dense weights (1.7 MB) "
+        "exceed the 12.0 MB of memory available: expert memory is set to auto (50% of it), "
         "so the experts stream from disk"
     )
+    # bytes in decimal units, as the CLI and the plot's "MB read /s": 8 layers' pools of
+    # 18 or 19 rows of 61.4 kB records
+    assert info.pool_bytes == 8_908_800
+    assert w.controls.model_label.text().endswith("12–13 slots + 2 × 1 side rows · pool 8.9 MB")
     assert w.statusBar().currentMessage() == f"Loaded {info.name}: {info.note}."
     assert w.controls.expert_memory.text() == "auto"
     assert sorted(set(info.slots)) == [12, 13]
