@@ -391,9 +391,9 @@ def _advise(args) -> int:
     if args.trace is not None and args.prompt_file is not None:
         raise ValueError("--trace and --prompt-file exclude each other: replay one trace")
     config = stream_config(args)
-    measured = None
+    measured, slots = None, None
     if args.prompt_file is not None:
-        trace, measured, store = _record_for_advice(args, config)
+        trace, measured, store, slots = _record_for_advice(args, config)
     else:
         trace = load_trace(args.trace)
         store = resolve_store(args.model) if args.model else None
@@ -406,6 +406,11 @@ def _advise(args) -> int:
                 f"{trace.num_experts} (top-{trace.top_k})"
             )
     current = config.expert_slots or trace.num_experts
+    if config.expert_memory is not None and store is not None:
+        from engine.cache import real_slots
+
+        slots = slots or real_slots(store, config)  # per layer, by record size
+        current = round(sum(slots) / len(slots))  # replayed as their mean
     if not trace.top_k <= current <= trace.num_experts:
         raise ValueError(
             f"--expert-slots {current}: must be in [{trace.top_k}, {trace.num_experts}]"
@@ -452,8 +457,8 @@ def _advise(args) -> int:
 
 def _record_for_advice(args, config):
     """Generates from --prompt-file with the cache flags, recording the routing; returns
-    the trace, the measured figures (the hit rate over the reply and over its decode)
-    and the store."""
+    the trace, the measured figures (the hit rate over the reply and over its decode),
+    the store and its real slots per MoE layer."""
     from engine.advisor import Measured
     from engine.generate import cache_delta, generate, prompt_tokens
     from engine.trace import record
@@ -488,7 +493,7 @@ def _record_for_advice(args, config):
             decode_tokens=len(result.tokens),
             decode_hit_rate=decode["hit_rate"],
         )
-    return trace, measured, sm.store
+    return trace, measured, sm.store, list(sm.cache.layer_slots)
 
 
 def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:

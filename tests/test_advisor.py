@@ -193,6 +193,13 @@ def test_advise_cli(recorded, tmp_path, capsys):
     assert png.stat().st_size > 10_000
     assert load_trace(tmp_path / "fresh.npz").num_tokens >= 24
 
+    # expert memory sizes each layer's slots: the current budget is their mean, not every
+    # expert (6 MB: 12 or 13 slots of the embedded model's 8 layers)
+    args = ["advise", "--prompt-file", str(prompt), "--max-tokens", "4", "--expert-memory", "6MB"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^ 12 \*  ", text, re.M) and "measured at 12 slots: decode" in text
+
     assert cli.main(["advise"]) == 2
     assert "--trace" in capsys.readouterr().err
     assert cli.main(["advise", "--trace", str(path), "--model", str(default_model_path())]) == 2
