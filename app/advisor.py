@@ -128,12 +128,13 @@ def _short_bytes(n: float) -> str:
 def figures_text(curve) -> str:
     """What was measured and what is estimated, as HTML for the panel."""
     m = curve.measured
-    parts = [f"Replayed {curve.tokens:,} tokens of this session (real region only)."]
+    parts = [f"Replayed {curve.tokens:,} tokens of this session one at a time (real region only)."]
     if m is not None:
         parts.append(
             f"<b>Measured</b> at {curve.current} slots: decode {m.decode_tps:.1f} tok/s over "
-            f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.0%} (side hits included), "
-            f"reads {m.read_Bps / 1e6:.0f} MB/s."
+            f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.0%} over the session (its "
+            "prompts included: a prompt's forward looks up each of its distinct experts once, "
+            f"into a colder cache; side hits count), reads {m.read_Bps / 1e6:.0f} MB/s."
         )
     if curve.tps:
         parts.append(

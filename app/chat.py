@@ -228,11 +228,18 @@ class ChatPanel(QWidget):
         c = reply.cache
         stopped = " (stopped)" if reply.stopped else ""
         kept = f" (+{reply.cached_tokens} kept)" if reply.cached_tokens else ""
-        decode = "—" if reply.decode_tps is None else f"{reply.decode_tps:.1f}"
+        prefill, decode, hit_rate = (
+            "—" if v is None else format(v, spec)  # a rate of nothing (stopped early)
+            for v, spec in (
+                (reply.prefill_tps, ".1f"),
+                (reply.decode_tps, ".1f"),
+                (c["hit_rate"], ".1%"),
+            )
+        )
         self.figures.setText(
             f"Last reply{stopped}: {len(reply.tokens)} tokens · prompt {reply.prompt_tokens}{kept}"
-            f" · prefill {reply.prefill_tps:.1f} tok/s · decode {decode} tok/s"
-            f" · hit rate {c['hit_rate']:.1%} · read {c['bytes_read'] / 1e6:.1f} MB"
+            f" · prefill {prefill} tok/s · decode {decode} tok/s"
+            f" · hit rate {hit_rate} · read {c['bytes_read'] / 1e6:.1f} MB"
         )
 
     def clear(self) -> None:

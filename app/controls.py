@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import SETTING_NAMES, ModelInfo
+from engine.advisor import human_bytes
 from engine.config import AUTO_MEMORY_FRACTION, parse_memory
 
 LIVE_LABELS = {
@@ -47,7 +48,7 @@ def summary(info: ModelInfo) -> str:
     return (
         f"{len(info.layers)} MoE layers × {info.num_experts} experts (top-{info.top_k})"
         f" · {slots} slots + 2 × {c.side_slots} side rows"
-        f" · pool {info.pool_bytes / 2**20:.1f} MiB"
+        f" · pool {human_bytes(info.pool_bytes)}"
     )
 
 

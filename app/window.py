@@ -170,8 +170,10 @@ class MainWindow(QMainWindow):
             )
         )
 
-    def _message(self, text: str, error: bool = False) -> None:
-        self.statusBar().showMessage(text, 0 if error else 8000)
+    def _message(self, text: str, error: bool = False, keep: bool = False) -> None:
+        """Shows `text` in the status bar: 8 s, or until the next message for an error
+        or a note to `keep`."""
+        self.statusBar().showMessage(text, 0 if error or keep else 8000)
 
     # commands
     def send(self, text: str) -> None:
@@ -255,7 +257,9 @@ class MainWindow(QMainWindow):
             trace,
             store_cache_dir() / "replay",
             policy_of(c.policy, c.decay_every, c.autopin_frac),
-            c.expert_slots or self.info.num_experts,
+            # expert memory gives each layer its own slots: the advisor's uniform
+            # equivalent is their mean
+            round(sum(self.info.slots) / len(self.info.slots)),
             c.autopin_frac,
             self.info.budget,
             measured,
@@ -324,7 +328,7 @@ class MainWindow(QMainWindow):
         snap = self.engine.snapshot()
         if info is None or snap is None:
             return
-        cap = info.config.expert_slots or info.num_experts
+        cap = max(info.slots, default=0)  # the widest layer's: expert memory sizes each
         if snap.slot_expert.shape[1] != cap or snap.side_expert.shape[1] != (
             2 * info.config.side_slots
         ):
@@ -335,7 +339,7 @@ class MainWindow(QMainWindow):
     def _on_progress(self, done: float, total: float) -> None:
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(1000 * done / total) if total else 0)
-        self.progress.setFormat(f"converting %p%  ({done / 2**20:.0f}/{total / 2**20:.0f} MiB)")
+        self.progress.setFormat(f"converting %p%  ({done / 1e6:.0f}/{total / 1e6:.0f} MB)")
 
     def _on_loaded(self, info: ModelInfo) -> None:
         wanted = self.controls.live_settings() if self.info else {}
@@ -352,7 +356,11 @@ class MainWindow(QMainWindow):
                 self.controls.live[name].setChecked(on)
         self.setWindowTitle(f"ExpertStream · {info.name}")
         self.chat.show_note(f"Loaded {info.name} in {info.load_seconds:.1f} s: {summary(info)}.")
-        self._message(f"Loaded {info.name}.")
+        if info.note:  # the settings changed to fit: kept in view until the next message
+            self.chat.show_note(f"{info.note}.")
+            self._message(f"Loaded {info.name}: {info.note}.", keep=True)
+        else:
+            self._message(f"Loaded {info.name}.")
         self._set_busy(None)
         self.modelLoaded.emit(info)
         self._run_pending()

@@ -79,6 +79,7 @@ class ModelInfo:
     budget: object  # engine.advisor.Budget
     load_seconds: float
     context: int | None
+    note: str = ""  # what the load changed of the settings asked for, and why
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Reply:
     tokens: list[int]
     prompt_tokens: int
     cached_tokens: int
-    prefill_tps: float
+    prefill_tps: float | None  # None: stopped before the first token
     decode_tps: float | None  # None without a decode step (engine.generate.GenerationResult)
     cache: dict
     stopped: bool
@@ -214,7 +215,7 @@ class Worker(QObject):
         t0 = time.monotonic()
         try:
             from engine.advisor import Budget
-            from engine.cache import pool_bytes
+            from engine.cache import PoolMemoryError, pool_bytes
             from engine.config import ConfigError, StreamConfig
             from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
@@ -225,14 +226,17 @@ class Worker(QObject):
             store = resolve_store(source, progress=self._progress)
             m = store.manifest
             config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
+            note = ""
+            if overrides.get("expert_slots") is None and overrides.get("expert_memory") is None:
+                config, note = _auto_if_too_large(store, config)
             sm = load(store.path, config)
         except _Cancelled:
             return
-        except ConfigError as e:  # a setting out of range: named as the window labels it
+        except (ConfigError, PoolMemoryError) as e:  # named as the window labels them
             where = path or "the embedded model"
-            self.loadFailed.emit(
-                f"could not open {where}: {describe(e, flag_names() | SETTING_NAMES)}"
-            )
+            names = flag_names() | SETTING_NAMES
+            words = e.in_words(names) if isinstance(e, PoolMemoryError) else describe(e, names)
+            self.loadFailed.emit(f"could not open {where}: {words}")
             return
         except Exception as e:  # noqa: BLE001  (any failure is reported, the app goes on)
             self.loadFailed.emit(
@@ -260,6 +264,7 @@ class Worker(QObject):
                 budget=Budget.of(m, config, list(sm.cache.layer_slots)),
                 load_seconds=time.monotonic() - t0,
                 context=store.config.get("max_position_embeddings"),
+                note=note,
             )
         )
 
@@ -311,7 +316,7 @@ class Worker(QObject):
                 tokens=[int(t) for t in result.tokens],
                 prompt_tokens=result.prompt_tokens,
                 cached_tokens=result.cached_tokens,
-                prefill_tps=float(result.prefill_tps),
+                prefill_tps=result.prefill_tps,
                 decode_tps=result.decode_tps,
                 cache=result.cache,
                 stopped=result.stopped,
@@ -334,6 +339,26 @@ class Worker(QObject):
         if self._recorder is not None:
             self._recorder.close()
         del sm
+
+
+def _auto_if_too_large(store, config) -> tuple:
+    """(config, note): the app's default expert slots, or expert memory auto where those
+    and the dense weights exceed the memory available (`engine.model.auto_if_too_large`),
+    with a note in the window's words saying so ("" when unchanged)."""
+    from engine.advisor import human_bytes
+    from engine.config import AUTO_MEMORY_FRACTION
+    from engine.model import auto_if_too_large
+
+    auto, sizes = auto_if_too_large(store, config)
+    if sizes is None:
+        return config, ""
+    pools, dense, available = sizes
+    return auto, (
+        f"The default {config.expert_slots} expert slots per layer ({human_bytes(pools)}) "
+        f"and the dense weights ({human_bytes(dense)}) exceed the {human_bytes(available)} "
+        f"of memory available: expert memory is set to auto ({AUTO_MEMORY_FRACTION:.0%} "
+        "of it), so the experts stream from disk"
+    )
 
 
 def _context_message(e) -> str:

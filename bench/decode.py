@@ -99,7 +99,7 @@ def _resident_summary(onces: list[dict]) -> dict:
             "hit_rate": 1.0,
             "decode_hit_rate": 1.0,
             "side_hit_rate": 0.0,
-            "prefetch_accuracy": 0.0,
+            "prefetch_accuracy": None,  # no prefetch issued
             "bytes_per_token": 0.0,
             "decode_bytes_per_token": 0.0,
             "disk_bytes_per_token": 0.0,

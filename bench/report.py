@@ -7,6 +7,10 @@ def _mb(x) -> str:
     return "—" if x is None or x < 0 else f"{x / 1e6:.2f}"
 
 
+def _pct(x) -> str:
+    return "—" if x is None else f"{x:.1%}"  # None: a rate of nothing (no prefetch issued)
+
+
 def _mib(x) -> str:
     return "—" if not x else f"{x / 2**20:.0f}"
 
@@ -46,9 +50,9 @@ def decode_markdown(d: dict) -> str:
             budget += " (cgroup)" if bound else " (unbounded)"
         out.append(
             f"| {r['name']} | {_spread(r, 'prefill_tps')} | {_spread(r, 'decode_tps')} | "
-            f"{'—' if ratio is None else f'{ratio:.2f}'} | {r['hit_rate']:.1%} "
-            f"({r['decode_hit_rate']:.1%}) | {r['side_hit_rate']:.1%} | "
-            f"{r['prefetch_accuracy']:.1%} | {_mb(r['bytes_per_token'])} "
+            f"{'—' if ratio is None else f'{ratio:.2f}'} | {_pct(r['hit_rate'])} "
+            f"({_pct(r['decode_hit_rate'])}) | {r['side_hit_rate']:.1%} | "
+            f"{_pct(r['prefetch_accuracy'])} | {_mb(r['bytes_per_token'])} "
             f"({_mb(r['decode_bytes_per_token'])}) | {_mb(r['disk_bytes_per_token'])} | "
             f"{_mib(r['peak_mlx_bytes'])} | {_mib(r['peak_rss_bytes'])} | {budget} |"
         )

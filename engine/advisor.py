@@ -66,14 +66,21 @@ class Measured:
     Attributes:
         decode_tps: decode tokens/s over the session's replies.
         read_Bps: bytes/s of one expert read (bytes_read / read_seconds).
-        hit_rate: the session's hit rate (side hits count as hits).
+        hit_rate: the session's hit rate, its prefill included (side hits count as
+            hits). A forward of several tokens (the prompt) looks up each distinct expert
+            of a layer once, mostly into a cold cache, where the replay looks up every
+            token's experts one token at a time: this is lower than the replayed figure.
         decode_tokens: tokens the decode_tps is measured over.
+        decode_hit_rate: the hit rate from the first generated token on (lookups per
+            token, as the replay counts them; side hits count as hits); None where not
+            measured apart.
     """
 
     decode_tps: float
     read_Bps: float
     hit_rate: float
     decode_tokens: int
+    decode_hit_rate: float | None = None
 
 
 @dataclass
@@ -230,12 +237,13 @@ class Advice:
 
 
 def human_bytes(n: float) -> str:
-    """`n` bytes as B / KiB / MiB / GiB text (one decimal above bytes)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    """`n` bytes as B / kB / MB / GB text (decimal, as every byte and rate figure the
+    CLI, the server and the app show; one decimal above bytes)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Advice:

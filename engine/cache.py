@@ -9,7 +9,7 @@ module, never `engine._ext` itself: the error types and the state codes are here
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the extension)
@@ -22,6 +22,7 @@ from engine.config import (
     StreamConfig,
     default_reader_threads,
 )
+from engine.flags import flag_names
 from engine.memory import available_bytes
 from engine.store import ExpertStore, LayerSpec
 
@@ -68,8 +69,41 @@ STAT_KEYS = (
 
 
 class PoolMemoryError(ValueError):
-    """The pools a StreamConfig asks for do not fit in the memory available; the message
-    says how much was asked for, why (layers x rows x record size), and what is left."""
+    """The pools a StreamConfig asks for, with the dense weights, do not fit in the memory
+    available; the message says how much was asked for, why (layers x rows x record size),
+    what is left, and which flag to change. `in_words(names)` says the same naming the
+    settings a front end's own way (`engine.flags.describe`); `config` is the
+    StreamConfig refused (None where the native allocation failed)."""
+
+    def __init__(self, message: str, what: str = "", config: StreamConfig | None = None):
+        super().__init__(message)
+        self.what, self.config = what, config
+
+    def in_words(self, names: Mapping[str, str]) -> str:
+        """The message with each StreamConfig field named by `names[field]`."""
+        if self.config is None:
+            return str(self)
+        return f"{self.what}: {_pool_remedy(self.config, names)}"
+
+
+def _pool_remedy(config: StreamConfig, names: Mapping[str, str]) -> str:
+    """What to change of `config` for smaller pools, naming the setting the user gave:
+    its fields by `names[field]`."""
+    slots, memory = names["expert_slots"], names["expert_memory"]
+    if config.expert_slots is not None:
+        fix = f"lower {slots}, or use {memory} auto"
+    elif config.expert_memory == "auto":
+        fix = f"give {memory} a size below auto's ({AUTO_MEMORY_FRACTION:.0%} of that)"
+    elif config.expert_memory is not None:
+        fix = f"lower {memory}, or use {memory} auto"
+    else:
+        fix = f"every expert is cached by default: use {memory} auto, or give {slots}"
+    given = [
+        names.get(f, f)
+        for f, on in (("side_slots", config.side_slots), ("scratch_slots", config.scratch_slots))
+        if on
+    ]
+    return fix + (f" (or lower {' / '.join(given)})" if given else "")
 
 
 def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
@@ -172,23 +206,31 @@ def check_pool_fits(
     available: int | None,
     specs: Sequence[LayerSpec] | None = None,
 ) -> None:
-    """Refuses pools larger than `available` bytes (None: unknown, nothing refused), for
-    the MoE layers `specs` of `store` (default: all).
+    """Refuses pools that, with the dense weights the load holds beside them, exceed
+    `available` bytes (None: unknown, nothing refused), for the MoE layers `specs` of
+    `store` (default: all). The dense weights are `manifest.dense_bytes`; a pipeline
+    stage (`specs` a part of the layers) counts its MoE layers' share of them, as it
+    loads only its layers' weights.
 
     Raises:
-        PoolMemoryError: naming the size asked for, the layers, rows and record size.
+        PoolMemoryError: naming the size asked for, the layers, rows and record size, the
+            dense weights, and the flag to change (the sizing one the user gave).
     """
     need, rows = planned_pool_bytes(store, config, specs)
-    if available is None or need <= available:
+    m = store.manifest
+    specs = m.layers if specs is None else specs
+    dense = m.dense_bytes * len(specs) // max(1, len(m.layers))
+    if available is None or need + dense <= available:
         return
-    specs = store.manifest.layers if specs is None else specs
-    largest = max(s.record_bytes for s in specs)
-    raise PoolMemoryError(
+    largest = max((s.record_bytes for s in specs), default=0)
+    what = (
         f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(specs)} MoE "
         f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
-        f"up to {largest / 1e6:.1f} MB) but {available / 1e9:.2f} GB of memory is "
-        "available: lower --expert-slots (or --side-slots / --scratch-slots)"
+        f"up to {largest / 1e6:.1f} MB) and the dense weights {dense / 1e9:.2f} GB, "
+        f"{(need + dense) / 1e9:.2f} GB together, but {available / 1e9:.2f} GB of memory "
+        "is available"
     )
+    raise PoolMemoryError(f"{what}: {_pool_remedy(config, flag_names())}", what, config)
 
 
 def open_cache(
@@ -320,6 +362,12 @@ class CacheSnapshot:
         t["prefetch_accuracy"] = t["prefetch_used"] / issued if issued else 0.0
         t["inflight"] = self.inflight
         return t
+
+
+def ratio(num: float, den: float) -> float | None:
+    """num / den, or None (JSON null) where den is 0: a rate of nothing (no lookup, no
+    prefetch issued, no time), which a 0.0 would report as measured."""
+    return num / den if den else None
 
 
 def pool_bytes(cache: _ext.ExpertCache) -> int:

@@ -88,18 +88,15 @@ def _load(model: str | Path | None, config):
     a bar on a terminal, and without --expert-slots or --expert-memory (every expert), a
     model whose experts and dense weights exceed the memory available is streamed with
     --expert-memory auto instead, said on stderr, rather than refused."""
-    import dataclasses
-
-    from engine.memory import available_bytes
-    from engine.model import load, load_bytes, resolve_store
+    from engine.model import auto_if_too_large, load, resolve_store
     from engine.resources import default_model_path
 
     with _progress_bar(terminal_only=True) as progress:
         store = resolve_store(model or default_model_path(), progress)
     if config.expert_slots is None and config.expert_memory is None:
-        pools, dense = load_bytes(store, config)
-        available = available_bytes()
-        if available is not None and pools + dense > available:
+        config, sizes = auto_if_too_large(store, config)
+        if sizes is not None:
+            pools, dense, available = sizes
             print(
                 f"note: every expert ({pools / 1e9:.2f} GB) and the dense weights "
                 f"({dense / 1e9:.2f} GB) exceed the {available / 1e9:.2f} GB of memory "
@@ -107,7 +104,6 @@ def _load(model: str | Path | None, config):
                 "--expert-memory sets it)",
                 file=sys.stderr,
             )
-            config = dataclasses.replace(config, expert_memory="auto")
     return load(store.path, config)
 
 
@@ -144,9 +140,10 @@ def _check_generate_flags(args) -> None:
     _check_output("--record-trace", args.record_trace)
 
 
-def _tps(value: float | None) -> str:
-    """A tokens/s figure of the stats line; "—" where there is none (no decode step)."""
-    return "—" if value is None else f"{value:.1f}"
+def _figure(value: float | None, spec: str = ".1f") -> str:
+    """A tokens/s or rate figure of the stats line, formatted by `spec`; "—" where there is
+    none (no decode step, nothing looked up)."""
+    return "—" if value is None else format(value, spec)
 
 
 def _generate(args) -> int:
@@ -197,11 +194,11 @@ def _generate_with(sm, prompt, args) -> int:
     print(flush=True)  # the reply's line ends on stdout, before the figures on stderr
     s = result.stats()
     print(
-        f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
+        f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {_figure(s['hit_rate'], '.1%')}  "
         f"read {s['bytes_read'] / 1e6:.1f} MB  side hits {s['side_hits']}  "
         f"prefetch used/issued {s['prefetch_used']}/{s['prefetch_issued']}\n"
-        f"prefill {s['prefill_tps']:.1f} tok/s ({s['prompt_tokens']} tokens)  "
-        f"decode {_tps(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
+        f"prefill {_figure(s['prefill_tps'])} tok/s ({s['prompt_tokens']} tokens)  "
+        f"decode {_figure(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
         f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
         file=sys.stderr,
     )
@@ -266,8 +263,9 @@ def _generate_pipeline(args) -> int:
             file=sys.stderr,
         )
     print(
-        f"all ranks: hit rate {stats['hit_rate']:.1%}  read {stats['bytes_read'] / 1e6:.1f} MB  "
-        f"prefill {stats['prefill_tps']:.1f} tok/s  decode {_tps(stats['decode_tps'])} tok/s "
+        f"all ranks: hit rate {_figure(stats['hit_rate'], '.1%')}  "
+        f"read {stats['bytes_read'] / 1e6:.1f} MB  prefill {_figure(stats['prefill_tps'])} tok/s  "
+        f"decode {_figure(stats['decode_tps'])} tok/s "
         f"({stats['generated_tokens']} tokens)",
         file=sys.stderr,
     )
@@ -393,9 +391,9 @@ def _advise(args) -> int:
     if args.trace is not None and args.prompt_file is not None:
         raise ValueError("--trace and --prompt-file exclude each other: replay one trace")
     config = stream_config(args)
-    measured = None
+    measured, slots = None, None
     if args.prompt_file is not None:
-        trace, measured, store = _record_for_advice(args, config)
+        trace, measured, store, slots = _record_for_advice(args, config)
     else:
         trace = load_trace(args.trace)
         store = resolve_store(args.model) if args.model else None
@@ -408,6 +406,11 @@ def _advise(args) -> int:
                 f"{trace.num_experts} (top-{trace.top_k})"
             )
     current = config.expert_slots or trace.num_experts
+    if config.expert_memory is not None and store is not None:
+        from engine.cache import real_slots
+
+        slots = slots or real_slots(store, config)  # per layer, by record size
+        current = round(sum(slots) / len(slots))  # replayed as their mean
     if not trace.top_k <= current <= trace.num_experts:
         raise ValueError(
             f"--expert-slots {current}: must be in [{trace.top_k}, {trace.num_experts}]"
@@ -431,11 +434,19 @@ def _advise(args) -> int:
         )
     else:
         print(table(curve))
+        print(
+            f"hit rates replayed: the trace's {trace.num_tokens} tokens one at a time, the "
+            "prompt's included (1 - expert reads / lookups; Belady's: hits / lookups)"
+        )
         if measured is not None:
+            m = measured
             print(
-                f"measured: decode {measured.decode_tps:.1f} tok/s over {measured.decode_tokens} "
-                f"tokens, reads {measured.read_Bps / 1e6:.0f} MB/s, hit rate "
-                f"{measured.hit_rate:.1%} (side hits included); tok/s at other budgets: estimated"
+                f"measured at {current} slots: decode {m.decode_tps:.1f} tok/s over "
+                f"{m.decode_tokens} tokens, reads {m.read_Bps / 1e6:.0f} MB/s; hit rate "
+                f"{_figure(m.decode_hit_rate, '.1%')} over the decode, {m.hit_rate:.1%} with "
+                "the prefill (a forward of many prompt tokens looks up each of their "
+                "distinct experts once, into a cold cache); side hits count as hits; tok/s at "
+                "other budgets: estimated"
             )
         print(advice.line)
     if args.png:
@@ -446,9 +457,10 @@ def _advise(args) -> int:
 
 def _record_for_advice(args, config):
     """Generates from --prompt-file with the cache flags, recording the routing; returns
-    the trace, the measured figures and the store."""
+    the trace, the measured figures (the hit rate over the reply and over its decode),
+    the store and its real slots per MoE layer."""
     from engine.advisor import Measured
-    from engine.generate import generate, prompt_tokens
+    from engine.generate import cache_delta, generate, prompt_tokens
     from engine.trace import record
 
     try:
@@ -458,8 +470,16 @@ def _record_for_advice(args, config):
     if not text.strip():
         raise ValueError(f"--prompt-file {args.prompt_file} is empty")
     sm = _load(args.model, config)
+    first = {}  # the counters at the first token: the decode's start
+
+    def on_response(_response) -> None:
+        first or first.update(sm.snapshot().totals())
+
     with record(sm) as recorder:
-        result = generate(sm, prompt_tokens(sm, text, False), args.max_tokens)
+        result = generate(
+            sm, prompt_tokens(sm, text, False), args.max_tokens, on_response=on_response
+        )
+    decode = cache_delta(first, sm.snapshot().totals())
     trace = recorder.trace(Path(args.prompt_file).stem)
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
@@ -471,8 +491,9 @@ def _record_for_advice(args, config):
             read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
             hit_rate=c["hit_rate"],
             decode_tokens=len(result.tokens),
+            decode_hit_rate=decode["hit_rate"],
         )
-    return trace, measured, sm.store
+    return trace, measured, sm.store, list(sm.cache.layer_slots)
 
 
 def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:

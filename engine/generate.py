@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from engine import autopin
+from engine.cache import ratio
 from engine.chat import SYSTEM, USER, chat_ids, checked_ids, encode
 from engine.config import check_sampling
 from engine.model import StreamedModel
@@ -132,7 +133,7 @@ class GenerationResult:
         tokens: generated token ids.
         prompt_tokens: prompt length, tokens.
         prefill_tps: mlx-lm's prompt tokens per second (prompt tokens / time to the first
-            token).
+            token); None when stopped before the first token.
         decode_tps: mlx-lm's generation tokens per second, by its convention
             (`GenerationResponse.generation_tps`): every generated token, the first one
             (sampled from the prefill's logits) included, over the time since the first
@@ -140,8 +141,8 @@ class GenerationResult:
             with fewer than 2 tokens: no decode step ran, and mlx-lm's figure would
             divide by the few microseconds after the first token.
         peak_memory_bytes: MLX peak memory of the process, bytes.
-        cache: cache counter totals for this reply (`CacheSnapshot.totals()` deltas;
-            hit_rate and prefetch_accuracy recomputed over the reply).
+        cache: cache counter totals for this reply (`cache_delta`: hit_rate and
+            prefetch_accuracy recomputed over the reply, None where undefined).
         stopped: the caller's `stop` ended the reply early.
         finish_reason: "stop" (end-of-sequence token), "length" (max_tokens) or None
             (stopped).
@@ -151,7 +152,7 @@ class GenerationResult:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    prefill_tps: float
+    prefill_tps: float | None
     decode_tps: float | None
     peak_memory_bytes: int
     cache: dict = field(default_factory=dict)
@@ -162,7 +163,8 @@ class GenerationResult:
     def stats(self) -> dict:
         """The stats object of `expertstream generate --json`: this reply's figures (the
         cache counters are its deltas, not the totals since load that the server's
-        /v1/stats gives); decode_tps is None (JSON null) without a decode step."""
+        /v1/stats gives); decode_tps is None (JSON null) without a decode step, and
+        hit_rate, prefetch_accuracy, prefill_tps where they would divide by 0."""
         c = self.cache
         return {
             "hits": c["hits"],
@@ -185,17 +187,16 @@ class GenerationResult:
 
 
 def cache_delta(before: dict, after: dict) -> dict:
-    """Counter totals accumulated between two `CacheSnapshot.totals()`."""
+    """Counter totals accumulated between two `CacheSnapshot.totals()`; hit_rate and
+    prefetch_accuracy over them, None where nothing was looked up / prefetched."""
     d = {
         k: after[k] - before[k]
         for k in after
         if k not in ("hit_rate", "prefetch_accuracy", "inflight")
     }
     lookups = d["hits"] + d["misses"]
-    d["hit_rate"] = d["hits"] / lookups if lookups else 0.0
-    d["prefetch_accuracy"] = (
-        d["prefetch_used"] / d["prefetch_issued"] if d["prefetch_issued"] else 0.0
-    )
+    d["hit_rate"] = ratio(d["hits"], lookups)
+    d["prefetch_accuracy"] = ratio(d["prefetch_used"], d["prefetch_issued"])
     return d
 
 
@@ -263,7 +264,7 @@ def generate(
         text="".join(text),
         tokens=tokens,
         prompt_tokens=len(prompt),
-        prefill_tps=last.prompt_tps if last else 0.0,
+        prefill_tps=last.prompt_tps if last else None,
         decode_tps=last.generation_tps if last and last.generation_tokens > 1 else None,
         peak_memory_bytes=int(mx.get_peak_memory()),
         cache=cache_delta(before, after),

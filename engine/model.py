@@ -7,6 +7,7 @@ manifest names each one's module path), and loads only the dense weights. The re
 generates through mlx-lm's own `stream_generate`.
 """
 
+import dataclasses
 import errno
 import os
 from collections.abc import Sequence
@@ -337,6 +338,23 @@ def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
     first token: every MoE layer's pools (`engine.cache.planned_pool_bytes`) and
     `dense.safetensors`. Front ends compare their sum with the memory available."""
     return cache_mod.planned_pool_bytes(store, config)[0], store.manifest.dense_bytes
+
+
+def auto_if_too_large(
+    store: ExpertStore, config: StreamConfig
+) -> tuple[StreamConfig, tuple[int, int, int] | None]:
+    """`config` with expert_memory "auto" (and no expert_slots) when its pools and the
+    dense weights (`load_bytes`) exceed the memory available, with (pools, dense,
+    available) bytes for the front end's note; else (`config`, None). Front ends call it
+    only when the user gave no pool size."""
+    from engine.memory import available_bytes
+
+    pools, dense = load_bytes(store, config)
+    available = available_bytes()
+    if available is None or pools + dense <= available:
+        return config, None
+    auto = dataclasses.replace(config, expert_slots=None, expert_memory="auto")
+    return auto, (pools, dense, available)
 
 
 def load(

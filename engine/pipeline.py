@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.pipeline import PipelineMixin
 
+from engine.cache import ratio
 from engine.experts import ExpertModule, NotMoEError, find_experts, instantiate
 from engine.store import layer_range
 
@@ -400,12 +401,15 @@ _SUMMED = (
 
 def rank_stats(sm) -> dict:
     """This rank's cache counters over its lifetime (`CacheSnapshot.totals()` keys that
-    `combine_stats` adds up, and `hit_rate`, `prefetch_accuracy`), its stage's decoder
-    layers as `layers` [start, end), and `peak_memory_bytes` since the last reply began."""
+    `combine_stats` adds up, and `hit_rate`, `prefetch_accuracy`: None where undefined),
+    its stage's decoder layers as `layers` [start, end), and `peak_memory_bytes` since the
+    last reply began."""
     t = sm.snapshot().totals()
     return {
         "layers": [sm.stage.start, sm.stage.end],
-        **{k: t[k] for k in (*_SUMMED, "hit_rate", "prefetch_accuracy")},
+        **{k: t[k] for k in _SUMMED},
+        "hit_rate": ratio(t["hits"], t["hits"] + t["misses"]),
+        "prefetch_accuracy": ratio(t["prefetch_used"], t["prefetch_issued"]),
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }
 
@@ -420,9 +424,8 @@ def combine_stats(ranks: list[dict]) -> dict:
     for key in _SUMMED:
         out[key] = sum(r[key] for r in ranks)
     lookups = out["hits"] + out["misses"]
-    out["hit_rate"] = out["hits"] / lookups if lookups else 0.0
-    issued = out["prefetch_issued"]
-    out["prefetch_accuracy"] = out["prefetch_used"] / issued if issued else 0.0
+    out["hit_rate"] = ratio(out["hits"], lookups)
+    out["prefetch_accuracy"] = ratio(out["prefetch_used"], out["prefetch_issued"])
     out["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
     out["ranks"] = ranks
     return out

@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.cache import ratio
 from engine.chat import ROLES, chat_ids, checked_ids, encode
 from engine.config import ConfigError, check_sampling
 
@@ -198,8 +199,9 @@ class ServerStats:
         requests_refused: requests refused with 503 (the queue was full).
         completed, cancelled, failed: queued requests by how they ended.
         last_error: why the latest reply failed; None once a later one succeeds.
-        last_decode_tps: the latest reply's decode tokens/s; None without a decode step
-            (`GenerationResult.decode_tps`).
+        last_prefill_tps, last_decode_tps: the latest reply's prefill and decode
+            tokens/s; None before the first reply, and without a prefill / decode step
+            (`GenerationResult.prefill_tps`, `.decode_tps`).
     """
 
     requests: int = 0
@@ -210,7 +212,7 @@ class ServerStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     generation_seconds: float = 0.0
-    last_prefill_tps: float = 0.0
+    last_prefill_tps: float | None = None
     last_decode_tps: float | None = None
     last_error: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -292,8 +294,11 @@ class GenerationThread:
         return max(1, math.ceil(mean * (self.queued() + 1)))
 
     def cache_stats(self) -> dict:
-        """The expert cache's counters over the server's lifetime (`/v1/stats`'s "cache")."""
+        """The expert cache's counters over the server's lifetime (`/v1/stats`'s "cache");
+        hit_rate and prefetch_accuracy None (JSON null) while undefined."""
         t = self.sm.snapshot().totals()
+        t["hit_rate"] = ratio(t["hits"], t["hits"] + t["misses"])  # None: nothing looked up
+        t["prefetch_accuracy"] = ratio(t["prefetch_used"], t["prefetch_issued"])
         return {k: t[k] for k in CACHE_STATS}
 
     def cancel_all(self) -> None:
@@ -690,9 +695,7 @@ def build_app(
                 "generating": engine.busy(),
                 "prompt_tokens": s.prompt_tokens,
                 "completion_tokens": s.completion_tokens,
-                "tokens_per_second": (
-                    s.completion_tokens / s.generation_seconds if s.generation_seconds else 0.0
-                ),
+                "tokens_per_second": ratio(s.completion_tokens, s.generation_seconds),
                 "last_prefill_tps": s.last_prefill_tps,
                 "last_decode_tps": s.last_decode_tps,
             }

@@ -31,7 +31,15 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model
 
-from engine.store import CONFIG_FILE, Segment, is_store, layout_segments, stride_for
+from engine.store import (
+    CONFIG_FILE,
+    VERSION,
+    Segment,
+    is_store,
+    layout_segments,
+    store_version,
+    stride_for,
+)
 from engine.store_writer import StoreWriter, fsync_path
 
 # The public config.json of Qwen/Qwen3-30B-A3B (fields mlx-lm reads).
@@ -162,6 +170,7 @@ def write_store(
     bits: int = 4,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    force: bool = False,
 ) -> Path:
     """Writes a synthetic expert store of the `qwen3_moe` config `config` to `out`.
 
@@ -169,7 +178,7 @@ def write_store(
     a sibling temporary directory and renamed into place when complete.
 
     Args:
-        out: the store directory to create (must not exist).
+        out: the store directory to create (must not exist, unless `force`: replaced).
         group_size, bits: affine quantization of every weight (routers: 8 bits, as
             mlx-lm's qwen3_moe quantizes them).
         progress: `progress(done_bytes, total_bytes)` while writing blobs.
@@ -178,13 +187,13 @@ def write_store(
         `out` as a Path.
 
     Raises:
-        FileExistsError: `out` exists.
+        FileExistsError: `out` exists and not `force`.
         ValueError: the config is not qwen3_moe or the shapes do not fit the group size.
     """
     out = Path(out)
     if config.get("model_type") != "qwen3_moe":
         raise ValueError(f"synthetic stores are qwen3_moe, got {config.get('model_type')!r}")
-    if out.exists():
+    if out.exists() and not force:
         raise FileExistsError(f"{out} exists")
     segments = expert_segments(config, group_size, bits)
     record_bytes = sum(s.nbytes for s in segments)
@@ -223,15 +232,17 @@ def write_store(
                 {proj: dict(quant) for proj in fan_in},
                 records(li),
             )
-        return writer.finish("qwen3_moe", config["num_experts_per_tok"], layers)
+        return writer.finish("qwen3_moe", config["num_experts_per_tok"], layers, force)
 
 
 def ensure_store(out: str | Path, config: dict, **kwargs) -> Path:
-    """`out` if it already holds a complete store, else `write_store(out, config)`."""
+    """`out` if it already holds a complete store of this build's format version, else
+    `write_store(out, config)`, replacing a store an older build made there (a cache
+    kept across upgrades would otherwise be refused for its version)."""
     out = Path(out)
-    if is_store(out):
+    if is_store(out) and store_version(out) == VERSION:
         return out
-    return write_store(out, config, **kwargs)
+    return write_store(out, config, force=is_store(out), **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ no path change and gives the ids the synchronous path sees, and `expertstream ad
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from engine.advisor import (  # noqa: E402
     advise,
     budgets,
     estimate_tps,
+    human_bytes,
     sweep,
 )
 from engine.config import StreamConfig  # noqa: E402
@@ -106,9 +108,16 @@ def test_estimate_and_advice():
     advice = advise(curve)
     assert advice.slots == 6
     assert advice.line == (
-        "+1.0 GiB of expert memory (4 → 6 slots per layer): hit rate 70% → 80%, about +11% "
+        "+1.1 GB of expert memory (4 → 6 slots per layer): hit rate 70% → 80%, about +11% "
         "tokens/s; the ceiling at this budget (Belady) is 90%"
     )
+    # 1 GiB in decimal units, as every byte figure (the slots cost 2**29 bytes each)
+    assert [human_bytes(n) for n in (999, 61_440, gib, 2 * gib)] == [
+        "999 B",
+        "61.4 kB",
+        "1.1 GB",
+        "2.1 GB",
+    ]
     assert advise(curve, free_bytes=gib // 4).slots == 4  # no room for more: keep
     curve.current = 8
     assert advise(curve).slots == 6  # 2 slots less cost nothing
@@ -170,9 +179,26 @@ def test_advise_cli(recorded, tmp_path, capsys):
     args = ["advise", "--prompt-file", str(prompt), "--max-tokens", "24", "--expert-slots", "8"]
     assert cli.main([*args, "--png", str(png), "--save-trace", str(tmp_path / "fresh.npz")]) == 0
     text = capsys.readouterr().out
-    assert "tok/s (est.)" in text and "measured: decode" in text and "Belady" in text
+    assert "tok/s (est.)" in text and "measured at 8 slots: decode" in text and "Belady" in text
+    # the replay counts every token's lookups one at a time; so does the measured decode
+    # figure, which is the one to compare (the prefill's forward looks each distinct
+    # expert up once, cold: the figure with it is lower)
+    assert "the trace's 34 tokens one at a time, the prompt's included" in text
+    replayed = float(re.search(r"^  8 \*\s+\S+ \S+\s+([\d.]+)%", text, re.M)[1])
+    decode, whole = map(
+        float,
+        re.search(r"hit rate ([\d.]+)% over the decode, ([\d.]+)% with the prefill", text).groups(),
+    )
+    assert abs(decode - replayed) < 3 < decode - whole, (replayed, decode, whole)
     assert png.stat().st_size > 10_000
     assert load_trace(tmp_path / "fresh.npz").num_tokens >= 24
+
+    # expert memory sizes each layer's slots: the current budget is their mean, not every
+    # expert (6 MB: 12 or 13 slots of the embedded model's 8 layers)
+    args = ["advise", "--prompt-file", str(prompt), "--max-tokens", "4", "--expert-memory", "6MB"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^ 12 \*  ", text, re.M) and "measured at 12 slots: decode" in text
 
     assert cli.main(["advise"]) == 2
     assert "--trace" in capsys.readouterr().err

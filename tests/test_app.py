@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -376,8 +377,6 @@ def test_bad_flags_are_refused_before_a_window_opens(capsys, argv, message):
 
 
 def test_settings_out_of_range_are_named_as_the_window_labels_them():
-    import threading
-
     from app.worker import Worker
 
     worker = Worker(threading.Event(), threading.Event())
@@ -394,6 +393,53 @@ def test_settings_out_of_range_are_named_as_the_window_labels_them():
     worker.load(MODEL, {"expert_memory": 64 * 2**20})  # no default slot count beside it
     assert len(failed) == 2 and loaded[0].config.expert_slots is None
     worker.unload()
+
+
+def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot, monkeypatch):
+    """The embedded model with 1 side row: its 16 default expert slots (+ 6 side and
+    scratch rows) take 12.3 MB beside 1.7 MB of dense weights; with 12 MB available the
+    app streams with expert memory auto (6 MB: 12 or 13 slots per layer) and says so in
+    its own words, and the inspector draws those slots. A size the user sets that does
+    not fit is refused naming the window's settings."""
+    from engine import cache, memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 12_000_000)
+    monkeypatch.setattr(cache, "available_bytes", lambda: 12_000_000)
+    w = MainWindow(MODEL, {"side_slots": 1, "reader_threads": 2})
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS) as loaded:
+        w.show()
+    info = loaded.args[0]
+    assert info.config.expert_memory == "auto" and info.config.expert_slots is None
+    assert info.note == (
+        "The default 16 expert slots per layer (10.9 MB) and the dense weights (1.7 MB) "
+        "exceed the 12.0 MB of memory available: expert memory is set to auto (50% of it), "
+        "so the experts stream from disk"
+    )
+    # bytes in decimal units, as the CLI and the plot's "MB read /s": 8 layers' pools of
+    # 18 or 19 rows of 61.4 kB records
+    assert info.pool_bytes == 8_908_800
+    assert w.controls.model_label.text().endswith("12–13 slots + 2 × 1 side rows · pool 8.9 MB")
+    assert w.statusBar().currentMessage() == f"Loaded {info.name}: {info.note}."
+    assert w.controls.expert_memory.text() == "auto"
+    assert sorted(set(info.slots)) == [12, 13]
+    reply = chat_turn(qtbot, w, PROMPT, 8)
+    assert reply is not None and reply.cache["misses"] > 0
+    w.poll()  # idle: the engine's state holds still
+    states = w.inspector.occupancy.image.image
+    np.testing.assert_array_equal(states, expected_states(w.engine.snapshot()))
+    assert states.shape == (len(info.layers), 13 + 2) and (states[:, :12] == RESIDENT).all()
+
+    from app.worker import Worker
+
+    worker = Worker(threading.Event(), threading.Event())
+    failed = []
+    worker.loadFailed.connect(failed.append)
+    worker.load(MODEL, {"expert_slots": 32, "side_slots": 1})
+    assert len(failed) == 1 and "the dense weights 0.00 GB" in failed[0]
+    assert failed[0].endswith(
+        "of memory is available: lower expert slots, or use expert memory auto (or lower side rows)"
+    ), failed[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="display check is Linux's")

@@ -82,3 +82,20 @@ def test_bad_router_hints_are_refused(qwen_store):
         probs = np.full(cache.num_experts, 0.1, np.float32)
         probs[3] = np.nan
         cache.hint(1, probs)
+
+
+def test_a_replay_store_of_an_older_format_is_made_again(tmp_path):
+    """The replay's synthetic store is cached across runs (and upgrades): one an older
+    build wrote (manifest version 1) is replaced, not refused for its version."""
+    import json
+
+    from engine.store import VERSION, store_version
+
+    trace = markov_trace(50, 2, 8)
+    path = trace_store(trace, tmp_path).path
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps(manifest | {"version": 1}))
+    assert store_version(path) == 1
+    store = trace_store(trace, tmp_path)
+    assert store.path == path and store_version(path) == VERSION == 2
+    assert replay(store, trace, 3, "lru")["hit_rate"] > 0

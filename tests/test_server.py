@@ -245,6 +245,27 @@ def test_a_single_token_reply_has_no_decode_rate(served):
     assert served.stats()["server"]["last_decode_tps"] is None
 
 
+def test_stats_of_nothing_are_null_not_zero():
+    """A fresh server (8 slots, no side slots: no prefetch) has looked nothing up and
+    generated nothing: its rates are null, not a 0.0 that reads as measured; after a
+    reply the hit rate and tokens/s are figures, the prefetch accuracy still null."""
+    fresh = Served()
+    try:
+        s = fresh.stats()
+        assert s["cache"]["hits"] == s["cache"]["misses"] == 0
+        assert s["cache"]["hit_rate"] is None and s["cache"]["prefetch_accuracy"] is None
+        for key in ("tokens_per_second", "last_prefill_tps", "last_decode_tps"):
+            assert s["server"][key] is None, key
+        assert http("POST", f"{fresh.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        s = fresh.stats()
+        c = s["cache"]
+        assert c["hit_rate"] == c["hits"] / (c["hits"] + c["misses"]) and c["misses"] > 0
+        assert c["prefetch_issued"] == 0 and c["prefetch_accuracy"] is None
+        assert s["server"]["tokens_per_second"] > 0 and s["server"]["last_prefill_tps"] > 0
+    finally:
+        fresh.close()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -360,3 +381,16 @@ def test_on_start_is_called_once_the_port_listens():
         server = uvicorn_server(Starlette(), Idle(), "warning", on_start)
         server.run(sockets=[sock])
     assert connected == [True]
+
+
+def test_pipelined_rates_of_nothing_are_null():
+    """Every rank's counters summed: no lookup, no prefetch gives null rates (a pipelined
+    reply's JSON); counts give their ratio."""
+    from engine.pipeline import _SUMMED, combine_stats
+
+    rank = {"layers": [0, 2], **dict.fromkeys(_SUMMED, 0), "peak_memory_bytes": 1}
+    rank |= {"prefill_tps": None, "decode_tps": None}
+    out = combine_stats([rank, rank | {"layers": [2, 4]}])
+    assert out["hit_rate"] is None and out["prefetch_accuracy"] is None
+    out = combine_stats([rank | {"hits": 3, "misses": 1, "prefetch_issued": 2}, rank])
+    assert out["hit_rate"] == 0.75 and out["prefetch_accuracy"] == 0.0

@@ -71,14 +71,58 @@ def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypat
     monkeypatch.setattr(cache_mod, "available_bytes", lambda: 1_000_000_000)
     message = (
         r"the expert pools need 1\.70 GB \(4 MoE layers x 10 rows \(expert_slots \+ 2 x "
-        r"side_slots \+ scratch_slots\) x records of up to 37\.7 MB\) but 1\.00 GB of memory "
-        r"is available: lower --expert-slots"
+        r"side_slots \+ scratch_slots\) x records of up to 37\.7 MB\) "
+        r"and the dense weights 0\.00 GB, 1\.70 GB together, but 1\.00 GB of memory is "
+        r"available: every expert is cached by default: use --expert-memory auto, or give "
+        r"--expert-slots$"
     )
     with pytest.raises(cache_mod.PoolMemoryError, match=message):
         load(store_dir, StreamConfig(reader_threads=2))  # the default depends on the CPUs
     assert main(["generate", "--model", str(store_dir), "--reader-threads", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the expert pools need 1.70 GB" in err[0]
+
+
+def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypatch):
+    """Pools that fit only without the dense weights (loaded beside them) are refused; the
+    message names the sizing flag given (or its absence) and suggests auto."""
+    store = ExpertStore(store_dir)
+    dense = store.manifest.dense_bytes
+    assert dense == 62418  # the fixture's dense.safetensors
+    cases = [
+        (
+            StreamConfig(expert_slots=4, reader_threads=2),
+            "lower --expert-slots, or use --expert-memory auto",
+        ),
+        (
+            StreamConfig(expert_memory=2**20, reader_threads=2),
+            "lower --expert-memory, or use --expert-memory auto",
+        ),
+        (
+            StreamConfig(expert_memory=2**20, side_slots=2, reader_threads=2),
+            "lower --expert-memory, or use --expert-memory auto (or lower --side-slots)",
+        ),
+        (
+            StreamConfig(reader_threads=2),
+            "every expert is cached by default: use --expert-memory auto, or give --expert-slots",
+        ),
+    ]
+    for config, remedy in cases:
+        pools = cache_mod.planned_pool_bytes(store, config)[0]
+        monkeypatch.setattr(cache_mod, "available_bytes", lambda n=pools + dense - 1: n)
+        with pytest.raises(cache_mod.PoolMemoryError) as e:
+            cache_mod.open_cache(store, config)
+        assert str(e.value).endswith(f"GB of memory is available: {remedy}"), str(e.value)
+        assert f"the dense weights {dense / 1e9:.2f} GB" in str(e.value)
+        names = {"expert_slots": "expert slots", "expert_memory": "expert memory"}
+        assert "--" not in e.value.in_words(names | {"side_slots": "side rows"})
+        monkeypatch.setattr(cache_mod, "available_bytes", lambda n=pools + dense: n)
+        assert cache_mod.open_cache(store, config).num_layers == len(store.manifest.layers)
+    # auto: half of 200 kB for 4.6 kB records, plus side and scratch rows, plus dense
+    monkeypatch.setattr(cache_mod, "available_bytes", lambda: 200_000)
+    with pytest.raises(cache_mod.PoolMemoryError) as e:
+        cache_mod.open_cache(store, StreamConfig(expert_memory="auto", reader_threads=2))
+    assert str(e.value).endswith("give --expert-memory a size below auto's (50% of that)")
 
 
 def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
