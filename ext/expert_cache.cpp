@@ -16,11 +16,23 @@ namespace es {
 
 namespace {
 
-// One reusable O_DIRECT bounce buffer per thread.
-uint8_t* bounce_buffer(size_t bytes) {
-  thread_local std::unique_ptr<AlignedBuffer> buf;
-  if (!buf || buf->size() < bytes) buf = std::make_unique<AlignedBuffer>(bytes);
-  return buf->data();
+// One reusable O_DIRECT bounce buffer per reader thread, page-locked where `writer` copies
+// through CUDA (PoolWriter::pin). A reader thread serves one cache, so one writer.
+uint8_t* bounce_buffer(size_t bytes, const PoolWriter& writer) {
+  struct Bounce {
+    std::unique_ptr<AlignedBuffer> buf;
+    bool pinned = false;
+    ~Bounce() {
+      if (pinned) PoolWriter::unpin(buf->data());
+    }
+  };
+  thread_local Bounce b;
+  if (!b.buf || b.buf->size() < bytes) {
+    if (b.pinned) PoolWriter::unpin(b.buf->data());
+    b.buf = std::make_unique<AlignedBuffer>(bytes);
+    b.pinned = writer.pin(b.buf->data(), b.buf->size());
+  }
+  return b.buf->data();
 }
 
 void check_layer(int li, int n) {
@@ -147,7 +159,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     for (const auto& L : layers_) stride = std::max(stride, L.stride);
     // As many demand reads in flight as the reader pool gives them (threads + 1 lanes).
     ring_ = RingReader::create(static_cast<unsigned>(std::max(config_.threads, 1) + 1),
-                               static_cast<size_t>(stride));
+                               static_cast<size_t>(stride), &writer_);
   }
 }
 
@@ -247,7 +259,7 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
       uint8_t* buf = nullptr;
       std::exception_ptr err;
       try {
-        buf = bounce_buffer(static_cast<size_t>(layers_[li].stride));
+        buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), writer_);
         files_[li]->read_record(e, buf, config_.verify);
       } catch (...) {
         err = std::current_exception();
@@ -649,7 +661,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     uint8_t* buf = nullptr;
     bool read = false;
     try {
-      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride));
+      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), writer_);
       files_[li]->read_record(expert, buf, config_.verify);
       read = true;
     } catch (...) {

@@ -33,6 +33,8 @@ struct Cuda {
   int (*memcpy_async)(void*, const void*, size_t, int, Stream) = nullptr;
   int (*memset_async)(void*, int, size_t, Stream) = nullptr;
   int (*stream_sync)(Stream) = nullptr;
+  int (*host_register)(void*, size_t, unsigned) = nullptr;
+  int (*host_unregister)(void*) = nullptr;
   const char* (*error_string)(int) = nullptr;
 };
 
@@ -56,6 +58,8 @@ const Cuda* cuda() {
           sym(table.memcpy_async, "cudaMemcpyAsync") &&
           sym(table.memset_async, "cudaMemsetAsync") &&
           sym(table.stream_sync, "cudaStreamSynchronize") &&
+          sym(table.host_register, "cudaHostRegister") &&
+          sym(table.host_unregister, "cudaHostUnregister") &&
           sym(table.error_string, "cudaGetErrorString")) {
         found = &table;
         return;
@@ -140,6 +144,15 @@ void PoolWriter::copy(const std::vector<Span>& spans) const {
     for (const auto& s : spans)
       check(cuda()->memcpy_async(s.dst, s.src, s.bytes, 4, st), "cudaMemcpyAsync");
   });
+}
+
+bool PoolWriter::pin(void* p, size_t bytes) const {
+  if (device_ < 0 || !p || bytes == 0) return false;
+  return cuda()->host_register(p, bytes, 0) == 0;
+}
+
+void PoolWriter::unpin(void* p) {
+  if (const Cuda* c = cuda()) c->host_unregister(p);
 }
 
 void PoolWriter::zero(uint8_t* dst, size_t bytes) const {

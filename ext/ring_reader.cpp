@@ -226,15 +226,35 @@ class RingReader::Call {
   int64_t orphans_ = 0;
 };
 
-std::unique_ptr<RingReader> RingReader::create(unsigned depth, size_t buffer_bytes) {
-  auto ring = IoRing::create(depth, buffer_bytes);
-  if (!ring) return nullptr;
-  return std::unique_ptr<RingReader>(new RingReader(std::move(ring), depth, buffer_bytes));
+std::unique_ptr<RingReader> RingReader::create(unsigned depth, size_t buffer_bytes,
+                                               const PoolWriter* writer) {
+  std::unique_ptr<RingReader> r(new RingReader(depth, buffer_bytes, writer));
+  std::lock_guard<std::mutex> lk(r->mu_);
+  if (!r->open_locked()) return nullptr;
+  return r;
 }
 
 RingReader::~RingReader() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (ring_ && (orphans_ > 0 || broken_)) IoRing::retire(std::move(ring_));
+  close_locked(orphans_ > 0 || broken_);
+}
+
+bool RingReader::open_locked() {
+  ring_ = IoRing::create(depth_, buffer_bytes_);
+  if (!ring_) return false;
+  pinned_ = writer_ && writer_->pin(ring_->buffer(0), ring_->buffers() * ring_->buffer_bytes());
+  return true;
+}
+
+void RingReader::close_locked(bool retire) {
+  if (!ring_) return;
+  if (retire) {
+    IoRing::retire(std::move(ring_));  // its buffers stay pinned: they are never freed
+  } else {
+    if (pinned_) PoolWriter::unpin(ring_->buffer(0));
+    ring_.reset();
+  }
+  pinned_ = false;
 }
 
 bool RingReader::ready_locked() {
@@ -244,11 +264,10 @@ bool RingReader::ready_locked() {
     int32_t res;
     while (orphans_ > 0 && ring_->pop(&t, &res)) --orphans_;
   }
-  if (ring_ && (orphans_ > 0 || broken_)) IoRing::retire(std::move(ring_));
+  if (orphans_ > 0 || broken_) close_locked(true);
   orphans_ = 0;
   broken_ = false;
-  if (!ring_) ring_ = IoRing::create(depth_, buffer_bytes_);
-  return ring_ != nullptr;
+  return ring_ || open_locked();
 }
 
 bool RingReader::read(const BlobFile& file, const std::vector<int>& experts, bool verify,

@@ -32,14 +32,18 @@
 
 #include "blob_file.h"
 #include "io_ring.h"
+#include "pool_writer.h"
 
 namespace es {
 
 class RingReader {
  public:
   // A reader with `depth` reads in flight at most, of records up to `buffer_bytes`;
-  // null where io_uring is unavailable (IoRing::create).
-  static std::unique_ptr<RingReader> create(unsigned depth, size_t buffer_bytes);
+  // null where io_uring is unavailable (IoRing::create). Each ring's buffers are pinned
+  // for `writer` (PoolWriter::pin: land's copies out of them are then one DMA each on
+  // CUDA), and unpinned when a ring is freed; `writer` must outlive the reader.
+  static std::unique_ptr<RingReader> create(unsigned depth, size_t buffer_bytes,
+                                            const PoolWriter* writer = nullptr);
   // Retires the ring where a given-up read may still be in the kernel.
   ~RingReader();
 
@@ -55,8 +59,13 @@ class RingReader {
 
  private:
   class Call;
-  RingReader(std::unique_ptr<IoRing> ring, unsigned depth, size_t buffer_bytes)
-      : ring_(std::move(ring)), depth_(depth), buffer_bytes_(buffer_bytes) {}
+  RingReader(unsigned depth, size_t buffer_bytes, const PoolWriter* writer)
+      : depth_(depth), buffer_bytes_(buffer_bytes), writer_(writer) {}
+  // Makes ring_ (pinned for writer_); false where io_uring is unavailable.
+  bool open_locked();
+  // Frees ring_, or keeps it for the process (IoRing::retire, still pinned) when a read
+  // may still be in the kernel.
+  void close_locked(bool retire);
   // A ring with no operation of an earlier call outstanding (retiring one that has some,
   // making a new one where needed); false where none can be made.
   bool ready_locked();
@@ -65,6 +74,8 @@ class RingReader {
   std::unique_ptr<IoRing> ring_;
   unsigned depth_;
   size_t buffer_bytes_;
+  const PoolWriter* writer_;
+  bool pinned_ = false;   // ring_'s buffers are page-locked for writer_
   uint32_t calls_ = 0;    // tags each call's completions
   uint64_t orphans_ = 0;  // operations of given-up reads not yet completed
   bool broken_ = false;   // io_uring_enter failed: the ring's state is unknown
