@@ -74,7 +74,7 @@ def test_ring_timeout_gives_up_and_never_writes_late(qwen_store):
     """A read held past read_timeout_s raises ExpertReadTimeout after about the timeout;
     the slot stays empty, its next owner keeps its bytes when the held read completes,
     and the ring keeps reading."""
-    timeout_s, hang_ms = 0.2, 1200
+    timeout_s, hang_ms = 0.2, 2500
     cache = ring_cache(qwen_store, expert_slots=1, read_timeout_s=timeout_s)
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(0, "delay", expert=3, count=1, delay_ms=hang_ms)
@@ -82,7 +82,8 @@ def test_ring_timeout_gives_up_and_never_writes_late(qwen_store):
     with pytest.raises(ExpertReadTimeout, match=r"layer00\.blob \(layer 0, expert 3\): read timed"):
         cache.acquire(0, np.array([[3]], dtype=np.int32))
     waited = time.monotonic() - t0
-    assert timeout_s * 0.9 < waited < timeout_s + 0.3
+    # Well before the held read ends; the slack is for a loaded 2-core CI machine.
+    assert timeout_s * 0.9 < waited < timeout_s + 1.0
     s = cache.snapshot(0)
     assert s["slot_expert"].tolist() == [-1] and s["stats"]["read_errors"] == 1
     rows, _ = cache.acquire(0, np.array([[4]], dtype=np.int32))
