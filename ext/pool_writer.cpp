@@ -119,6 +119,9 @@ void on_stream(int device, F&& issue) {
     issue(s);
     check(cuda()->stream_sync(s), "cudaStreamSynchronize");
   } catch (...) {
+    // The copies issued before the failure may still run: wait for them, so that none
+    // reads the caller's buffer after it is reused or writes a row after it changes hands.
+    cuda()->stream_sync(s);
     streams().give(s, device);
     throw;
   }

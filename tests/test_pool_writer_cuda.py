@@ -1,0 +1,70 @@
+"""The CUDA write path of ext/pool_writer.h on a machine without a GPU: a stand-in
+runtime (tests/fake_cudart.c, built here as libcudart.so.12) is loaded before the native
+core, which then writes pools through it. Each case runs in a fresh interpreter, as the
+core looks the runtime up once per process."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    import numpy as np
+    from engine.cache import ExpertReadError, open_cache
+    from engine.config import StreamConfig
+    from engine.store import ExpertStore
+
+    cache = open_cache(ExpertStore(sys.argv[2]),
+                       StreamConfig(expert_slots=2, reader_threads=1,
+                                    io_uring=sys.argv[3] == "1"))
+    print("writes", cache.pool_writes)
+    fake.fake_fail_at(2)  # the second segment of the first record read
+    try:
+        cache.acquire(0, np.array([[1]], dtype=np.int32))
+        print("raised none")
+    except ExpertReadError as e:
+        print("raised", "invalid argument" in str(e))
+    print("pending", fake.fake_pending())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def fake_cudart(tmp_path_factory):
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in CUDA runtime")
+    out = tmp_path_factory.mktemp("cudart") / "libcudart.so.12"
+    src = __file__.rsplit("/", 1)[0] + "/fake_cudart.c"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.12", "-o", str(out), src, "-lpthread"],
+        check=True,
+    )
+    return out
+
+
+def test_a_failed_device_copy_leaves_no_copy_queued(fake_cudart, qwen_store, io_uring):
+    """A record whose second segment's copy fails raises ExpertReadError naming the CUDA
+    error, and copy() has waited for the first segment's copy before it returns: none is
+    left queued to read the read buffer after it is reused, or to write the row after the
+    row has another owner."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(fake_cudart),
+            str(qwen_store.path),
+            "1" if io_uring else "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["writes cuda", "raised True", "pending 0"]
