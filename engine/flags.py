@@ -148,6 +148,12 @@ FLAGS = (
         deprecated=("--prefill-chunk",),
     ),
     Flag("--reader-threads", "reader_threads", int, "background reader threads"),
+    Flag(
+        "--io-uring",
+        "io_uring",
+        None,
+        "demand reads through io_uring where the kernel has it (--no-io-uring: the reader threads)",
+    ),
 )
 
 # The two ways to size the real regions: each field's other.

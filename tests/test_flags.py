@@ -59,6 +59,13 @@ def test_environment_then_flags_then_prefetch_follows_side_slots():
         stream_config(parser().parse_args([]), {"SIDEREGION_LFU": "maybe"})
 
 
+def test_io_uring_is_on_by_default_and_can_be_turned_off():
+    assert stream_config(parser().parse_args([]), {}).io_uring is True
+    assert stream_config(parser().parse_args(["--no-io-uring"]), {}).io_uring is False
+    text = " ".join(parser().format_help().split())
+    assert "(--no-io-uring: the reader threads) (default: on)" in text
+
+
 def test_cli_and_app_take_the_same_flags():
     from app.main import build_parser as app_parser
     from engine.cli import build_parser as cli_parser
