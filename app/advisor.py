@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import ServiceThread
-from engine.advisor import human_bytes
+from engine.memory import human_bytes
 
 POLICY_COLORS = {"lru": "#f0a030"}
 CURRENT_COLOR = "#7cc4ff"

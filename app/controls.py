@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.worker import SETTING_NAMES, ModelInfo
-from engine.advisor import human_bytes
 from engine.config import AUTO_MEMORY_FRACTION, parse_memory
+from engine.memory import human_bytes
 
 LIVE_LABELS = {
     "prefetch": (

@@ -28,7 +28,7 @@ from app.monitor import (
     row_info,
 )
 from app.worker import ModelInfo
-from engine.advisor import human_bytes
+from engine.memory import human_bytes
 
 BACKGROUND = "#1b1d23"
 FOREGROUND = "#c9d1d9"

@@ -345,8 +345,8 @@ def _auto_if_too_large(store, config) -> tuple:
     """(config, note): the app's default expert slots, or expert memory auto where those
     and the dense weights exceed the memory available (`engine.model.auto_if_too_large`),
     with a note in the window's words saying so ("" when unchanged)."""
-    from engine.advisor import human_bytes
     from engine.config import AUTO_MEMORY_FRACTION
+    from engine.memory import human_bytes
     from engine.model import auto_if_too_large
 
     auto, sizes = auto_if_too_large(store, config)

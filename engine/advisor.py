@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine.memory import human_bytes
 from engine.replay import AUTOPIN_FRAC, POLICIES, belady, replay, trace_store
 from engine.trace import Trace
 
@@ -234,16 +235,6 @@ class Advice:
 
     slots: int
     line: str
-
-
-def human_bytes(n: float) -> str:
-    """`n` bytes as B / kB / MB / GB text (decimal, as every byte and rate figure the
-    CLI, the server and the app show; one decimal above bytes)."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Advice:

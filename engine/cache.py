@@ -23,7 +23,7 @@ from engine.config import (
     default_reader_threads,
 )
 from engine.flags import flag_names
-from engine.memory import available_bytes
+from engine.memory import available_bytes, human_bytes
 from engine.store import ExpertStore, LayerSpec
 
 ExpertCache = _ext.ExpertCache
@@ -224,10 +224,10 @@ def check_pool_fits(
         return
     largest = max((s.record_bytes for s in specs), default=0)
     what = (
-        f"{store.path}: the expert pools need {need / 1e9:.2f} GB ({len(specs)} MoE "
+        f"{store.path}: the expert pools need {human_bytes(need)} ({len(specs)} MoE "
         f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
-        f"up to {largest / 1e6:.1f} MB) and the dense weights {dense / 1e9:.2f} GB, "
-        f"{(need + dense) / 1e9:.2f} GB together, but {available / 1e9:.2f} GB of memory "
+        f"up to {human_bytes(largest)}) and the dense weights {human_bytes(dense)}, "
+        f"{human_bytes(need + dense)} together, but {human_bytes(available)} of memory "
         "is available"
     )
     raise PoolMemoryError(f"{what}: {_pool_remedy(config, flag_names())}", what, config)

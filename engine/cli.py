@@ -88,6 +88,7 @@ def _load(model: str | Path | None, config):
     a bar on a terminal, and without --expert-slots or --expert-memory (every expert), a
     model whose experts and dense weights exceed the memory available is streamed with
     --expert-memory auto instead, said on stderr, rather than refused."""
+    from engine.memory import human_bytes
     from engine.model import auto_if_too_large, load, resolve_store
     from engine.resources import default_model_path
 
@@ -98,8 +99,8 @@ def _load(model: str | Path | None, config):
         if sizes is not None:
             pools, dense, available = sizes
             print(
-                f"note: every expert ({pools / 1e9:.2f} GB) and the dense weights "
-                f"({dense / 1e9:.2f} GB) exceed the {available / 1e9:.2f} GB of memory "
+                f"note: every expert ({human_bytes(pools)}) and the dense weights "
+                f"({human_bytes(dense)}) exceed the {human_bytes(available)} of memory "
                 "available: streaming with --expert-memory auto (--expert-slots or "
                 "--expert-memory sets it)",
                 file=sys.stderr,

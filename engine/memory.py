@@ -3,6 +3,7 @@
 `available_bytes` is the smaller of the system's available memory (Linux `MemAvailable`,
 elsewhere the physical memory) and the headroom of every memory cgroup (v1 or v2) that
 holds this process: its limit minus its usage, plus the page cache it could reclaim.
+`human_bytes` is how every byte figure is shown.
 """
 
 import os
@@ -89,3 +90,13 @@ def available_bytes() -> int | None:
     or None where nothing can be learnt."""
     figures = [v for v in (_system_available(), _cgroup_headroom()) if v is not None]
     return min(figures) if figures else None
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes as B / kB / MB / GB text (decimal, as every byte and rate figure the
+    CLI, the server and the app show; one decimal above bytes)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
