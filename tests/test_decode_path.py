@@ -78,14 +78,12 @@ def test_a_layer_with_a_slot_for_every_expert_is_filled_at_load(model_dir):
 
 def test_records_reach_the_pools_by_host_copy_without_a_gpu(model_dir):
     """Without MLX CUDA in the process the pools are host memory: plain memcpy, and
-    each filled slot holds its expert's record byte for byte (the unfilled rows, zeros)."""
+    each filled slot holds its expert's record byte for byte."""
     sm = load(model_dir, StreamConfig())
     assert sm.cache.pool_writes == "memcpy"
     assert (
         RowChecker(sm.store, sm.cache).assert_all_published() == sm.cache.num_layers * NUM_EXPERTS
     )
-    cache = open_cache(resolve_store(model_dir), StreamConfig(expert_slots=2))
-    assert all(not np.array(p).any() for li in range(cache.num_layers) for p in cache.pool(li))
 
 
 def test_plan_counts_pinned_slots(model_dir):
