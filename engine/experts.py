@@ -311,9 +311,13 @@ def _resolve(model: nn.Module, names) -> nn.Module:
 
 def _logits(model: nn.Module, names, n: int, linear: bool) -> Callable[[mx.array], mx.array]:
     ref = weakref.ref(model)
-    if linear:
-        return lambda x: _resolve(ref(), names)(x)[..., :n]
-    return lambda x: (x @ _resolve(ref(), names)["weight"].T)[..., :n]
+
+    def logits(x: mx.array) -> mx.array:
+        router = _resolve(ref(), names)
+        y = router(x) if linear else x @ router["weight"].T
+        return y if y.shape[-1] == n else y[..., :n]  # a slice only where there are extras
+
+    return logits
 
 
 def replace(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -71,11 +71,16 @@ class Predictor:
             x: (..., hidden) hidden state entering the current MoE layer.
 
         Returns:
-            (budget,) uint32 expert ids, best first is not guaranteed (argpartition).
+            (budget,) uint32 expert ids, in no particular order (argpartition). A strided
+            view: the cache's primitives read ids where they lie. Built from as few ops as
+            it takes (one reshape, the router, argpartition, a slice), since it runs per MoE
+            layer per decode token.
         """
-        logits = self.routers[target](x.reshape(-1, x.shape[-1])[-1:])
-        k = self.budget
-        return mx.argpartition(-logits, kth=k - 1, axis=-1)[0, :k]
+        hidden = x.shape[-1]
+        last = x.reshape(1, hidden) if x.size == hidden else x.reshape(-1, hidden)[-1:]
+        logits = self.routers[target](last)
+        n, k = logits.shape[-1], self.budget
+        return mx.argpartition(logits, kth=n - k, axis=-1)[0, n - k :]
 
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills

@@ -1,7 +1,11 @@
 #include "primitives.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -10,11 +14,52 @@ namespace es {
 
 namespace {
 
-mx::array flat_int32(const mx::array& ids, const char* what, mx::StreamOrDevice s) {
+void check_integer(const mx::array& ids, const char* what) {
   if (!mx::issubdtype(ids.dtype(), mx::integer))
     throw std::invalid_argument(std::string(what) + " ids must be an integer array");
-  auto flat = mx::flatten(mx::astype(ids, mx::int32, s), s);
-  return mx::contiguous(flat, false, s);
+}
+
+template <typename T>
+void gather_as(const mx::array& ids, std::vector<int32_t>& out) {
+  // Row-major walk over any strides: the router's ids are usually a slice of its
+  // argpartition (last axis contiguous, outer axes strided), read where they lie instead
+  // of through astype/flatten/contiguous ops (each one an op per MoE layer per token).
+  const T* base = ids.data<T>();
+  const auto& shape = ids.shape();
+  const auto& strides = ids.strides();
+  const int nd = static_cast<int>(shape.size());
+  std::vector<int> at(static_cast<size_t>(nd), 0);
+  int64_t off = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const T v = base[off];
+    if (v < 0 || static_cast<uint64_t>(v) > static_cast<uint64_t>(INT32_MAX))
+      throw std::out_of_range("expert id " + std::to_string(v) + " out of range");
+    out[i] = static_cast<int32_t>(v);
+    for (int d = nd - 1; d >= 0; --d) {  // next index, last axis fastest
+      off += strides[d];
+      if (++at[d] < shape[d]) break;
+      off -= strides[d] * shape[d];
+      at[d] = 0;
+    }
+  }
+}
+
+// The ids of an evaluated integer array in row-major order, as int32.
+std::vector<int32_t> gather_ids(const mx::array& ids) {
+  std::vector<int32_t> out(ids.size());
+  if (out.empty()) return out;
+  switch (ids.dtype()) {
+    case mx::int8: gather_as<int8_t>(ids, out); break;
+    case mx::int16: gather_as<int16_t>(ids, out); break;
+    case mx::int32: gather_as<int32_t>(ids, out); break;
+    case mx::int64: gather_as<int64_t>(ids, out); break;
+    case mx::uint8: gather_as<uint8_t>(ids, out); break;
+    case mx::uint16: gather_as<uint16_t>(ids, out); break;
+    case mx::uint32: gather_as<uint32_t>(ids, out); break;
+    case mx::uint64: gather_as<uint64_t>(ids, out); break;
+    default: throw std::invalid_argument("expert ids must be an integer array");
+  }
+  return out;
 }
 
 }  // namespace
@@ -33,7 +78,8 @@ void AcquirePrimitive::eval_cpu(const std::vector<mx::array>& inputs,
     int32_t* rows = out.data<int32_t>();
     const size_t n = ids.size();
     try {
-      if (!cache->acquire(layer, ids.data<int32_t>(), rows, n).empty())
+      const std::vector<int32_t> flat = gather_ids(ids);
+      if (!cache->acquire(layer, flat.data(), rows, n).empty())
         throw std::logic_error("MoE layer " + std::to_string(layer) + ": " +
                                std::to_string(n) +
                                " expert ids exceed the evictable slots in a stream-ordered "
@@ -62,7 +108,12 @@ void PrefetchPrimitive::eval_cpu(const std::vector<mx::array>& inputs,
   encoder.dispatch([ids = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
                     layer = layer_]() mutable {
     out.data<uint8_t>()[0] = 0;
-    cache->prefetch(layer, ids.data<int32_t>(), ids.size());
+    try {
+      const std::vector<int32_t> flat = gather_ids(ids);
+      cache->prefetch(layer, flat.data(), flat.size());
+    } catch (const std::out_of_range&) {
+      // an id no expert has predicts nothing; the layer's acquire reports its own ids
+    }
   });
 }
 
@@ -74,20 +125,18 @@ void PrefetchPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::
 
 mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
                      mx::StreamOrDevice s) {
-  auto flat = flat_int32(ids, "acquire", s);
-  auto rows = mx::array(mx::Shape{static_cast<int>(flat.size())}, mx::int32,
-                        std::make_shared<AcquirePrimitive>(mx::to_stream(s), std::move(cache),
-                                                           layer),
-                        {flat});
-  return mx::reshape(rows, ids.shape(), s);
+  check_integer(ids, "acquire");
+  return mx::array(ids.shape(), mx::int32,
+                   std::make_shared<AcquirePrimitive>(mx::to_stream(s), std::move(cache), layer),
+                   {ids});
 }
 
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
                       mx::StreamOrDevice s) {
-  auto flat = flat_int32(ids, "prefetch", s);
+  check_integer(ids, "prefetch");
   return mx::array(mx::Shape{}, mx::uint8,
                    std::make_shared<PrefetchPrimitive>(mx::to_stream(s), std::move(cache), layer),
-                   {flat});
+                   {ids});
 }
 
 }  // namespace es

@@ -53,7 +53,8 @@ class PrefetchPrimitive : public mx::Primitive {
   int layer_;
 };
 
-// ids: any shape, any integer dtype (converted to int32). Returns int32 pool rows of the
+// ids: any shape, strides and integer dtype (the router's ids as they are: read in place
+// when evaluated, so the op adds one node to the graph). Returns int32 pool rows of the
 // same shape. The caller guarantees the call cannot be over capacity (ExpertCache::plan
 // said kPlanStream); if it is anyway, or a read fails, the rows are all 0 (a valid row,
 // so the kernels that consume them never index outside the pool) and the error goes to
@@ -62,7 +63,7 @@ class PrefetchPrimitive : public mx::Primitive {
 mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
                      mx::StreamOrDevice s = {});
 
-// ids: any shape, any integer dtype (converted to int32). Throws std::invalid_argument
+// ids: any shape, strides and integer dtype, read in place. Throws std::invalid_argument
 // for a non-integer dtype.
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
                       mx::StreamOrDevice s = {});

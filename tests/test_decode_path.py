@@ -94,6 +94,33 @@ def test_plan_counts_pinned_slots(model_dir):
     assert sm.cache.plan(0, 2, TOP_K) == PLAN_STREAM
 
 
+def test_acquire_op_reads_ids_where_they_lie(model_dir):
+    """The primitive reads the router's ids as they are: a strided slice of an
+    argpartition (uint32), a transposed int64 array, a broadcast. Each maps to the rows
+    the host acquire gives the same ids, in the shape of the ids; a non-integer dtype
+    is refused when the op is built."""
+    cache = open_cache(resolve_store(model_dir), StreamConfig(expert_slots=NUM_EXPERTS))
+    scores = mx.array([[0.1, 0.9, 0.3, 0.8, 0.2, 0.7, 0.0, 0.5]])
+    cases = {
+        "argpartition slice": mx.argpartition(scores, kth=NUM_EXPERTS - 3, axis=-1)[:, -3:],
+        "transposed int64": mx.array([[5, 0], [2, 7], [1, 1]], dtype=mx.int64).T,
+        "broadcast": mx.broadcast_to(mx.array([[4], [6]], dtype=mx.uint8), (2, 3)),
+    }
+    for name, ids in cases.items():
+        host_ids = np.array(ids).astype(np.int32)
+        rows = cache.acquire_op(0, ids)
+        mx.eval(rows)
+        cache.raise_stream_error()
+        assert rows.shape == ids.shape and rows.dtype == mx.int32, name
+        expected, missing = cache.acquire(0, host_ids)
+        assert not missing
+        assert np.array(rows).tolist() == expected.tolist(), name
+        slots = cache.snapshot(0)["slot_expert"]
+        assert slots[np.array(rows)].tolist() == host_ids.tolist(), name
+    with pytest.raises(ValueError, match="integer"):
+        cache.acquire_op(0, mx.array([1.0, 2.0]))
+
+
 @pytest.mark.parametrize("slots", [2, 8], ids=["top_k", "all"])
 def test_decode_step_graph_is_built_without_cache_work(model_dir, slots):
     """Building a decode step's graph reads no ids on the host: the cache has seen none
