@@ -20,8 +20,10 @@ Figures go to stdout and DIR/device.json.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -119,7 +121,42 @@ HEADER = (
 )
 
 
-def embedded(tokens: int, log, fractions=FRACTIONS) -> dict:
+def alternated(runs: dict[str, Callable[[], float]], rounds: int, log) -> dict:
+    """Each run's decode tok/s over `rounds` rounds in turn (round 1 runs every entry
+    once, then round 2, ...), so that drift in the machine's speed falls on all alike; the
+    first entry is the baseline, and each round's ratio to the baseline of the same round
+    is kept. Logs a table of medians, the median ratio and its spread (min..max)."""
+    tps = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            tps[name].append(run())
+    base_name = next(iter(runs))
+    out = {}
+    log(
+        f"\n{rounds} alternated rounds, each ratio against the baseline of its own round:\n\n"
+        "| run | median tok/s | ÷ baseline, median | min..max |\n|---|---|---|---|"
+    )
+    for name, values in tps.items():
+        ratios = [v / b for v, b in zip(values, tps[base_name], strict=True)]
+        out[name] = {"decode_tps": values, "ratios": ratios}
+        log(
+            f"| {name} | {statistics.median(values):.1f} | {statistics.median(ratios):.2f} | "
+            f"{min(ratios):.2f}..{max(ratios):.2f} |"
+        )
+    return out
+
+
+def tps_of(model, prompt: list[int], tokens: int) -> Callable[[], float]:
+    """A run for `alternated`: one decode of `model`, its tok/s."""
+
+    def run() -> float:
+        out, dt, _ = decode(model, prompt, tokens)
+        return (len(out) - 1) / dt
+
+    return run
+
+
+def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int = 0) -> dict:
     from mlx_lm import load as mlx_load
 
     from engine.resources import default_model_path
@@ -152,10 +189,21 @@ def embedded(tokens: int, log, fractions=FRACTIONS) -> dict:
                 label += ", sync path (before)" if sync_path else ""
                 res["runs"][label] = r
                 log(row(label, r, base))
+    if rounds:
+        runs = {"mlx-lm resident": tps_of(model, prompt, tokens)}
+        for label, frac, fields in (
+            ("100%", 1.0, {}),
+            ("25%, prefetch off", 0.25, {}),
+            ("25%, prefetch on", 0.25, {"side_slots": 2 * k, "prefetch": True}),
+        ):
+            sm = load(None, StreamConfig(expert_slots=max(1, round(e * frac)), **fields))
+            run_streamed(sm, prompt, 8)
+            runs[f"engine {label}"] = tps_of(sm.model, prompt, tokens)
+        res["alternated"] = alternated(runs, rounds, log)
     return res
 
 
-def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS) -> dict:
+def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int = 0) -> dict:
     rng = np.random.default_rng(0)
     probe = load(store, StreamConfig(expert_slots=1))
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
@@ -186,6 +234,20 @@ def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS) -> dict:
         label = f"100% ({e} slots)" + (", sync path (before)" if sync_path else "")
         res["runs"][label] = r
         log(row(label, r, base))
+
+    def bare(model=sm.model) -> float:
+        StreamedExperts.__call__ = bare_table_call
+        try:
+            return tps_of(model, prompt, tokens)()
+        finally:
+            StreamedExperts.__call__ = original
+
+    if rounds:
+        res["alternated"] = alternated(
+            {"bare device table": bare, "engine 100%": tps_of(sm.model, prompt, tokens)},
+            rounds,
+            log,
+        )
     del sm
     for frac in [f for f in fractions if f < 1.0]:
         slots = round(e * frac)
@@ -216,6 +278,13 @@ def main(argv=None) -> int:
         default=FRACTIONS,
         help="fractions of the experts cached, comma-separated (default 1,0.5,0.25,0.125)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="then the headline comparisons (embedded: resident, 100%%, 25%%; synthetic: "
+        "bare table, 100%%) in this many alternated rounds, with per-round ratios",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -227,9 +296,11 @@ def main(argv=None) -> int:
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
     results = {}
     if not args.skip_embedded:
-        results["embedded"] = embedded(args.tokens, log, args.fractions)
+        results["embedded"] = embedded(args.tokens, log, args.fractions, args.rounds)
     if args.synthetic:
-        results["synthetic"] = synthetic(args.synthetic, args.tokens, log, args.fractions)
+        results["synthetic"] = synthetic(
+            args.synthetic, args.tokens, log, args.fractions, args.rounds
+        )
     (args.out / "device.json").write_text(json.dumps(results, indent=1))
     (args.out / "device.md").write_text("\n".join(lines) + "\n")
     return 0
