@@ -9,6 +9,7 @@
 #include <cmath>
 #include <utility>
 
+#include "checksum.h"
 #include "errors.h"
 #include "expert_cache.h"
 #include "primitives.h"
@@ -371,6 +372,18 @@ using Probs = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
 NB_MODULE(_ext, m) {
   m.doc() = "ExpertStream native core: blob I/O, reader pool, real region, side region.";
+
+  m.def(
+      "record_crc32",
+      [](nb::bytes data) {
+        const auto* p = static_cast<const uint8_t*>(data.data());
+        nb::gil_scoped_release release;
+        return es::record_crc32(p, data.size());
+      },
+      "data"_a,
+      "zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's "
+      "checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper "
+      "threads and joined with crc32_combine. Returns an int in [0, 2**32).");
 
   nb::list dtype_names;
   for (const auto& [name, dtype] : dtype_table()) dtype_names.append(name);

@@ -4,13 +4,14 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+
+#include "checksum.h"
 
 
 namespace es {
@@ -149,7 +150,7 @@ void BlobFile::finish_record(int expert, uint8_t* buf, size_t got, Fault fault,
 #endif
   if (fault == Fault::kCorrupt) buf[0] ^= 0xFF;
   if (!verify) return;
-  uint32_t crc = static_cast<uint32_t>(::crc32(0L, buf, static_cast<uInt>(record_bytes_)));
+  const uint32_t crc = record_crc32(buf, static_cast<size_t>(record_bytes_));
   if (crc != checksums_[expert])
     throw ChecksumError(where(expert) + ": checksum mismatch: crc32 " + std::to_string(crc) +
                         ", the manifest says " + std::to_string(checksums_[expert]));

@@ -1,0 +1,30 @@
+// The crc32 of a record, as the store's manifest records it (zlib's crc32, the polynomial
+// of gzip and PNG; docs/store-format.md).
+//
+// zlib computes about 2 GB/s on one core. A 30B-class expert record (2.8 MB) then takes
+// longer to check than to read from an NVMe disk, and the thread that waits for a batch
+// of reads (io_uring, ext/ring_reader.h) checks each record in turn: measured on an H200
+// host, 2.8 MB records read at 0.54-0.65 of the disk's rate with checksums on, 1.0 with
+// them off. So a large buffer is split into chunks that helper threads and the caller
+// check side by side, joined with zlib's crc32_combine (the crc of a concatenation from
+// the crcs of its parts).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace es {
+
+// Buffers of at least this many bytes are split; smaller ones are checked by the caller
+// alone (a 61 KB record takes 30 us, less than handing work to another thread and back).
+constexpr size_t kSplitBytes = 1 << 20;
+// Bytes per chunk of a split buffer.
+constexpr size_t kChunkBytes = 256 << 10;
+
+// crc32(0, buf, n) as zlib computes it. Thread-safe. The caller claims chunks too, and
+// waits only for chunks a helper has already started, so it finishes even when every
+// helper is busy with other callers' chunks. Helpers: one process-wide pool of
+// min(cores - 1, 7) threads, started on the first split buffer.
+uint32_t record_crc32(const uint8_t* buf, size_t n);
+
+}  // namespace es
