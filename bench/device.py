@@ -248,6 +248,7 @@ def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int = 
             rounds,
             log,
         )
+        log(f"\nPartial capacity:\n\n{HEADER}")
     del sm
     for frac in [f for f in fractions if f < 1.0]:
         slots = round(e * frac)
