@@ -1,5 +1,6 @@
 #include "checksum.h"
 
+#include <pthread.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -46,6 +47,11 @@ struct Job {
   size_t done = 0;  // guarded by mu
 };
 
+// Set in a child forked after the helpers started: fork() copies only the forking
+// thread, so the child has no helpers, and a parent thread may have held the pool's lock
+// at that instant (a child that took it would wait forever). Such a child checks alone.
+std::atomic<bool> forked_child{false};
+
 class Helpers {
  public:
   // Never destroyed: its threads wait for work for the life of the process.
@@ -69,6 +75,7 @@ class Helpers {
   Helpers() {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     threads_ = std::min<size_t>(cores - 1, 7);
+    pthread_atfork(nullptr, nullptr, [] { forked_child = true; });
     for (size_t i = 0; i < threads_; ++i) std::thread([this] { run(); }).detach();
   }
 
@@ -98,7 +105,7 @@ uint32_t record_crc32(const uint8_t* buf, size_t n) {
   auto& helpers = Helpers::get();
   if (helpers.count() == 0) return zlib_crc32(buf, n);
   auto job = std::make_shared<Job>(buf, n);
-  helpers.post(job, std::min(helpers.count(), job->chunks - 1));
+  if (!forked_child) helpers.post(job, std::min(helpers.count(), job->chunks - 1));
   job->work();
   {
     std::unique_lock<std::mutex> lk(job->mu);

@@ -24,7 +24,8 @@ constexpr size_t kChunkBytes = 256 << 10;
 // crc32(0, buf, n) as zlib computes it. Thread-safe. The caller claims chunks too, and
 // waits only for chunks a helper has already started, so it finishes even when every
 // helper is busy with other callers' chunks. Helpers: one process-wide pool of
-// min(cores - 1, 7) threads, started on the first split buffer.
+// min(cores - 1, 7) threads, started on the first split buffer; a child forked after
+// that has none of them and checks alone.
 uint32_t record_crc32(const uint8_t* buf, size_t n);
 
 }  // namespace es
