@@ -267,6 +267,14 @@ def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int = 
     return res
 
 
+def nonnegative_int(value: str) -> int:
+    """argparse type: an int >= 0 (else argparse's usage error naming the flag)."""
+    n = int(value)
+    if n < 0:
+        raise ValueError(value)
+    return n
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for device.json")
@@ -281,7 +289,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=nonnegative_int,
         default=0,
         help="then the headline comparisons (embedded: resident, 100%%, 25%%; synthetic: "
         "bare table, 100%%) in this many alternated rounds, with per-round ratios",

@@ -9,6 +9,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -76,7 +77,14 @@ class Helpers {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     threads_ = std::min<size_t>(cores - 1, 7);
     pthread_atfork(nullptr, nullptr, [] { forked_child = true; });
-    for (size_t i = 0; i < threads_; ++i) std::thread([this] { run(); }).detach();
+    for (size_t i = 0; i < threads_; ++i) {
+      try {
+        std::thread([this] { run(); }).detach();
+      } catch (const std::system_error&) {  // no more threads (RLIMIT_NPROC): fewer helpers
+        threads_ = i;
+        break;
+      }
+    }
   }
 
   void run() {
