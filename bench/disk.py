@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import prompt_ids, timed_generate
-from engine.cache import open_cache, snapshot
+from engine.cache import CRC32_IMPLEMENTATION, open_cache, snapshot
 from engine.config import StreamConfig, default_reader_threads
 from engine.model import load
 from engine.store import ExpertStore
@@ -353,7 +353,8 @@ def depth_sweep(
         log(
             f"depth {depth}: raw {r['raw_MBps']:.0f} MB/s; "
             + "; ".join(_path_text(name, p) for name, p in r["paths"].items())
-            + f" ({r['threads']} reader threads, checksums {'on' if r['verify'] else 'off'})"
+            + f" ({r['threads']} reader threads, checksums "
+            + (f"on, {CRC32_IMPLEMENTATION})" if r["verify"] else "off)")
         )
     return out
 

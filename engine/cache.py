@@ -40,6 +40,8 @@ SLOT_JUST_LOADED = _ext.SLOT_JUST_LOADED
 ROW_FREE = _ext.ROW_FREE
 ROW_IN_FLIGHT = _ext.ROW_IN_FLIGHT
 ROW_PUBLISHED = _ext.ROW_PUBLISHED
+# Which library checks record checksums: "libdeflate" where the build found it, else "zlib".
+CRC32_IMPLEMENTATION = _ext.CRC32_IMPLEMENTATION
 # What ExpertCache.plan returns: how a layer call gets its pool rows.
 PLAN_TABLE = _ext.PLAN_TABLE
 PLAN_STREAM = _ext.PLAN_STREAM

@@ -2,6 +2,12 @@
 
 #include <pthread.h>
 #include <zlib.h>
+#ifndef ES_LIBDEFLATE
+#define ES_LIBDEFLATE 0  // set by ext/CMakeLists.txt where libdeflate is found
+#endif
+#if ES_LIBDEFLATE
+#include <libdeflate.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -17,8 +23,12 @@ namespace es {
 
 namespace {
 
-uint32_t zlib_crc32(const uint8_t* buf, size_t n) {
-  return static_cast<uint32_t>(::crc32(0L, buf, static_cast<uInt>(n)));
+uint32_t crc32_of(const uint8_t* buf, size_t n) {
+#if ES_LIBDEFLATE
+  return libdeflate_crc32(0, buf, n);
+#else
+  return static_cast<uint32_t>(::crc32_z(0L, buf, static_cast<z_size_t>(n)));
+#endif
 }
 
 // One split buffer. Chunks are claimed with `next`, so each runs exactly once, on
@@ -32,7 +42,7 @@ struct Job {
   void work() {
     for (size_t i; (i = next.fetch_add(1)) < chunks;) {
       const size_t at = i * kChunkBytes;
-      crcs[i] = zlib_crc32(buf + at, std::min(kChunkBytes, n - at));
+      crcs[i] = crc32_of(buf + at, std::min(kChunkBytes, n - at));
       std::lock_guard<std::mutex> lk(mu);
       if (++done == chunks) cv.notify_all();
     }
@@ -108,10 +118,12 @@ class Helpers {
 
 }  // namespace
 
+const char* crc32_implementation() { return ES_LIBDEFLATE ? "libdeflate" : "zlib"; }
+
 uint32_t record_crc32(const uint8_t* buf, size_t n) {
-  if (n < kSplitBytes) return zlib_crc32(buf, n);
+  if (n < kSplitBytes) return crc32_of(buf, n);
   auto& helpers = Helpers::get();
-  if (helpers.count() == 0) return zlib_crc32(buf, n);
+  if (helpers.count() == 0) return crc32_of(buf, n);
   auto job = std::make_shared<Job>(buf, n);
   if (!forked_child) helpers.post(job, std::min(helpers.count(), job->chunks - 1));
   job->work();
