@@ -15,6 +15,8 @@ def record_crc32(data: bytes) -> int:
     zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper threads and joined with crc32_combine. Returns an int in [0, 2**32).
     """
 
+CRC32_IMPLEMENTATION: str = 'libdeflate'
+
 DTYPE_NAMES: tuple = ...
 
 SLOT_EMPTY: int = 0
