@@ -3,8 +3,9 @@
 In one process and on one prompt: mlx-lm resident, then the streamed engine with the
 real region at several fractions of the experts, each in every prefetch mode (`MODES`).
 Each configuration runs `reps` times, each from a freshly loaded model (cold cache), in
-round-robin order (round 1 runs every configuration once, then round 2, ...) after one
-discarded warm-up run of each path, so that load from other processes falls on all
+round-robin order (round 1 runs every configuration once, then round 2, ..., each round
+starting one configuration later) after one discarded warm-up run of each path, so that
+load from other processes, and the place right after the peers, fall on all
 configurations alike; the median and the spread (min..max) are reported.
 
 The peers' approaches (bench.peers) run in the same rounds at the same memory
