@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from engine.cache import snapshot
+from engine.cache import CRC32_IMPLEMENTATION, snapshot
 from engine.config import StreamConfig
 from engine.model import load
 from engine.streamed_layer import StreamedExperts
@@ -172,7 +172,8 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int = 0) -> dict:
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
     log(
         f"\n### Embedded model, {tokens} tokens: mlx-lm resident {base:.1f} tok/s\n\n"
-        f"(pool writes: {probe.cache.pool_writes})\n\n{HEADER}"
+        f"(pool writes: {probe.cache.pool_writes}; record crc32: {CRC32_IMPLEMENTATION})"
+        f"\n\n{HEADER}"
     )
     del probe
     for frac in fractions:
@@ -226,7 +227,7 @@ def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int = 
     log(
         f"\n### Synthetic Qwen3-30B-A3B shapes ({e} experts, top-{k}), {tokens} tokens: "
         f"bare device table {base:.1f} tok/s; dd O_DIRECT {res['dd_MBps']:.0f} MB/s\n\n"
-        f"(pool writes: {sm.cache.pool_writes})\n\n{HEADER}"
+        f"(pool writes: {sm.cache.pool_writes}; record crc32: {CRC32_IMPLEMENTATION})\n\n{HEADER}"
     )
     for sync_path in (False, True):
         r = run_streamed(sm, prompt, tokens, sync_path)
