@@ -184,8 +184,8 @@ Returns:
     (rows, missing): rows, int32 numpy array of the shape of `ids`; missing, a list of
     int. When the call's distinct misses exceed the evictable slots (expert_slots minus
     pinned) nothing is loaded: the entries of those experts are -1 and `missing` lists
-    them (distinct, in first-seen order), to be read through load_scratch; otherwise
-    `missing` is empty.
+    them (distinct, the ones with the most entries first, ties by id), to be read
+    through load_scratch; otherwise `missing` is empty.
 
 Precondition: plan() said PLAN_SYNC for this call (or a trace hook is set), and every
 earlier use of this layer's pool has been evaluated (the caller synchronised on `ids`),
@@ -255,7 +255,9 @@ Raises:
     ExpertReadError (and subclasses): a read failed (the experts that landed stay).)";
 
 const char* kLoadScratch = R"(Reads `experts` (at most scratch_slots of the `missing` list of
-acquire) into the scratch rows of MoE layer `layer`.
+acquire) into the scratch rows of MoE layer `layer`. While the real region has empty
+slots, each expert read is also copied into one (no second read), so a prompt that
+overflows a cold cache leaves its most-routed experts resident for decode.
 
 Returns:
     The scratch row of each expert, in order.

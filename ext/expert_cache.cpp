@@ -506,7 +506,13 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     ++st.overcap_calls;
     R.end_call();
     for (size_t i = 0; i < n; ++i) local[i] = row_of[ids[i]];
-    std::sort(missing.begin(), missing.end());
+    // Most-routed first: the first chunks then take the real region's empty slots
+    // (load_scratch), so a prompt read into a cold cache leaves its busiest experts there.
+    std::unordered_map<int, int> tokens;
+    for (size_t i = 0; i < n; ++i) ++tokens[ids[i]];
+    std::sort(missing.begin(), missing.end(), [&](int a, int b) {
+      return tokens[a] != tokens[b] ? tokens[a] > tokens[b] : a < b;
+    });
     return missing;
   }
 
@@ -641,6 +647,24 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   std::exception_ptr err = demand_read(li, loads, landed, &tally);
   const auto ok = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
   std::lock_guard<std::mutex> lk(mu_);
+  // Experts read into scratch rows also fill the real region's empty slots, by a row copy
+  // (no read): an empty slot is mapped by no computation, so nothing can read it while it
+  // is written. Without this a prompt over capacity left a cold cache empty, and decode
+  // missed on nearly every expert of its first tokens.
+  auto& R = real_[li];
+  for (size_t i = 0; i < loads.size(); ++i) {
+    const auto [e, row] = loads[i];
+    if (!landed[i] || R.slot_of(e) >= 0) continue;
+    int slot = 0;
+    while (slot < caps_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
+    if (slot == caps_[li]) break;
+    try {
+      copy_row(li, row, slot);
+    } catch (const std::exception&) {
+      continue;  // the slot stays empty: no partial row is ever mapped
+    }
+    R.assign(slot, e, tick_);
+  }
   auto& st = stats_[li];
   st.misses += experts.size();
   st.loads += ok;

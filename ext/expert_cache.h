@@ -168,7 +168,9 @@ class ExpertCache {
   // thread rule as acquire. Returns the number of experts read.
   int fill(int li);
 
-  // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows.
+  // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows. Each
+  // one read is also copied into an empty real slot while there is one (acquire lists the
+  // missing experts most-routed first), so a cold cache keeps the prompt's busiest experts.
   std::vector<int> load_scratch(int li, const std::vector<int>& experts);
 
   // Reserves side rows for the predicted experts of layer li and fills them (background,

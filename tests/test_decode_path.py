@@ -121,6 +121,30 @@ def test_acquire_op_reads_ids_where_they_lie(model_dir):
         cache.acquire_op(0, mx.array([1.0, 2.0]))
 
 
+@pytest.mark.parametrize("io_uring", [True, False], ids=["io_uring", "threads"])
+def test_a_prompt_over_capacity_leaves_its_busiest_experts_in_a_cold_cache(model_dir, io_uring):
+    """An over-capacity call lists its misses most-routed first, and the experts read into
+    scratch rows fill the empty real slots (a row copy, not a second read): decode then
+    starts with the prompt's busiest experts resident instead of an empty region."""
+    store = resolve_store(model_dir)
+    cache = open_cache(store, StreamConfig(expert_slots=2, scratch_slots=1, io_uring=io_uring))
+    checker = RowChecker(store, cache)
+    ids = np.array([[5], [5], [5], [3], [3], [1], [0], [7]], dtype=np.int32)
+    rows, missing = cache.acquire(0, ids)
+    assert missing == [5, 3, 0, 1, 7]  # 3 tokens, 2, then one each by id
+    assert rows.reshape(-1).tolist() == [-1] * 8
+    for e in missing:
+        (row,) = cache.load_scratch(0, [e])
+        checker.assert_row(0, row, e)
+    s = cache.snapshot(0)
+    assert sorted(s["slot_expert"].tolist()) == [3, 5]
+    assert s["stats"]["loads"] == 5 and s["stats"]["misses"] == 5  # no read of its own
+    assert checker.assert_all_published() == 2  # the two real slots hold their records
+    rows, missing = cache.acquire(0, np.array([[5], [3]], dtype=np.int32))
+    assert missing == [] and cache.snapshot(0)["stats"]["hits"] == 2
+    assert cache.check() == ""
+
+
 @pytest.mark.parametrize("slots", [2, 8], ids=["top_k", "all"])
 def test_decode_step_graph_is_built_without_cache_work(model_dir, slots):
     """Building a decode step's graph reads no ids on the host: the cache has seen none
