@@ -7,7 +7,8 @@
 //                                  mode uses generation 0, legacy double buffer both, so the
 //                                  mode can switch at a forward boundary without a rebuild
 //   [cap + 2*spec, rows)          scratch rows that stream an over-capacity call's
-//                                  misses chunk by chunk, leaving the real region intact
+//                                  misses chunk by chunk, evicting nothing from the real
+//                                  region (they only fill its empty slots, by row copies)
 // Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
 // run on the reader pool or inline (SYNC); snapshots may be taken from any thread.
 // Reads: every record is read into a buffer of the reader's own (a reader thread's, or
