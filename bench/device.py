@@ -32,6 +32,7 @@ from mlx_lm.generate import generate_step
 
 from engine.cache import CRC32_IMPLEMENTATION, snapshot
 from engine.config import StreamConfig
+from engine.flags import positive_int
 from engine.model import load
 from engine.streamed_layer import StreamedExperts
 
@@ -156,7 +157,7 @@ def tps_of(model, prompt: list[int], tokens: int) -> Callable[[], float]:
     return run
 
 
-def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int = 0) -> dict:
+def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -> dict:
     from mlx_lm import load as mlx_load
 
     from engine.resources import default_model_path
@@ -204,7 +205,9 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int = 0) -> dict:
     return res
 
 
-def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int = 0) -> dict:
+def synthetic(
+    store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int | None = None
+) -> dict:
     rng = np.random.default_rng(0)
     probe = load(store, StreamConfig(expert_slots=1))
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
@@ -268,19 +271,11 @@ def synthetic(store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int = 
     return res
 
 
-def nonnegative_int(value: str) -> int:
-    """argparse type: an int >= 0 (else argparse's usage error naming the flag)."""
-    n = int(value)
-    if n < 0:
-        raise ValueError(value)
-    return n
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for device.json")
     p.add_argument("--synthetic", type=Path, help="a synthetic 30B-A3B-shaped store")
-    p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
+    p.add_argument("--tokens", type=positive_int, default=64, help="decode tokens per run")
     p.add_argument("--skip-embedded", action="store_true", help="only the synthetic store")
     p.add_argument(
         "--fractions",
@@ -290,8 +285,8 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--rounds",
-        type=nonnegative_int,
-        default=0,
+        type=positive_int,
+        default=None,
         help="then the headline comparisons (embedded: resident, 100%%, 25%%; synthetic: "
         "bare table, 100%%) in this many alternated rounds, with per-round ratios",
     )

@@ -24,6 +24,7 @@ import numpy as np
 from bench.common import prompt_ids, timed_generate
 from engine.cache import CRC32_IMPLEMENTATION, open_cache, snapshot
 from engine.config import StreamConfig, default_reader_threads
+from engine.flags import positive_int
 from engine.model import load
 from engine.store import ExpertStore
 
@@ -483,9 +484,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.disk", description=main.__doc__)
     p.add_argument("store", nargs="?", help="model directory or expert store (default: embedded)")
     p.add_argument("--depths", default="1,2,4,8", help="queue depths, comma-separated")
-    p.add_argument("--mb", type=int, default=256, help="MB read per run")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="engine reader threads")
+    p.add_argument("--mb", type=positive_int, default=256, help="MB read per run")
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None, help="engine reader threads")
     args = p.parse_args(argv)
     store = resolve_store(args.store or default_model_path())
     fields = {} if args.threads is None else {"reader_threads": args.threads}

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import PROMPT, machine_load
+from engine.flags import positive_int
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 CLI = Path(sys.executable).with_name("expertstream")
@@ -155,9 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__)
     p.add_argument("--model", help="store or model dir (default: the embedded model)")
     p.add_argument("--ranks", default="1,2,3", help="rank counts, comma-separated")
-    p.add_argument("--expert-slots", type=int, default=8, help="per MoE layer")
-    p.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
-    p.add_argument("--reps", type=int, default=3, help="round-robin repetitions")
+    p.add_argument("--expert-slots", type=positive_int, default=8, help="per MoE layer")
+    p.add_argument("--tokens", type=positive_int, default=64, help="tokens generated per run")
+    p.add_argument("--reps", type=positive_int, default=3, help="round-robin repetitions")
     p.add_argument("--out", help="folder for results.json and results.md")
     p.add_argument("--serve", action="store_true", help="through the HTTP server")
     args = p.parse_args(argv)
