@@ -20,7 +20,7 @@ void check_integer(const mx::array& ids, const char* what) {
 }
 
 template <typename T>
-void gather_as(const mx::array& ids, std::vector<int32_t>& out) {
+void gather_as(const mx::array& ids, int layer, std::vector<int32_t>& out) {
   // Row-major walk over any strides: the router's ids are usually a slice of its
   // argpartition (last axis contiguous, outer axes strided), read where they lie instead
   // of through astype/flatten/contiguous ops (each one an op per MoE layer per token).
@@ -33,7 +33,8 @@ void gather_as(const mx::array& ids, std::vector<int32_t>& out) {
   for (size_t i = 0; i < out.size(); ++i) {
     const T v = base[off];
     if (v < 0 || static_cast<uint64_t>(v) > static_cast<uint64_t>(INT32_MAX))
-      throw std::out_of_range("expert id " + std::to_string(v) + " out of range");
+      throw std::out_of_range("expert id " + std::to_string(v) + " out of range in MoE layer " +
+                              std::to_string(layer));
     out[i] = static_cast<int32_t>(v);
     for (int d = nd - 1; d >= 0; --d) {  // next index, last axis fastest
       off += strides[d];
@@ -44,19 +45,20 @@ void gather_as(const mx::array& ids, std::vector<int32_t>& out) {
   }
 }
 
-// The ids of an evaluated integer array in row-major order, as int32.
-std::vector<int32_t> gather_ids(const mx::array& ids) {
+// The ids (of MoE layer `layer`, for messages) of an evaluated integer array in row-major
+// order, as int32.
+std::vector<int32_t> gather_ids(const mx::array& ids, int layer) {
   std::vector<int32_t> out(ids.size());
   if (out.empty()) return out;
   switch (ids.dtype()) {
-    case mx::int8: gather_as<int8_t>(ids, out); break;
-    case mx::int16: gather_as<int16_t>(ids, out); break;
-    case mx::int32: gather_as<int32_t>(ids, out); break;
-    case mx::int64: gather_as<int64_t>(ids, out); break;
-    case mx::uint8: gather_as<uint8_t>(ids, out); break;
-    case mx::uint16: gather_as<uint16_t>(ids, out); break;
-    case mx::uint32: gather_as<uint32_t>(ids, out); break;
-    case mx::uint64: gather_as<uint64_t>(ids, out); break;
+    case mx::int8: gather_as<int8_t>(ids, layer, out); break;
+    case mx::int16: gather_as<int16_t>(ids, layer, out); break;
+    case mx::int32: gather_as<int32_t>(ids, layer, out); break;
+    case mx::int64: gather_as<int64_t>(ids, layer, out); break;
+    case mx::uint8: gather_as<uint8_t>(ids, layer, out); break;
+    case mx::uint16: gather_as<uint16_t>(ids, layer, out); break;
+    case mx::uint32: gather_as<uint32_t>(ids, layer, out); break;
+    case mx::uint64: gather_as<uint64_t>(ids, layer, out); break;
     default: throw std::invalid_argument("expert ids must be an integer array");
   }
   return out;
@@ -78,7 +80,7 @@ void AcquirePrimitive::eval_cpu(const std::vector<mx::array>& inputs,
     int32_t* rows = out.data<int32_t>();
     const size_t n = ids.size();
     try {
-      const std::vector<int32_t> flat = gather_ids(ids);
+      const std::vector<int32_t> flat = gather_ids(ids, layer);
       if (!cache->acquire(layer, flat.data(), rows, n).empty())
         throw std::logic_error("MoE layer " + std::to_string(layer) + ": " +
                                std::to_string(n) +
@@ -109,7 +111,7 @@ void PrefetchPrimitive::eval_cpu(const std::vector<mx::array>& inputs,
                     layer = layer_]() mutable {
     out.data<uint8_t>()[0] = 0;
     try {
-      const std::vector<int32_t> flat = gather_ids(ids);
+      const std::vector<int32_t> flat = gather_ids(ids, layer);
       cache->prefetch(layer, flat.data(), flat.size());
     } catch (const std::out_of_range&) {
       // an id no expert has predicts nothing; the layer's acquire reports its own ids
