@@ -319,20 +319,21 @@ def decode_suite(
     # round starts one configuration later than the one before, so that no configuration
     # always runs first, right after the previous round's peers (child processes in memory
     # cgroups, page cache dropped): in that place resident mlx-lm ran at 0.81-0.87x of the
-    # engine doing the same work at 100% in two whole-suite runs.
+    # engine doing the same work at 100% (two whole-suite runs, 2026-11-30).
     res_onces, onces = [], {c[0]: [] for c in configs}
     peer_runs = {case: [] for case in peer_cases}
-    runs = [(name, fields) for name, _, _, fields in configs]
+    # (where a repetition's result goes, the repetition)
+    runs = [
+        (onces[name], lambda fields=fields: _streamed_once(store.path, fields, prompt, max_tokens))
+        for name, _, _, fields in configs
+    ]
     if resident:
-        runs.insert(0, (None, None))
+        runs.insert(0, (res_onces, lambda: _resident_once(model, prompt, max_tokens)))
     for rnd in range(reps):
         log(f"round {rnd + 1}/{reps}")
         start = rnd % len(runs)
-        for name, fields in runs[start:] + runs[:start]:
-            if name is None:
-                res_onces.append(_resident_once(model, prompt, max_tokens))
-            else:
-                onces[name].append(_streamed_once(store.path, fields, prompt, max_tokens))
+        for results, run in runs[start:] + runs[:start]:
+            results.append(run())
         for fraction, mode in peer_cases:
             peer_runs[(fraction, mode)].append(
                 run_peer(store.path, mode, prompt, max_tokens, budgets[fraction])

@@ -13,7 +13,6 @@
 
 #include "checksum.h"
 
-
 namespace es {
 
 namespace {
