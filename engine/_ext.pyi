@@ -50,6 +50,39 @@ class ChecksumError(ExpertReadError):
 class ExpertReadTimeout(ExpertReadError):
     pass
 
+class Router:
+    """
+    A dense copy of one MoE layer's router for the prefetch prediction:
+    logits = weight @ x + bias, with weight kept as bfloat16 (num_experts x hidden x 2
+    bytes) and float32 bias and sums. It only ranks experts; the model's own routing is
+    never replaced.
+
+    Args:
+        weight: (num_experts, hidden) float32 numpy array.
+        bias: (num_experts,) float32 numpy array.
+
+    Raises:
+        ValueError: empty or mismatched shapes.
+    """
+
+    def __init__(self, weight: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], bias: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> None: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def hidden(self) -> int: ...
+
+    def top(self, x: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)], budget: int) -> NDArray[numpy.int32]:
+        """
+        The `budget` experts of highest logit for hidden state `x`
+        ((hidden,) float32 numpy array), highest first (ties: lower expert id first; NaN logits
+        last), as an int32 numpy array.
+
+        Raises:
+            ValueError: x's length is not hidden, or budget not in [1, num_experts].
+        """
+
 class ExpertCache:
     """
     The expert cache of one store: per MoE layer a pool of rows (real region,
@@ -300,15 +333,22 @@ class ExpertCache:
             IndexError: `layer` out of range.
         """
 
-    def prefetch_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False) -> mlx.core.array:
+    def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, budget: int, cpu_stream: bool = False) -> mlx.core.array:
         """
-        Lazy uint8 scalar that, when evaluated, starts the prefetch of `ids`
-        (mx.array, any shape and integer dtype) for MoE layer `layer`, like prefetch; on the
+        Lazy uint8 scalar that, when evaluated, ranks the experts of MoE
+        layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
+        the prefetch of the top `budget`, like prefetch: the whole prediction in one op. On the
         default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
         mx.depends.
 
+        Args:
+            x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden
+                state entering an earlier MoE layer.
+            budget: experts to prefetch, in [1, router.num_experts].
+
         Raises:
-            ValueError: `ids` is not of an integer dtype.
+            ValueError: x's dtype, x's last axis not the router's hidden size, or budget out of
+                range.
         """
 
     def drain(self) -> None:

@@ -13,6 +13,7 @@
 #include "errors.h"
 #include "expert_cache.h"
 #include "primitives.h"
+#include "router.h"
 #include "slot_state.h"
 
 namespace nb = nanobind;
@@ -276,13 +277,39 @@ const char* kPrefetch = R"(Reserves side rows of MoE layer `layer` for the predi
 Raises:
     IndexError: `layer` out of range.)";
 
-const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, starts the prefetch of `ids`
-(mx.array, any shape and integer dtype) for MoE layer `layer`, like prefetch; on the
+const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, ranks the experts of MoE
+layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
+the prefetch of the top `budget`, like prefetch: the whole prediction in one op. On the
 default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
 mx.depends.
 
+Args:
+    x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden
+        state entering an earlier MoE layer.
+    budget: experts to prefetch, in [1, router.num_experts].
+
 Raises:
-    ValueError: `ids` is not of an integer dtype.)";
+    ValueError: x's dtype, x's last axis not the router's hidden size, or budget out of
+        range.)";
+
+const char* kRouter = R"(A dense copy of one MoE layer's router for the prefetch prediction:
+logits = weight @ x + bias, with weight kept as bfloat16 (num_experts x hidden x 2
+bytes) and float32 bias and sums. It only ranks experts; the model's own routing is
+never replaced.
+
+Args:
+    weight: (num_experts, hidden) float32 numpy array.
+    bias: (num_experts,) float32 numpy array.
+
+Raises:
+    ValueError: empty or mismatched shapes.)";
+
+const char* kRouterTop = R"(The `budget` experts of highest logit for hidden state `x`
+((hidden,) float32 numpy array), highest first (ties: lower expert id first; NaN logits
+last), as an int32 numpy array.
+
+Raises:
+    ValueError: x's length is not hidden, or budget not in [1, num_experts].)";
 
 const char* kDrain = R"(Cancels queued prefetch fills and waits for started ones. A fill still
 reading after read_timeout seconds without any fill finishing is given up: its row is
@@ -367,8 +394,15 @@ struct Cache {
   std::shared_ptr<es::ExpertCache> impl;
 };
 
+// A Router is held the same way: the prefetch primitives share it without the GIL.
+struct RouterHandle {
+  std::shared_ptr<const es::Router> impl;
+};
+
 using Ids = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
 using Probs = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 }  // namespace
 
@@ -410,6 +444,35 @@ NB_MODULE(_ext, m) {
   auto read_error = nb::exception<es::ReadError>(m, "ExpertReadError", PyExc_OSError);
   nb::exception<es::ChecksumError>(m, "ChecksumError", read_error);
   nb::exception<es::ReadTimeout>(m, "ExpertReadTimeout", read_error);
+
+  nb::class_<RouterHandle>(m, "Router", doc::kRouter)
+      .def(
+          "__init__",
+          [](RouterHandle* self, Matrix weight, Vector bias) {
+            if (bias.shape(0) != weight.shape(0))
+              throw std::invalid_argument("router: weight has " +
+                                          std::to_string(weight.shape(0)) + " rows, bias " +
+                                          std::to_string(bias.shape(0)) + " values");
+            new (self) RouterHandle{std::make_shared<const es::Router>(
+                weight.data(), bias.data(), static_cast<int>(weight.shape(0)),
+                static_cast<int>(weight.shape(1)))};
+          },
+          "weight"_a, "bias"_a)
+      .def_prop_ro("num_experts", [](const RouterHandle& r) { return r.impl->num_experts(); })
+      .def_prop_ro("hidden", [](const RouterHandle& r) { return r.impl->hidden(); })
+      .def(
+          "top",
+          [](const RouterHandle& r, Vector x, int budget) {
+            if (static_cast<int64_t>(x.shape(0)) != r.impl->hidden())
+              throw std::invalid_argument("router: x has " + std::to_string(x.shape(0)) +
+                                          " values, hidden is " +
+                                          std::to_string(r.impl->hidden()));
+            const size_t n = static_cast<size_t>(std::max(budget, 0));
+            std::vector<int32_t> out(n);
+            r.impl->top(x.data(), budget, out.data());
+            return to_numpy(std::move(out), {n});
+          },
+          "x"_a, "budget"_a, doc::kRouterTop);
 
   nb::class_<Cache>(m, "ExpertCache", doc::kCache)
       .def(
@@ -543,13 +606,16 @@ NB_MODULE(_ext, m) {
           "layer"_a, "ids"_a, doc::kPrefetch)
       .def(
           "prefetch_op",
-          [](Cache& c, int li, const mx::array& ids, bool cpu_stream) {
-            if (cpu_stream) return es::prefetch_op(c.impl, li, ids, mx::Device(mx::Device::cpu));
-            return es::prefetch_op(c.impl, li, ids);
+          [](Cache& c, int li, const mx::array& x, const RouterHandle& router, int budget,
+             bool cpu_stream) {
+            if (cpu_stream)
+              return es::prefetch_op(c.impl, li, x, router.impl, budget,
+                                     mx::Device(mx::Device::cpu));
+            return es::prefetch_op(c.impl, li, x, router.impl, budget);
           },
-          "layer"_a, "ids"_a, "cpu_stream"_a = false,
-          nb::sig("def prefetch_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False)"
-                  " -> mlx.core.array"),
+          "layer"_a, "x"_a, "router"_a, "budget"_a, "cpu_stream"_a = false,
+          nb::sig("def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, "
+                  "budget: int, cpu_stream: bool = False) -> mlx.core.array"),
           doc::kPrefetchOp)
       .def(
           "drain",

@@ -64,6 +64,31 @@ std::vector<int32_t> gather_ids(const mx::array& ids, int layer) {
   return out;
 }
 
+// The last token's row of an evaluated (..., hidden) float array, as float32.
+template <typename T>
+void last_row_as(const mx::array& x, std::vector<float>& out) {
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  const size_t nd = shape.size();
+  int64_t off = 0;
+  for (size_t d = 0; d + 1 < nd; ++d) off += static_cast<int64_t>(shape[d] - 1) * strides[d];
+  const T* base = x.data<T>() + off;
+  const int64_t step = strides[nd - 1];
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<float>(base[static_cast<int64_t>(i) * step]);
+}
+
+std::vector<float> last_row(const mx::array& x) {
+  std::vector<float> out(static_cast<size_t>(x.shape().back()));
+  switch (x.dtype()) {
+    case mx::float32: last_row_as<float>(x, out); break;
+    case mx::float16: last_row_as<mx::float16_t>(x, out); break;
+    case mx::bfloat16: last_row_as<mx::bfloat16_t>(x, out); break;
+    default: throw std::invalid_argument("prefetch: hidden state must be float32, float16 or bfloat16");
+  }
+  return out;
+}
+
 }  // namespace
 
 void AcquirePrimitive::eval_cpu(const std::vector<mx::array>& inputs,
@@ -106,15 +131,16 @@ void PrefetchPrimitive::eval_cpu(const std::vector<mx::array>& inputs,
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
-  // Runs on the stream's thread once `ids` has been computed.
-  encoder.dispatch([ids = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
-                    layer = layer_]() mutable {
+  // Runs on the stream's thread once `x` has been computed. A failed prediction or
+  // reservation only costs the demand reads it would have saved.
+  encoder.dispatch([x = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
+                    layer = layer_, router = router_, budget = budget_]() mutable {
     out.data<uint8_t>()[0] = 0;
     try {
-      const std::vector<int32_t> flat = gather_ids(ids, layer);
-      cache->prefetch(layer, flat.data(), flat.size());
-    } catch (const std::out_of_range&) {
-      // an id no expert has predicts nothing; the layer's acquire reports its own ids
+      std::vector<int32_t> ids(static_cast<size_t>(budget));
+      router->top(last_row(x).data(), budget, ids.data());
+      cache->prefetch(layer, ids.data(), ids.size());
+    } catch (const std::exception&) {
     }
   });
 }
@@ -133,12 +159,22 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
                    {ids});
 }
 
-mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
-                      mx::StreamOrDevice s) {
-  check_integer(ids, "prefetch");
+mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
+                      std::shared_ptr<const Router> router, int budget, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32 && x.dtype() != mx::float16 && x.dtype() != mx::bfloat16)
+    throw std::invalid_argument("prefetch: hidden state must be float32, float16 or bfloat16");
+  if (x.ndim() == 0 || x.size() == 0 || x.shape().back() != router->hidden())
+    throw std::invalid_argument("prefetch: hidden state of shape (..., " +
+                                std::to_string(x.ndim() ? x.shape().back() : 0) +
+                                ") for a router of hidden size " +
+                                std::to_string(router->hidden()));
+  if (budget < 1 || budget > router->num_experts())
+    throw std::invalid_argument("prefetch: budget " + std::to_string(budget) + " not in [1, " +
+                                std::to_string(router->num_experts()) + "]");
   return mx::array(mx::Shape{}, mx::uint8,
-                   std::make_shared<PrefetchPrimitive>(mx::to_stream(s), std::move(cache), layer),
-                   {ids});
+                   std::make_shared<PrefetchPrimitive>(mx::to_stream(s), std::move(cache), layer,
+                                                       std::move(router), budget),
+                   {x});
 }
 
 }  // namespace es

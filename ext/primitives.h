@@ -8,10 +8,12 @@
 // earlier task of the stream has run by then, so no row an earlier layer still reads is
 // reused (the read fence of the synchronous path, now by stream order).
 //
-// prefetch_op(cache, layer, ids) returns a uint8 scalar that depends on `ids` (the expert
-// ids predicted for MoE layer `layer`). When MLX evaluates it, the fills are reserved and
-// queued (or run inline in SYNC mode); tying the scalar into the hidden state with
-// mx.depends orders the reservation before that layer's acquire.
+// prefetch_op(cache, layer, x, router, budget) returns a uint8 scalar that depends on `x`
+// (the hidden state entering an earlier MoE layer). When MLX evaluates it, `router` (MoE
+// layer `layer`'s) ranks the experts for x's last token and the top `budget` are
+// reserved and queued (or read inline in SYNC mode): the whole prediction is this one op.
+// Tying the scalar into the hidden state with mx.depends orders the reservation before
+// that layer's acquire.
 //
 // Both run on a CPU stream (eval_cpu) on every platform: on a GPU device MLX orders them
 // with the GPU work through its cross-stream events. No eval_gpu is built.
@@ -21,6 +23,7 @@
 
 #include "expert_cache.h"
 #include "mlx/primitives.h"
+#include "router.h"
 #include "mlx/utils.h"
 
 namespace es {
@@ -41,8 +44,13 @@ class AcquirePrimitive : public mx::Primitive {
 
 class PrefetchPrimitive : public mx::Primitive {
  public:
-  PrefetchPrimitive(mx::Stream stream, std::shared_ptr<ExpertCache> cache, int layer)
-      : mx::Primitive(stream), cache_(std::move(cache)), layer_(layer) {}
+  PrefetchPrimitive(mx::Stream stream, std::shared_ptr<ExpertCache> cache, int layer,
+                    std::shared_ptr<const Router> router, int budget)
+      : mx::Primitive(stream),
+        cache_(std::move(cache)),
+        layer_(layer),
+        router_(std::move(router)),
+        budget_(budget) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -51,6 +59,8 @@ class PrefetchPrimitive : public mx::Primitive {
  private:
   std::shared_ptr<ExpertCache> cache_;
   int layer_;
+  std::shared_ptr<const Router> router_;
+  int budget_;
 };
 
 // ids: any shape, strides and integer dtype (the router's ids as they are: read in place
@@ -63,9 +73,11 @@ class PrefetchPrimitive : public mx::Primitive {
 mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
                      mx::StreamOrDevice s = {});
 
-// ids: any shape, strides and integer dtype, read in place. Throws std::invalid_argument
-// for a non-integer dtype.
-mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
+// x: (..., hidden) float32, float16 or bfloat16, any strides; its last token's row is read
+// in place. budget in [1, router's experts]. Throws std::invalid_argument for another
+// dtype, a hidden size other than the router's, an empty x or a budget out of range.
+mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
+                      std::shared_ptr<const Router> router, int budget,
                       mx::StreamOrDevice s = {});
 
 }  // namespace es

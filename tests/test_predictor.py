@@ -2,13 +2,18 @@
 per target per forward."""
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
 
+import engine.predictor as predictor_mod
+from engine._ext import Router
 from engine.cache import open_cache
 from engine.config import StreamConfig
 from engine.predictor import Predictor
 
 
-class Router:
+class FixedRouter:
     """A router stand-in: fixed logits favouring experts 7, 6, 5, ..."""
 
     def __call__(self, x):
@@ -17,7 +22,7 @@ class Router:
 
 def predictor(store, **fields):
     config = StreamConfig(expert_slots=2, side_slots=2, prefetch=True, **fields)
-    return Predictor(open_cache(store, config), [Router()] * 4, config)
+    return Predictor(open_cache(store, config), [FixedRouter()] * 4, config)
 
 
 def test_targets_follow_ahead_lo_then_ahead_hi(qwen_store):
@@ -40,9 +45,68 @@ def test_one_submission_per_target_per_forward(qwen_store):
 
 def test_prediction_is_the_top_budget_experts_and_prefill_is_skipped(qwen_store):
     c = predictor(qwen_store, sync=True)
-    assert sorted(c.predict(1, mx.zeros((1, 3, 64))).tolist()) == [6, 7]
+    assert c.router(1, 64).top(np.zeros(64, np.float32), c.budget).tolist() == [7, 6]
     assert c.prefetch_token(0, mx.zeros((1, 5, 64))) is None  # prefill: 5 tokens
     token = c.prefetch_token(1, mx.zeros((1, 1, 64)))
     mx.eval(token)
     s = c.cache.snapshot(2)
     assert sorted(s["side_expert"][:2].tolist()) == [6, 7]
+
+
+def test_router_ranks_experts_highest_first_ties_by_id_nan_last():
+    # weights exact in bfloat16, so the ranking is exact
+    weight = np.array([[1, 0], [0, 1], [1, 1], [0.5, 0.5], [-1, 0]], np.float32)
+    bias = np.array([0, 0, 0, 1, np.nan], np.float32)
+    r = Router(weight, bias)
+    assert (r.num_experts, r.hidden) == (5, 2)
+    assert r.top(np.array([2, 1], np.float32), 5).tolist() == [2, 3, 0, 1, 4]  # 3 2.5 2 1 nan
+    assert r.top(np.array([1, 1], np.float32), 3).tolist() == [2, 3, 0]  # 2 = 2 > 1 = 1
+    with pytest.raises(ValueError, match="budget 6 not in"):
+        r.top(np.zeros(2, np.float32), 6)
+    with pytest.raises(ValueError, match="x has 3 values, hidden is 2"):
+        r.top(np.zeros(3, np.float32), 1)
+    with pytest.raises(ValueError, match="weight has 5 rows, bias 4 values"):
+        Router(weight, bias[:4])
+
+
+@pytest.mark.parametrize("kind", ["linear", "quantized", "gate"])
+def test_dense_router_copies_the_routers_weight_and_bias_exactly(kind, monkeypatch):
+    mx.random.seed(3)
+    hidden, experts = 96, 12
+    if kind == "gate":  # a DeepSeek-style gate matrix: x @ weight.T, no bias
+        w = mx.random.normal((experts, hidden))
+        logits, want_w, want_b = (lambda x: x @ w.T), w, mx.zeros((experts,))
+    else:
+        linear = nn.Linear(hidden, experts, bias=True)
+        if kind == "quantized":
+            linear = nn.QuantizedLinear.from_linear(linear, group_size=32, bits=8)
+            want_w = mx.dequantize(linear.weight, linear.scales, linear.biases, 32, 8)
+        else:
+            want_w = linear.weight
+        logits, want_b = linear, linear.bias
+    made = {}
+    monkeypatch.setattr(predictor_mod, "Router", lambda w, b: made.update(w=w, b=b))
+    monkeypatch.setattr(predictor_mod, "_COPY_ROWS", 40)  # three chunks, the last short
+    predictor_mod.dense_router(logits, hidden)
+    np.testing.assert_allclose(made["w"], np.asarray(want_w), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(made["b"], np.asarray(want_b))
+    assert made["w"].flags.c_contiguous and made["w"].dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_prefetch_op_reads_the_last_token_of_any_float_hidden_state(qwen_store, dtype):
+    config = StreamConfig(expert_slots=2, side_slots=2, prefetch=True, sync=True)
+    cache = open_cache(qwen_store, config)
+    weight = np.zeros((8, 4), np.float32)
+    weight[3, 0] = weight[5, 1] = 1  # expert 3 follows x[0], expert 5 follows x[1]
+    router = Router(weight, np.zeros(8, np.float32))
+    rows = mx.array([[9, 9, 0, 0], [1, 1, 0, 0]], dtype)
+    x = mx.zeros((2, 8), dtype)[:, ::2] + rows  # strided, two tokens: the last one counts
+    mx.eval(cache.prefetch_op(1, x, router, 2))
+    assert sorted(e for e in cache.snapshot(1)["side_expert"].tolist() if e >= 0) == [3, 5]
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        cache.prefetch_op(1, mx.zeros((1, 4), mx.int32), router, 2)
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., 6\) for a router of hidden size 4"):
+        cache.prefetch_op(1, mx.zeros((1, 6)), router, 2)
+    with pytest.raises(ValueError, match="budget 9 not in"):
+        cache.prefetch_op(1, mx.zeros((1, 4)), router, 9)

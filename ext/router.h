@@ -1,0 +1,41 @@
+// Router: a dense copy of one MoE layer's router, for the prefetch prediction.
+//
+// The predictor applies the router of a later MoE layer to the current hidden state and
+// prefetches its top experts. Built from MLX ops, that is five ops per MoE layer per token
+// (reshape, router matmul, argpartition, slice, the prefetch itself), each one a task on
+// the stream that evaluates the token: on a 2-core CPU they cost about as much as the
+// reads the prediction hides. Router::top does it inside the one prefetch primitive
+// (ext/primitives.h) instead.
+//
+// The copy is logits = weight @ x + bias with bfloat16 weights (half the bytes of float32;
+// the prediction only ranks experts, it never changes a layer's output) and float32 bias
+// and accumulation. Thread-safe: immutable after construction.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace es {
+
+class Router {
+ public:
+  // weight: num_experts x hidden float32, row-major; bias: num_experts float32.
+  // Throws std::invalid_argument for empty or mismatched sizes.
+  Router(const float* weight, const float* bias, int num_experts, int hidden);
+
+  int num_experts() const { return num_experts_; }
+  int hidden() const { return hidden_; }
+
+  // The `budget` experts of highest logit for hidden state x (`hidden` floats), into
+  // out[0..budget) in descending logit order (ties: lower expert id first). budget must
+  // be in [1, num_experts].
+  void top(const float* x, int budget, int32_t* out) const;
+
+ private:
+  int num_experts_;
+  int hidden_;
+  std::vector<uint16_t> weight_;  // bfloat16 bits, row-major
+  std::vector<float> bias_;
+};
+
+}  // namespace es
