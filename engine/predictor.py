@@ -19,10 +19,6 @@ import numpy as np
 from engine._ext import Router
 from engine.config import StreamConfig
 
-# Rows of the identity put through a router at once when copying it (see dense_router):
-# 1024 x hidden float32, 28 MiB at hidden 7168.
-_COPY_ROWS = 1024
-
 
 class GenerationStopped(Exception):
     """Raised inside a forward pass when the caller's stop request is seen; the forward's
@@ -109,17 +105,24 @@ class Predictor:
 
 def dense_router(logits: Callable[[mx.array], mx.array], hidden: int) -> Router:
     """A dense copy of a linear router (`engine.experts.router_logits`: Linear,
-    QuantizedLinear or a gate matrix, any bias): bias = logits(0) and weight row e =
-    logits(identity)[:, e] - bias, computed in float32, `_COPY_ROWS` identity rows at a time.
+    QuantizedLinear or a gate matrix, any bias, extra logits cut off): bias = logits(0) and
+    weight = the vector-Jacobian product of logits with the (num_experts, num_experts)
+    identity, in float32. Both are exact: a Linear's bfloat16 weight, a QuantizedLinear's
+    dequantized one.
+
+    The product costs num_experts^2 x hidden multiply-adds, where putting the (hidden,
+    hidden) identity through the router costs hidden^2 x num_experts: at hidden 7168 and
+    256 experts 0.36 s per layer instead of 17.6 s on this 2-core CPU (bfloat16 Linear,
+    load 2.8), paid by the first decode token for every target layer.
 
     Returns:
         `engine._ext.Router` of weight (num_experts, hidden) and bias (num_experts,).
     """
     bias = logits(mx.zeros((1, hidden), mx.float32)).astype(mx.float32)
-    columns = []
-    for start in range(0, hidden, _COPY_ROWS):
-        rows = min(_COPY_ROWS, hidden - start)
-        eye = mx.eye(rows, hidden, k=start, dtype=mx.float32)
-        columns.append(np.asarray(logits(eye).astype(mx.float32) - bias))
-    weight = np.ascontiguousarray(np.concatenate(columns).T)
-    return Router(weight, np.ascontiguousarray(np.asarray(bias)[0]))
+    n = bias.shape[-1]
+    _, (weight,) = mx.vjp(
+        lambda x: logits(x).astype(mx.float32),
+        [mx.zeros((n, hidden), mx.float32)],
+        [mx.eye(n, dtype=mx.float32)],
+    )
+    return Router(np.ascontiguousarray(np.asarray(weight)), np.asarray(bias)[0])

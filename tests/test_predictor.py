@@ -69,28 +69,35 @@ def test_router_ranks_experts_highest_first_ties_by_id_nan_last():
         Router(weight, bias[:4])
 
 
-@pytest.mark.parametrize("kind", ["linear", "quantized", "gate"])
+@pytest.mark.parametrize("kind", ["linear", "bfloat16", "quantized", "gate", "extras"])
 def test_dense_router_copies_the_routers_weight_and_bias_exactly(kind, monkeypatch):
     mx.random.seed(3)
     hidden, experts = 96, 12
-    if kind == "gate":  # a DeepSeek-style gate matrix: x @ weight.T, no bias
-        w = mx.random.normal((experts, hidden))
-        logits, want_w, want_b = (lambda x: x @ w.T), w, mx.zeros((experts,))
+    if kind in ("gate", "extras"):  # DeepSeek-style x @ weight.T, no bias; LongCat's extras
+        w = mx.random.normal((experts + 3 if kind == "extras" else experts, hidden))
+        want_w, want_b = w[:experts], mx.zeros((experts,))
+        logits = lambda x: (x @ w.T)[..., :experts]  # noqa: E731
     else:
         linear = nn.Linear(hidden, experts, bias=True)
+        linear.bias = 4 + linear.bias  # far from 0: no weight + bias - bias rounding
+        if kind == "bfloat16":
+            linear.set_dtype(mx.bfloat16)
         if kind == "quantized":
-            linear = nn.QuantizedLinear.from_linear(linear, group_size=32, bits=8)
-            want_w = mx.dequantize(linear.weight, linear.scales, linear.biases, 32, 8)
+            linear.set_dtype(mx.bfloat16)
+            linear = nn.QuantizedLinear.from_linear(linear, group_size=32, bits=4)
+            f32 = linear.scales.astype(mx.float32), linear.biases.astype(mx.float32)
+            want_w = mx.dequantize(linear.weight, *f32, 32, 4)
         else:
             want_w = linear.weight
         logits, want_b = linear, linear.bias
+    rows = []  # the router is applied to num_experts rows at most, never to hidden
     made = {}
     monkeypatch.setattr(predictor_mod, "Router", lambda w, b: made.update(w=w, b=b))
-    monkeypatch.setattr(predictor_mod, "_COPY_ROWS", 40)  # three chunks, the last short
-    predictor_mod.dense_router(logits, hidden)
-    np.testing.assert_allclose(made["w"], np.asarray(want_w), rtol=0, atol=1e-6)
-    np.testing.assert_array_equal(made["b"], np.asarray(want_b))
+    predictor_mod.dense_router(lambda x: rows.append(x.shape[0]) or logits(x), hidden)
+    np.testing.assert_array_equal(made["w"], np.asarray(want_w.astype(mx.float32)))
+    np.testing.assert_array_equal(made["b"], np.asarray(want_b.astype(mx.float32)))
     assert made["w"].flags.c_contiguous and made["w"].dtype == np.float32
+    assert made["w"].shape == (experts, hidden) and max(rows) <= experts
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
