@@ -347,8 +347,9 @@ class ExpertCache:
             budget: experts to prefetch, in [1, router.num_experts].
 
         Raises:
-            ValueError: x's dtype, x's last axis not the router's hidden size, or budget out of
-                range.
+            IndexError: `layer` out of range.
+            ValueError: x's dtype, x's last axis not the router's hidden size, a router of
+                another expert count, or budget out of range (each naming the layer).
         """
 
     def drain(self) -> None:

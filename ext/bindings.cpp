@@ -289,8 +289,9 @@ Args:
     budget: experts to prefetch, in [1, router.num_experts].
 
 Raises:
-    ValueError: x's dtype, x's last axis not the router's hidden size, or budget out of
-        range.)";
+    IndexError: `layer` out of range.
+    ValueError: x's dtype, x's last axis not the router's hidden size, a router of
+        another expert count, or budget out of range (each naming the layer).)";
 
 const char* kRouter = R"(A dense copy of one MoE layer's router for the prefetch prediction:
 logits = weight @ x + bias, with weight kept as bfloat16 (num_experts x hidden x 2

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -161,15 +162,27 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
 
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
                       std::shared_ptr<const Router> router, int budget, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32 && x.dtype() != mx::float16 && x.dtype() != mx::bfloat16)
-    throw std::invalid_argument("prefetch: hidden state must be float32, float16 or bfloat16");
+  if (layer < 0 || layer >= cache->num_layers())
+    throw std::out_of_range("prefetch: MoE layer " + std::to_string(layer) + " out of range [0, " +
+                            std::to_string(cache->num_layers()) + ")");
+  const std::string where = "prefetch for MoE layer " + std::to_string(layer) + ": ";
+  if (x.dtype() != mx::float32 && x.dtype() != mx::float16 && x.dtype() != mx::bfloat16) {
+    std::ostringstream dtype;
+    dtype << x.dtype();
+    throw std::invalid_argument(where + "hidden state of dtype " + dtype.str() +
+                                ", expected float32, float16 or bfloat16");
+  }
   if (x.ndim() == 0 || x.size() == 0 || x.shape().back() != router->hidden())
-    throw std::invalid_argument("prefetch: hidden state of shape (..., " +
+    throw std::invalid_argument(where + "hidden state of shape (..., " +
                                 std::to_string(x.ndim() ? x.shape().back() : 0) +
                                 ") for a router of hidden size " +
                                 std::to_string(router->hidden()));
+  if (router->num_experts() != cache->num_experts())
+    throw std::invalid_argument(where + "a router of " + std::to_string(router->num_experts()) +
+                                " experts for a cache of " +
+                                std::to_string(cache->num_experts()));
   if (budget < 1 || budget > router->num_experts())
-    throw std::invalid_argument("prefetch: budget " + std::to_string(budget) + " not in [1, " +
+    throw std::invalid_argument(where + "budget " + std::to_string(budget) + " not in [1, " +
                                 std::to_string(router->num_experts()) + "]");
   return mx::array(mx::Shape{}, mx::uint8,
                    std::make_shared<PrefetchPrimitive>(mx::to_stream(s), std::move(cache), layer,

@@ -74,8 +74,10 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
                      mx::StreamOrDevice s = {});
 
 // x: (..., hidden) float32, float16 or bfloat16, any strides; its last token's row is read
-// in place. budget in [1, router's experts]. Throws std::invalid_argument for another
-// dtype, a hidden size other than the router's, an empty x or a budget out of range.
+// in place. budget in [1, router's experts]. Throws std::out_of_range for a layer the
+// cache does not have, std::invalid_argument for another dtype, a hidden size other than
+// the router's, an empty x, a router of another expert count or a budget out of range
+// (each naming the layer).
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
                       std::shared_ptr<const Router> router, int budget,
                       mx::StreamOrDevice s = {});

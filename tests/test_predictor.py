@@ -105,15 +105,21 @@ def test_prefetch_op_reads_the_last_token_of_any_float_hidden_state(qwen_store, 
     config = StreamConfig(expert_slots=2, side_slots=2, prefetch=True, sync=True)
     cache = open_cache(qwen_store, config)
     weight = np.zeros((8, 4), np.float32)
-    weight[3, 0] = weight[5, 1] = 1  # expert 3 follows x[0], expert 5 follows x[1]
+    weight[3, 0] = weight[5, 1] = weight[1, 2] = weight[2, 3] = 1  # expert e follows x[d]
     router = Router(weight, np.zeros(8, np.float32))
-    rows = mx.array([[9, 9, 0, 0], [1, 1, 0, 0]], dtype)
-    x = mx.zeros((2, 8), dtype)[:, ::2] + rows  # strided, two tokens: the last one counts
+    base = mx.array([[0, -1, 0, -1, 9, -1, 9, -1], [1, -1, 1, -1, 0, -1, 0, -1]], dtype)
+    x = base[:, ::2]  # a strided view; two tokens, the first would pick 1 and 2
     mx.eval(cache.prefetch_op(1, x, router, 2))
     assert sorted(e for e in cache.snapshot(1)["side_expert"].tolist() if e >= 0) == [3, 5]
-    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+    with pytest.raises(ValueError, match="MoE layer 1: hidden state of dtype int32, expected"):
         cache.prefetch_op(1, mx.zeros((1, 4), mx.int32), router, 2)
     with pytest.raises(ValueError, match=r"shape \(\.\.\., 6\) for a router of hidden size 4"):
         cache.prefetch_op(1, mx.zeros((1, 6)), router, 2)
+    with pytest.raises(IndexError, match="MoE layer 4 out of range"):
+        cache.prefetch_op(4, mx.zeros((1, 4)), router, 2)
+    with pytest.raises(ValueError, match="a router of 9 experts for a cache of 8"):
+        cache.prefetch_op(
+            1, mx.zeros((1, 4)), Router(np.zeros((9, 4), np.float32), np.zeros(9, np.float32)), 2
+        )
     with pytest.raises(ValueError, match="budget 9 not in"):
         cache.prefetch_op(1, mx.zeros((1, 4)), router, 9)
