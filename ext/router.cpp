@@ -46,10 +46,16 @@ void Router::top(const float* x, int budget, int32_t* out) const {
     throw std::invalid_argument("router: budget " + std::to_string(budget) +
                                 " not in [1, " + std::to_string(num_experts_) + "]");
   std::vector<float> logits(static_cast<size_t>(num_experts_));
+  constexpr int kLanes = 16;  // independent sums, so the compiler vectorizes the loop
+  const int whole = hidden_ / kLanes * kLanes;
   for (int e = 0; e < num_experts_; ++e) {
     const uint16_t* w = weight_.data() + static_cast<size_t>(e) * hidden_;
+    float lanes[kLanes] = {};
+    for (int d = 0; d < whole; d += kLanes)
+      for (int j = 0; j < kLanes; ++j) lanes[j] += from_bf16(w[d + j]) * x[d + j];
     float acc = 0.0f;
-    for (int d = 0; d < hidden_; ++d) acc += from_bf16(w[d]) * x[d];
+    for (int j = 0; j < kLanes; ++j) acc += lanes[j];
+    for (int d = whole; d < hidden_; ++d) acc += from_bf16(w[d]) * x[d];
     const float logit = acc + bias_[static_cast<size_t>(e)];
     // A NaN ranks last, so the order below stays a strict weak ordering.
     logits[static_cast<size_t>(e)] =

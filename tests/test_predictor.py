@@ -69,6 +69,18 @@ def test_router_ranks_experts_highest_first_ties_by_id_nan_last():
         Router(weight, bias[:4])
 
 
+@pytest.mark.parametrize("hidden", [16, 37, 300])
+def test_router_ranking_equals_numpy_over_whole_and_partial_lanes(hidden):
+    # integer weights and inputs: every sum is exact, so the order must be numpy's
+    rng = np.random.default_rng(hidden)
+    weight = rng.integers(-8, 9, (24, hidden)).astype(np.float32)
+    bias = rng.integers(-50, 51, 24).astype(np.float32)
+    x = rng.integers(-4, 5, hidden).astype(np.float32)
+    logits = weight @ x + bias
+    want = sorted(range(24), key=lambda e: (-logits[e], e))
+    assert Router(weight, bias).top(x, 24).tolist() == want
+
+
 @pytest.mark.parametrize("kind", ["linear", "bfloat16", "quantized", "gate", "extras"])
 def test_dense_router_copies_the_routers_weight_and_bias_exactly(kind, monkeypatch):
     mx.random.seed(3)
