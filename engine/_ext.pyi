@@ -210,7 +210,7 @@ class ExpertCache:
             ExpertReadError: a demand read failed (ChecksumError, ExpertReadTimeout).
         """
 
-    def acquire_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False) -> mlx.core.array:
+    def acquire_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False, after: mlx.core.array | None = None) -> mlx.core.array:
         """
         Lazy int32 pool rows of `ids` for MoE layer `layer`, mapped by the cache
         when MLX evaluates them, in stream order, with no host synchronisation.
@@ -218,6 +218,8 @@ class ExpertCache:
         Args:
             ids: mx.array of any shape and integer dtype (the router's expert ids).
             cpu_stream: build the primitive on the CPU stream (needed on a GPU device).
+            after: an mx.array evaluated before it (not read), e.g. a prefetch_op scalar, so
+                that it runs on the same stream just before this acquire.
 
         Returns:
             mx.array, int32, the shape of `ids`.

@@ -72,7 +72,15 @@ class StreamedExperts(nn.Module):
         if plan == PLAN_TABLE:
             y = self._experts(x, self._table[indices])
         elif plan == PLAN_STREAM:
-            rows = self._cache.acquire_op(self._index, indices, self._predictor.cpu_stream)
+            cpu_stream = self._predictor.cpu_stream
+            after = None
+            if token is not None and cpu_stream:
+                # On a GPU the prefetch op runs on the CPU stream: it rides ahead of this
+                # acquire there, where mx.depends would make the GPU wait for it (H200,
+                # 25% of the experts: 117.7 against 108.1 tok/s). On the CPU it stays
+                # behind the acquire, so this layer's demand reads go before its fills.
+                after, token = token, None
+            rows = self._cache.acquire_op(self._index, indices, cpu_stream, after)
             y = self._experts(x, rows)
         else:
             ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call

@@ -1,6 +1,7 @@
 // Python bindings of engine._ext. Binding code only: no I/O or locking lives here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -202,6 +203,8 @@ when MLX evaluates them, in stream order, with no host synchronisation.
 Args:
     ids: mx.array of any shape and integer dtype (the router's expert ids).
     cpu_stream: build the primitive on the CPU stream (needed on a GPU device).
+    after: an mx.array evaluated before it (not read), e.g. a prefetch_op scalar, so
+        that it runs on the same stream just before this acquire.
 
 Returns:
     mx.array, int32, the shape of `ids`.
@@ -558,13 +561,15 @@ NB_MODULE(_ext, m) {
           "layer"_a, "ids"_a, doc::kAcquire)
       .def(
           "acquire_op",
-          [](Cache& c, int li, const mx::array& ids, bool cpu_stream) {
-            if (cpu_stream) return es::acquire_op(c.impl, li, ids, mx::Device(mx::Device::cpu));
-            return es::acquire_op(c.impl, li, ids);
+          [](Cache& c, int li, const mx::array& ids, bool cpu_stream,
+             std::optional<mx::array> after) {
+            if (cpu_stream)
+              return es::acquire_op(c.impl, li, ids, after, mx::Device(mx::Device::cpu));
+            return es::acquire_op(c.impl, li, ids, after);
           },
-          "layer"_a, "ids"_a, "cpu_stream"_a = false,
-          nb::sig("def acquire_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False)"
-                  " -> mlx.core.array"),
+          "layer"_a, "ids"_a, "cpu_stream"_a = false, "after"_a = nb::none(),
+          nb::sig("def acquire_op(self, layer: int, ids: mlx.core.array, cpu_stream: bool = False, "
+                  "after: mlx.core.array | None = None) -> mlx.core.array"),
           doc::kAcquireOp)
       .def(
           "raise_stream_error", [](Cache& c) { c.impl->raise_stream_error(); },

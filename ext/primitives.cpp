@@ -97,9 +97,9 @@ void AcquirePrimitive::eval_cpu(const std::vector<mx::array>& inputs,
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(inputs[0]);
+  for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
-  // Runs on the stream's thread once `ids` has been computed. An error is handed to the
+  // Runs on the stream's thread once `ids` (and `after`) have been computed. An error is handed to the
   // cache for the host to raise (ExpertCache::set_stream_error), with valid rows.
   encoder.dispatch([ids = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
                     layer = layer_]() mutable {
@@ -153,11 +153,13 @@ void PrefetchPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::
 }
 
 mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
-                     mx::StreamOrDevice s) {
+                     const std::optional<mx::array>& after, mx::StreamOrDevice s) {
   check_integer(ids, "acquire");
+  std::vector<mx::array> inputs{ids};
+  if (after) inputs.push_back(*after);
   return mx::array(ids.shape(), mx::int32,
                    std::make_shared<AcquirePrimitive>(mx::to_stream(s), std::move(cache), layer),
-                   {ids});
+                   std::move(inputs));
 }
 
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "expert_cache.h"
 #include "mlx/primitives.h"
@@ -68,9 +69,12 @@ class PrefetchPrimitive : public mx::Primitive {
 // same shape. The caller guarantees the call cannot be over capacity (ExpertCache::plan
 // said kPlanStream); if it is anyway, or a read fails, the rows are all 0 (a valid row,
 // so the kernels that consume them never index outside the pool) and the error goes to
-// ExpertCache::set_stream_error, for the host to raise before it uses the result. Throws std::invalid_argument
-// for a non-integer dtype.
+// ExpertCache::set_stream_error, for the host to raise before it uses the result.
+// `after`: an array to evaluate first (not read), e.g. a prefetch_op's scalar, so that it
+// runs on this op's stream just before it. Throws std::invalid_argument for a non-integer
+// dtype.
 mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& ids,
+                     const std::optional<mx::array>& after = std::nullopt,
                      mx::StreamOrDevice s = {});
 
 // x: (..., hidden) float32, float16 or bfloat16, any strides; its last token's row is read

@@ -94,6 +94,21 @@ def test_prefetch_modes_equal_resident(
     assert totals["inflight"] == 0
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_prefetch_riding_on_acquire_equals_resident(model_dirs, resident, sync):
+    """The GPU arrangement run on the CPU: primitives on the CPU stream, and each prefetch
+    scalar an input of its layer's acquire there instead of an mx.depends of the layer's
+    output."""
+    cfg = StreamConfig(expert_slots=2, side_slots=2, prefetch=True, sync=sync, cutoff=2)
+    sm = load(model_dirs("qwen3_moe"), cfg)
+    sm.predictor.cpu_stream = True
+    assert_same(resident("qwen3_moe"), greedy_logits(sm.model))
+    sm.cache.drain()
+    assert sm.cache.check() == ""
+    totals = sm.snapshot().totals()
+    assert totals["prefetch_issued"] > 0 and totals["prefetch_used"] > 0
+
+
 def test_dense_layers_and_expert_bias(model_dirs, resident):
     """MoE index != decoder index (mlp_only_layers) and olmoe experts with bias."""
     for model_type, options in [
