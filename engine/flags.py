@@ -260,7 +260,8 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
 
 def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
     """The StreamConfig fields the user set: the environment's, then the flags given
-    (`add_cache_flags`); side_slots > 0 turns prefetch on unless it was set too, and
+    (`add_cache_flags`); side_slots given sets prefetch (on for > 0, off for 0) unless
+    prefetch was set too (the app's default is on), and
     --expert-memory / --expert-slots override the other's environment variable.
 
     Raises:
@@ -274,8 +275,8 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
         # one's environment variable (both flags given stay, for StreamConfig to refuse).
         if field in _SIZES and _SIZES[field] not in flags:
             values.pop(_SIZES[field], None)
-    if values.get("side_slots") and "prefetch" not in values:
-        values["prefetch"] = True
+    if "side_slots" in values and "prefetch" not in values:
+        values["prefetch"] = values["side_slots"] > 0
     return values
 
 

@@ -55,6 +55,10 @@ def test_environment_then_flags_then_prefetch_follows_side_slots():
         "prefetch": False,
         "expert_slots": 3,
     }
+    # --side-slots 0 turns prefetch off even over a front end whose default is on (the app)
+    args = parser().parse_args(["--side-slots", "0"])
+    assert config_overrides(args, {}) == {"side_slots": 0, "prefetch": False}
+    assert stream_config(args, {}, {"side_slots": 4, "prefetch": True}).prefetch is False
     with pytest.raises(ValueError, match="SIDEREGION_LFU"):
         stream_config(parser().parse_args([]), {"SIDEREGION_LFU": "maybe"})
 
