@@ -288,6 +288,12 @@ def with_defaults(defaults: Mapping, given: Mapping) -> dict:
     return {**kept, **given}
 
 
+# The refusal of prefetch with no side-region rows, in every front end's words.
+PREFETCH_WITHOUT_SIDE_SLOTS = (
+    "--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)"
+)
+
+
 def stream_config(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
@@ -302,7 +308,7 @@ def stream_config(
     """
     values = with_defaults(defaults or {}, config_overrides(args, environ))
     if values.get("prefetch") and not values.get("side_slots"):
-        raise ValueError("--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)")
+        raise ValueError(PREFETCH_WITHOUT_SIDE_SLOTS)
     try:
         return StreamConfig(**values)
     except ConfigError as e:

@@ -364,6 +364,7 @@ def test_a_read_error_is_shown_and_the_app_goes_on(window, qtbot, tmp_path):
             ["--expert-slots", "8", "--expert-memory", "50MiB"],
             "error: --expert-slots and --expert-memory are both given: give one of them",
         ),
+        (["--side-slots", "0", "--prefetch"], "error: --prefetch needs side-region slots"),
     ],
 )
 def test_bad_flags_are_refused_before_a_window_opens(capsys, argv, message):
