@@ -54,6 +54,7 @@ CACHE_STATS = (
     "side_hits",
     "prefetch_issued",
     "prefetch_used",
+    "prefetch_wasted",
     "prefetch_accuracy",
     "evictions",
 )
