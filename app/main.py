@@ -14,7 +14,6 @@ import sys
 
 from engine.config import ConfigError, StreamConfig
 from engine.flags import (
-    PREFETCH_WITHOUT_SIDE_SLOTS,
     Parser,
     add_cache_flags,
     config_error_message,
@@ -165,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = config_overrides(args)
         StreamConfig(**overrides)  # the flags' ranges, before any window opens
-        if overrides.get("prefetch") and overrides.get("side_slots") == 0:
-            raise ValueError(PREFETCH_WITHOUT_SIDE_SLOTS)  # as the command line refuses it
     except ConfigError as e:
         print(f"expertstream-gui: error: {config_error_message(e, args)}", file=sys.stderr)
         return 2

@@ -258,6 +258,11 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
     return out
 
 
+_PREFETCH_WITHOUT_SIDE_SLOTS = (
+    "--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)"
+)
+
+
 def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
     """The StreamConfig fields the user set: the environment's, then the flags given
     (`add_cache_flags`); side_slots given sets prefetch (on for > 0, off for 0) unless
@@ -265,7 +270,8 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
     --expert-memory / --expert-slots override the other's environment variable.
 
     Raises:
-        ValueError: an environment variable does not parse (named in the message).
+        ValueError: an environment variable does not parse (named in the message), or
+            --prefetch is given with --side-slots 0.
     """
     values = config_from_env(environ)
     flags = {f.field for f in FLAGS if getattr(args, f.field, None) is not None}
@@ -277,6 +283,8 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
             values.pop(_SIZES[field], None)
     if "side_slots" in values and "prefetch" not in values:
         values["prefetch"] = values["side_slots"] > 0
+    if values.get("prefetch") and values.get("side_slots") == 0:
+        raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
     return values
 
 
@@ -286,12 +294,6 @@ def with_defaults(defaults: Mapping, given: Mapping) -> dict:
     expert_slots, and the reverse)."""
     kept = {k: v for k, v in defaults.items() if given.get(_SIZES.get(k)) is None}
     return {**kept, **given}
-
-
-# The refusal of prefetch with no side-region rows, in every front end's words.
-PREFETCH_WITHOUT_SIDE_SLOTS = (
-    "--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)"
-)
 
 
 def stream_config(
@@ -308,7 +310,7 @@ def stream_config(
     """
     values = with_defaults(defaults or {}, config_overrides(args, environ))
     if values.get("prefetch") and not values.get("side_slots"):
-        raise ValueError(PREFETCH_WITHOUT_SIDE_SLOTS)
+        raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
     try:
         return StreamConfig(**values)
     except ConfigError as e:

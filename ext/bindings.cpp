@@ -284,7 +284,7 @@ const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, ranks the e
 layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
 the prefetch of the top `budget`, like prefetch: the whole prediction in one op. On the
 default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
-mx.depends.
+mx.depends, or pass it as an earlier acquire_op's `after` (same stream).
 
 Args:
     x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden

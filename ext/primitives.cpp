@@ -85,7 +85,7 @@ std::vector<float> last_row(const mx::array& x) {
     case mx::float32: last_row_as<float>(x, out); break;
     case mx::float16: last_row_as<mx::float16_t>(x, out); break;
     case mx::bfloat16: last_row_as<mx::bfloat16_t>(x, out); break;
-    default: throw std::invalid_argument("prefetch: hidden state must be float32, float16 or bfloat16");
+    default: throw std::logic_error("prefetch: hidden dtype not checked by prefetch_op");
   }
   return out;
 }

@@ -12,8 +12,9 @@
 // (the hidden state entering an earlier MoE layer). When MLX evaluates it, `router` (MoE
 // layer `layer`'s) ranks the experts for x's last token and the top `budget` are
 // reserved and queued (or read inline in SYNC mode): the whole prediction is this one op.
-// Tying the scalar into the hidden state with mx.depends orders the reservation before
-// that layer's acquire.
+// Tying the scalar into the hidden state with mx.depends, or into an earlier acquire_op
+// as its `after` (on a GPU, so that the GPU never waits for it), orders the reservation
+// before that layer's acquire.
 //
 // Both run on a CPU stream (eval_cpu) on every platform: on a GPU device MLX orders them
 // with the GPU work through its cross-stream events. No eval_gpu is built.
