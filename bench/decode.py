@@ -30,6 +30,7 @@ from bench.common import (
 )
 from bench.limits import run_peer, run_worker
 from bench.peers import PEER_MODES
+from engine.cache import ratio
 from engine.config import StreamConfig
 from engine.generate import cache_delta
 from engine.model import load, resolve_store
@@ -160,7 +161,7 @@ def _streamed_summary(name: str, fields: dict, onces: list[dict]) -> dict:
             "hit_rate": whole["hit_rate"],
             "decode_hit_rate": dec["hit_rate"],
             "side_hit_rate": whole["side_hits"] / lookups if lookups else 0.0,
-            "prefetch_accuracy": whole["prefetch_accuracy"],
+            "prefetch_accuracy": ratio(whole["prefetch_used"], whole["prefetch_issued"]),
             "bytes_per_token": whole["bytes_read"] / n_tok,
             "decode_bytes_per_token": dec["bytes_read"] / n_dec,
             "disk_bytes_per_token": o["disk"] / n_tok if o["disk"] >= 0 else -1,
@@ -235,7 +236,7 @@ def peer_run(store_path, mode: str, prompt: list[int], max_tokens: int, reps: in
             "hit_rate": max(0.0, 1 - disk / req) if req else 0.0,
             "decode_hit_rate": max(0.0, 1 - ddisk / dreq) if dreq else 0.0,
             "side_hit_rate": 0.0,
-            "prefetch_accuracy": 0.0,
+            "prefetch_accuracy": None,  # no prefetch issued
             "bytes_per_token": req / n_tok,
             "decode_bytes_per_token": dreq / n_dec,
             "disk_bytes_per_token": disk / n_tok,

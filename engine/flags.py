@@ -137,7 +137,9 @@ FLAGS = (
     Flag("--ahead-hi", "ahead_hi", int, "prefetch distance (MoE layers) from --cutoff on"),
     Flag("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),
     Flag("--lfu", "side_lfu", None, "persistent LFU side region (--no-lfu: double buffer)"),
-    Flag("--sync", "sync", None, "fill the side region synchronously (diagnostic)"),
+    Flag(
+        "--sync", "sync", None, "fill the side region synchronously (diagnostic; needs --prefetch)"
+    ),
     Flag("--policy", "policy", str, "real-region eviction", choices=EVICTION_POLICIES),
     Flag("--autopin-frac", "autopin_frac", float, "fraction of the expert slots autopin pins"),
     Flag(
@@ -261,6 +263,10 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
 _PREFETCH_WITHOUT_SIDE_SLOTS = (
     "--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)"
 )
+_SYNC_WITHOUT_PREFETCH = (
+    "--sync makes prefetch fills synchronous, and prefetch is off: add --prefetch and "
+    "--side-slots N (N >= 1), or leave out --sync"
+)
 
 
 def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
@@ -270,8 +276,9 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
     --expert-memory / --expert-slots override the other's environment variable.
 
     Raises:
-        ValueError: an environment variable does not parse (named in the message), or
-            --prefetch is given with --side-slots 0.
+        ValueError: an environment variable does not parse (named in the message),
+            --prefetch is given with --side-slots 0, or --sync with prefetch turned off
+            (--no-prefetch, --side-slots 0).
     """
     values = config_from_env(environ)
     flags = {f.field for f in FLAGS if getattr(args, f.field, None) is not None}
@@ -285,7 +292,15 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
         values["prefetch"] = values["side_slots"] > 0
     if values.get("prefetch") and values.get("side_slots") == 0:
         raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
+    if _sync_given(args) and values.get("prefetch") is False:
+        raise ValueError(_SYNC_WITHOUT_PREFETCH)
     return values
+
+
+def _sync_given(args: argparse.Namespace) -> bool:
+    """Whether --sync was given (SIDEREGION_SYNC alone is a preference for when prefetch is
+    on, as in the seed, and refuses nothing)."""
+    return getattr(args, "sync", None) is True
 
 
 def with_defaults(defaults: Mapping, given: Mapping) -> dict:
@@ -306,11 +321,14 @@ def stream_config(
 
     Raises:
         ValueError: an environment variable does not parse, --prefetch is on without side
-            slots, or a value is out of range; the message names the flag or variable.
+            slots, --sync is given with prefetch off, or a value is out of range; the
+            message names the flag or variable.
     """
     values = with_defaults(defaults or {}, config_overrides(args, environ))
     if values.get("prefetch") and not values.get("side_slots"):
         raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
+    if _sync_given(args) and not values.get("prefetch"):
+        raise ValueError(_SYNC_WITHOUT_PREFETCH)
     try:
         return StreamConfig(**values)
     except ConfigError as e:

@@ -488,3 +488,34 @@ def test_screenshot_is_taken_mid_reply(tmp_path):
     assert saved == [f"saved {png} at reply token 18 of at most 24"]
     image = QImage(str(png))
     assert image.width() >= 1200 and image.height() >= 800
+
+
+def test_side_rows_turn_prefetch_on_and_off_at_the_rebuild(qtbot):
+    from app.controls import ControlsPanel
+    from app.worker import ModelInfo
+    from engine.config import StreamConfig
+
+    def info(**config):
+        return ModelInfo(
+            name="m", path="m", store_path="s", layers=[1, 2, 3, 4], num_experts=32,
+            top_k=4, config=StreamConfig(**config), slots=[8] * 4, chat_template=False,
+            pool_bytes=0, budget=None, load_seconds=0.0, context=None,
+        )  # fmt: skip
+
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.set_model(info(expert_slots=8, side_slots=0))
+    box = panel.live["prefetch"]
+    assert not box.isEnabled() and not box.isChecked()
+    assert panel.pool()["prefetch"] is False
+    # Side rows for a pool without any turn prefetch on, as --side-slots 8 does.
+    panel.side_slots.setValue(8)
+    assert (panel.pool()["side_slots"], panel.pool()["prefetch"]) == (8, True)
+    # Once the pool has side rows, the box decides; no side rows turn prefetch off.
+    panel.set_model(info(expert_slots=8, side_slots=8, prefetch=True))
+    assert box.isEnabled() and box.isChecked() and panel.pool()["prefetch"] is True
+    box.setChecked(False)
+    assert panel.pool()["prefetch"] is False
+    box.setChecked(True)
+    panel.side_slots.setValue(0)
+    assert (panel.pool()["side_slots"], panel.pool()["prefetch"]) == (0, False)

@@ -54,6 +54,12 @@ def test_quick_suite_writes_sane_results(quick):
     streamed = [r for r in rows if r["kind"] == "streamed"]
     resident = next(r for r in rows if r["kind"] == "resident")
     assert all(r["tokens"] == resident["tokens"] for r in streamed)  # same greedy tokens
+    # A rate of nothing is null (the table's "—"), not 0%: no prefetch, no accuracy.
+    for r in rows:
+        if r["kind"] == "streamed" and r["config"].get("prefetch"):
+            assert r["prefetch_accuracy"] is None or 0.0 <= r["prefetch_accuracy"] <= 1.0
+        else:
+            assert r["prefetch_accuracy"] is None, r
     io = data["io"]
     assert all(r["MBps"] > 0 for r in io["raw"])
     assert io["engine"]["bytes_read"] > 0 and io["engine"]["MBps_while_reading"] > 0

@@ -63,6 +63,23 @@ def test_environment_then_flags_then_prefetch_follows_side_slots():
         stream_config(parser().parse_args([]), {"SIDEREGION_LFU": "maybe"})
 
 
+def test_sync_flag_needs_prefetch_on():
+    # The command line's default is prefetch off: --sync alone would do nothing.
+    with pytest.raises(ValueError, match="--sync makes prefetch fills synchronous"):
+        stream_config(parser().parse_args(["--sync"]), {})
+    for flags in (["--sync", "--no-prefetch"], ["--sync", "--side-slots", "0"]):
+        with pytest.raises(ValueError, match="--sync"):
+            config_overrides(parser().parse_args(flags), {})
+    # Over a front end whose default is prefetch on (the app), --sync alone is fine.
+    args = parser().parse_args(["--sync"])
+    assert config_overrides(args, {}) == {"sync": True}
+    assert stream_config(args, {}, {"side_slots": 4, "prefetch": True}).sync is True
+    cfg = stream_config(parser().parse_args(["--sync", "--side-slots", "2"]), {})
+    assert (cfg.sync, cfg.prefetch, cfg.side_slots) == (True, True, 2)
+    # The seed's SIDEREGION_SYNC alone is a preference, not a request: no refusal.
+    assert stream_config(parser().parse_args([]), {"SIDEREGION_SYNC": "1"}).sync is True
+
+
 def test_io_uring_is_on_by_default_and_can_be_turned_off():
     assert stream_config(parser().parse_args([]), {}).io_uring is True
     assert stream_config(parser().parse_args(["--no-io-uring"]), {}).io_uring is False
