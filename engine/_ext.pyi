@@ -335,13 +335,15 @@ class ExpertCache:
             IndexError: `layer` out of range.
         """
 
-    def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, budget: int, cpu_stream: bool = False) -> mlx.core.array:
+    def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, budget: int, cpu_stream: bool = False, after: mlx.core.array | None = None) -> mlx.core.array:
         """
         Lazy uint8 scalar that, when evaluated, ranks the experts of MoE
         layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
         the prefetch of the top `budget`, like prefetch: the whole prediction in one op. On the
         default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
-        mx.depends, or pass it as an earlier acquire_op's `after` (same stream).
+        mx.depends, or pass it as an earlier acquire_op's `after` (same stream). `after`: an
+        mx.array evaluated first (not read), e.g. the scalar of a nearer target's prediction
+        from the same x, so one scalar stands for a chain of predictions.
 
         Args:
             x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden

@@ -284,7 +284,9 @@ const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, ranks the e
 layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
 the prefetch of the top `budget`, like prefetch: the whole prediction in one op. On the
 default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
-mx.depends, or pass it as an earlier acquire_op's `after` (same stream).
+mx.depends, or pass it as an earlier acquire_op's `after` (same stream). `after`: an
+mx.array evaluated first (not read), e.g. the scalar of a nearer target's prediction
+from the same x, so one scalar stands for a chain of predictions.
 
 Args:
     x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden
@@ -613,15 +615,17 @@ NB_MODULE(_ext, m) {
       .def(
           "prefetch_op",
           [](Cache& c, int li, const mx::array& x, const RouterHandle& router, int budget,
-             bool cpu_stream) {
+             bool cpu_stream, std::optional<mx::array> after) {
             if (cpu_stream)
-              return es::prefetch_op(c.impl, li, x, router.impl, budget,
+              return es::prefetch_op(c.impl, li, x, router.impl, budget, after,
                                      mx::Device(mx::Device::cpu));
-            return es::prefetch_op(c.impl, li, x, router.impl, budget);
+            return es::prefetch_op(c.impl, li, x, router.impl, budget, after);
           },
           "layer"_a, "x"_a, "router"_a, "budget"_a, "cpu_stream"_a = false,
+          "after"_a = nb::none(),
           nb::sig("def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, "
-                  "budget: int, cpu_stream: bool = False) -> mlx.core.array"),
+                  "budget: int, cpu_stream: bool = False, after: mlx.core.array | None = None) "
+                  "-> mlx.core.array"),
           doc::kPrefetchOp)
       .def(
           "drain",

@@ -130,9 +130,9 @@ void PrefetchPrimitive::eval_cpu(const std::vector<mx::array>& inputs,
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(inputs[0]);
+  for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
-  // Runs on the stream's thread once `x` has been computed. A failed prediction or
+  // Runs on the stream's thread once `x` (and `after`) have been computed. A failed prediction or
   // reservation only costs the demand reads it would have saved.
   encoder.dispatch([x = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
                     layer = layer_, router = router_, budget = budget_]() mutable {
@@ -163,7 +163,8 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
 }
 
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
-                      std::shared_ptr<const Router> router, int budget, mx::StreamOrDevice s) {
+                      std::shared_ptr<const Router> router, int budget,
+                      const std::optional<mx::array>& after, mx::StreamOrDevice s) {
   if (layer < 0 || layer >= cache->num_layers())
     throw std::out_of_range("prefetch: MoE layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(cache->num_layers()) + ")");
@@ -186,10 +187,12 @@ mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::a
   if (budget < 1 || budget > router->num_experts())
     throw std::invalid_argument(where + "budget " + std::to_string(budget) + " not in [1, " +
                                 std::to_string(router->num_experts()) + "]");
+  std::vector<mx::array> inputs{x};
+  if (after) inputs.push_back(*after);
   return mx::array(mx::Shape{}, mx::uint8,
                    std::make_shared<PrefetchPrimitive>(mx::to_stream(s), std::move(cache), layer,
                                                        std::move(router), budget),
-                   {x});
+                   std::move(inputs));
 }
 
 }  // namespace es

@@ -82,9 +82,11 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
 // in place. budget in [1, router's experts]. Throws std::out_of_range for a layer the
 // cache does not have, std::invalid_argument for another dtype, a hidden size other than
 // the router's, an empty x, a router of another expert count or a budget out of range
-// (each naming the layer).
+// (each naming the layer). `after`: an array to evaluate first (not read), e.g. the
+// scalar of a nearer target's prediction from the same x, as in acquire_op.
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
                       std::shared_ptr<const Router> router, int budget,
+                      const std::optional<mx::array>& after = std::nullopt,
                       mx::StreamOrDevice s = {});
 
 }  // namespace es

@@ -1,10 +1,12 @@
-"""Ahead scheduling: targets, the cutoff, nothing past the last layer, one submission
-per target per forward."""
+"""Ahead scheduling: targets, the cutoff, nothing past the last layer, every layer after
+the first predicted exactly once per forward; the dense router copy and the prefetch op."""
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import engine.predictor as predictor_mod
 from engine._ext import Router
@@ -25,22 +27,44 @@ def predictor(store, **fields):
     return Predictor(open_cache(store, config), [FixedRouter()] * 4, config)
 
 
-def test_targets_follow_ahead_lo_then_ahead_hi(qwen_store):
-    c = predictor(qwen_store, ahead_lo=1, ahead_hi=2, cutoff=2)
-    assert [c.target_for(layer) for layer in range(4)] == [1, 2, None, None]
+def test_targets_follow_ahead_lo_then_ahead_hi_and_skip_no_layer(qwen_store):
+    # The seed's one target per layer (L + 2 from the cutoff on) never predicted layer 2.
+    c = predictor(qwen_store, ahead_lo=1, ahead_hi=2, cutoff=1)
+    assert [list(c.targets_for(layer)) for layer in range(4)] == [[1], [2, 3], [], []]
     c = predictor(qwen_store, ahead_lo=1, ahead_hi=1)  # cutoff defaults to half: 2
     assert c.cutoff == 2
-    assert [c.target_for(layer) for layer in range(4)] == [1, 2, 3, None]
-
-
-def test_one_submission_per_target_per_forward(qwen_store):
+    assert [list(c.targets_for(layer)) for layer in range(4)] == [[1], [2], [3], []]
+    # A shorter distance after a longer one predicts no layer twice.
     c = predictor(qwen_store, ahead_lo=3, ahead_hi=1, cutoff=1)
-    assert [c.target_for(layer) for layer in range(4)] == [3, 2, 3, None]
+    assert [list(c.targets_for(layer)) for layer in range(4)] == [[1, 2, 3], [], [], []]
+
+
+@given(
+    num_layers=st.integers(1, 64),
+    ahead_lo=st.integers(1, 8),
+    ahead_hi=st.integers(1, 8),
+    cutoff=st.integers(0, 70),
+)
+def test_every_layer_but_the_first_is_one_nearer_layers_target(
+    num_layers, ahead_lo, ahead_hi, cutoff
+):
+    ranges = predictor_mod._schedule(num_layers, ahead_lo, ahead_hi, cutoff)
+    targets = [(t, layer) for layer, r in enumerate(ranges) for t in r]
+    assert sorted(t for t, _ in targets) == list(range(1, num_layers))  # each exactly once
+    for t, layer in targets:
+        assert layer < t <= layer + (ahead_lo if layer < cutoff else ahead_hi)
+    assert all(r.step == 1 for r in ranges)  # nearest first
+
+
+def test_one_op_per_target_chained_into_one_scalar(qwen_store):
+    c = predictor(qwen_store, ahead_lo=1, ahead_hi=2, cutoff=1, sync=True)
     x = mx.zeros((1, 1, 64))
     tokens = [c.prefetch_token(layer, x) for layer in range(4)]
     assert [t is not None for t in tokens] == [True, True, False, False]
-    tokens = [c.prefetch_token(layer, x) for layer in range(4)]  # next forward
-    assert [t is not None for t in tokens] == [True, True, False, False]
+    mx.eval(tokens[1])  # layer 1's scalar: its predictions for layers 2 and 3
+    for target in (2, 3):
+        assert sorted(c.cache.snapshot(target)["side_expert"][:2].tolist()) == [6, 7]
+    assert c.cache.snapshot(1)["side_expert"][:2].tolist() == [-1, -1]  # not evaluated
 
 
 def test_prediction_is_the_top_budget_experts_and_prefill_is_skipped(qwen_store):
