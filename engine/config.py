@@ -116,7 +116,9 @@ class StreamConfig:
             the side region.
         prefetch: run the predictor and fill the side region.
         ahead_lo: target distance (in MoE layers) for source layers before `cutoff`.
-        ahead_hi: target distance from `cutoff` on.
+        ahead_hi: target distance from `cutoff` on. Every MoE layer after the first is
+            predicted once per forward whatever the distances: a source whose distance
+            grows also predicts the layers it would skip (`Predictor.targets_for`).
         cutoff: first MoE layer index that uses `ahead_hi`; None means half the MoE layers.
         side_lfu: persistent LFU side region (True) or legacy double buffer (False).
         sync: fill the side region synchronously where the prefetch is submitted.
