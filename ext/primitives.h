@@ -11,10 +11,10 @@
 // prefetch_op(cache, layer, x, router, budget) returns a uint8 scalar that depends on `x`
 // (the hidden state entering an earlier MoE layer). When MLX evaluates it, `router` (MoE
 // layer `layer`'s) ranks the experts for x's last token and the top `budget` are
-// reserved and queued (or read inline in SYNC mode): the whole prediction is this one op.
-// Tying the scalar into the hidden state with mx.depends, or into an earlier acquire_op
-// as its `after` (on a GPU, so that the GPU never waits for it), orders the reservation
-// before that layer's acquire.
+// reserved and queued (or read inline in SYNC mode): one op per target layer, a source
+// layer's ops chained through `after`. Tying the last scalar into the hidden state with
+// mx.depends, or into an earlier acquire_op as its `after` (on a GPU, so that the GPU never
+// waits for it), orders the reservations before that layer's acquire.
 //
 // Both run on a CPU stream (eval_cpu) on every platform: on a GPU device MLX orders them
 // with the GPU work through its cross-stream events. No eval_gpu is built.
