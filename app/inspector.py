@@ -57,7 +57,8 @@ def _heat_plot(widget: pg.GraphicsLayoutWidget, xlabel: str) -> tuple[pg.PlotIte
 
 class OccupancyView(pg.GraphicsLayoutWidget):
     """One row per MoE layer, one column per pool row: real slots, then the side rows of
-    bank 0 and 1, coloured by state. Hovering shows the row's facts."""
+    bank 0 and 1 (one region in the persistent LFU mode), coloured by state. Hovering
+    shows the row's facts."""
 
     def __init__(self):
         super().__init__()
@@ -85,8 +86,6 @@ class OccupancyView(pg.GraphicsLayoutWidget):
         self.plot.setRange(xRange=(0, cols), yRange=(0, layers), padding=0)
         self.separators[0].setPos(cap)
         self.separators[1].setPos(cap + spec)
-        for line in self.separators:
-            line.setVisible(spec > 0)
         self._shape = (layers, cap, spec)
         self._region_labels()
         step = max(1, cols // 16)
@@ -96,16 +95,20 @@ class OccupancyView(pg.GraphicsLayoutWidget):
         self.plot.getAxis("left").setTicks([[(r + 0.5, str(r)) for r in range(layers)], []])
 
     def set_side_lfu(self, lfu: bool) -> None:
-        """Notes that bank 1 is unused in persistent LFU mode."""
+        """Labels the side rows as one LFU region (both banks) or the double buffer's two
+        banks."""
         self._lfu = lfu
         self._region_labels()
 
     def _region_labels(self) -> None:
         _, cap, spec = self._shape
         top = [(cap / 2, "real slots")]
-        if spec:
-            bank1 = "bank 1 (unused: LFU)" if self._lfu else "side bank 1"
-            top += [(cap + spec / 2, "side bank 0"), (cap + 1.5 * spec, bank1)]
+        if spec and self._lfu:
+            top += [(cap + spec, "side rows (LFU)")]
+        elif spec:
+            top += [(cap + spec / 2, "side bank 0"), (cap + 1.5 * spec, "side bank 1")]
+        self.separators[0].setVisible(spec > 0)
+        self.separators[1].setVisible(spec > 0 and not self._lfu)
         self.plot.getAxis("top").setTicks([top, []])
 
     def draw(self, snap) -> np.ndarray:

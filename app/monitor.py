@@ -108,7 +108,7 @@ def row_info(snap: CacheSnapshot, layer: int, row: int) -> RowInfo:
         region = f"real slot {row}"
     else:
         bank, idx = divmod(row - cap, spec)
-        region = f"side bank {bank}, row {idx}"
+        region = f"side row {row - cap} (bank {bank}, row {idx})"
     expert = int(experts[layer, row])
     freq = float(snap.freq[layer, expert]) if expert >= 0 else None
     return RowInfo(layer, row, region, expert, STATE_NAMES[states[layer, row]], freq)

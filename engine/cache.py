@@ -321,7 +321,8 @@ class CacheSnapshot:
     Attributes:
         slot_expert: (n, expert_slots) int32, expert in each real-region slot, -1 when empty.
         slot_state: (n, expert_slots) uint8, SLOT_* codes.
-        side_expert: (n, 2 * side_slots) int32, expert of each side row (bank 0 then 1).
+        side_expert: (n, 2 * side_slots) int32, expert of each side row (bank 0 then 1;
+            the persistent LFU mode keeps one region over both banks' rows).
         side_state: (n, 2 * side_slots) uint8, ROW_* codes.
         freq: (n, num_experts) float32, LFU frequency per expert.
         stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds and

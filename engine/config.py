@@ -111,8 +111,9 @@ class StreamConfig:
         expert_memory: instead of expert_slots, the bytes of all real regions together
             (or "auto": `AUTO_MEMORY_FRACTION` of the memory available at load); each
             layer gets slots by its own record size (`engine.cache.layer_slots`).
-        side_slots: side-region rows per bank (two banks: the persistent LFU mode uses
-            bank 0, the legacy double buffer reads one while the other fills); 0 disables
+        side_slots: side-region rows per bank, and experts per prediction (two banks: the
+            persistent LFU mode keeps predicted experts in both banks' 2 x side_slots rows,
+            the legacy double buffer reads one bank while the other fills); 0 disables
             the side region.
         prefetch: run the predictor and fill the side region.
         ahead_lo: target distance (in MoE layers) for source layers before `cutoff`.

@@ -129,7 +129,8 @@ FLAGS = (
         "--side-slots",
         "side_slots",
         int,
-        "side-region rows per bank (2 banks); a value > 0 turns --prefetch on unless given",
+        "side-region rows per bank (2 banks, both holding predictions with --lfu) and experts "
+        "per prediction; a value > 0 turns --prefetch on unless given",
         deprecated=("--spec-slots",),
     ),
     Flag("--prefetch", "prefetch", None, "predict the next layers' experts into the side region"),

@@ -3,9 +3,11 @@
 // Per MoE layer it owns the pool: one MLX array per segment key, shaped
 // (rows, *segment_shape) with rows = cap + 2 * spec + scratch:
 //   [0, cap)                      real region (demand-loaded, LFU/LRU, pinning)
-//   [cap + g*spec, cap+(g+1)*spec) side region of generation g (prefetch); persistent LFU
-//                                  mode uses generation 0, legacy double buffer both, so the
-//                                  mode can switch at a forward boundary without a rebuild
+//   [cap + g*spec, cap+(g+1)*spec) side region bank g (prefetch): the legacy double
+//                                  buffer fills one bank while it reads the other; the
+//                                  persistent LFU mode keeps one ledger over both banks'
+//                                  2*spec rows. The mode switches at a forward boundary
+//                                  by rebuilding the ledgers, not the pool
 //   [cap + 2*spec, rows)          scratch rows that stream an over-capacity call's
 //                                  misses chunk by chunk, evicting nothing from the real
 //                                  region (they only fill its empty slots, by row copies)
@@ -212,6 +214,8 @@ class ExpertCache {
   void abandon_stuck_fills_locked();
   int read_gen() const;
   int fill_gen() const;
+  // The side-region ledgers of one MoE layer in the LFU (true) or legacy (false) mode.
+  std::vector<SideLedger> side_ledgers(bool lfu) const;
   void copy_record(int li, const uint8_t* buf, int row);
   void copy_row(int li, int from, int to);
   // What demand_read adds to a layer's counters.
@@ -253,7 +257,7 @@ class ExpertCache {
   mutable std::mutex mu_;
   std::condition_variable drained_cv_;
   std::vector<RealRegion> real_;
-  std::vector<std::vector<SideLedger>> side_;  // [li][gen]
+  std::vector<std::vector<SideLedger>> side_;  // [li][gen]: LFU one of 2*spec rows, legacy two
   std::vector<std::vector<uint8_t>> loading_;  // [li][slot]
   std::vector<mx::array> tables_;               // [li]: (num_experts,) int32, see plan()
   std::vector<uint8_t> complete_;               // [li]: tables_[li] is filled

@@ -4,7 +4,8 @@ After every step: each real region's slot<->expert maps agree (no expert in two 
 pinned experts are resident (and never evicted, unless the cache dropped the pin because
 it cost hits), the eviction policy's counts are consistent (LFU
 frequencies, lfu-da keys, s3-fifo queues, the predictive model's tables and totals), and
-per (layer, bank) free + in flight + published == side rows with no
+per side-region ledger (one over both banks in LFU mode, one per bank in the double
+buffer) free + in flight + published == its rows with no
 row owned twice (ExpertCache.check()). Every row a caller is handed, and every published
 side row, holds exactly its expert's record bytes from the blob. Read faults are injected
 too: a transient one (one bad read) must be invisible; a persistent one may fail a call,

@@ -16,10 +16,11 @@ def ids(*experts):
 
 
 def side(cache, layer=0):
-    """{expert: state} of bank 0's rows, and the count of free rows."""
+    """{expert: state} of the persistent LFU side region's rows (both banks' 2 x
+    side_slots rows), and the count of free rows."""
     s = cache.snapshot(layer)
-    spec = cache.side_slots
-    experts, states = s["side_expert"][:spec], s["side_state"][:spec]
+    experts, states = s["side_expert"], s["side_state"]
+    assert len(experts) == 2 * cache.side_slots
     owned = {int(e): int(st) for e, st in zip(experts, states, strict=True) if st != ROW_FREE}
     return owned, int((states == ROW_FREE).sum())
 
@@ -37,31 +38,31 @@ def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
     cache.prefetch(0, ids(5))
     cache.prefetch(0, ids(5, 5))
     owned, free = side(cache)
-    assert owned == {5: ROW_IN_FLIGHT} and free == 2
+    assert owned == {5: ROW_IN_FLIGHT} and free == 5
     assert cache.inflight == 1
     cache.drain()  # waits for the fill if it started, else cancels it
     owned, free = side(cache)
     s = cache.snapshot(0)["stats"]
     assert s["prefetch_issued"] == 1
     if s["prefetch_cancelled"]:
-        assert owned == {} and free == 3
+        assert owned == {} and free == 6
     else:
-        assert owned == {5: ROW_PUBLISHED} and free == 2
+        assert owned == {5: ROW_PUBLISHED} and free == 5
     assert cache.check() == "" and cache.inflight == 0
 
 
 def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
     """Defect 4: a fill must not overwrite a row that this forward's gather still reads."""
     cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=1, sync=True))
-    cache.prefetch(0, ids(3))
-    rows = acquire(cache, 0, 3)  # side hit, read by the current forward
-    assert rows == [cache.expert_slots + 0]
-    cache.prefetch(0, ids(4))  # ledger full, the only row is fenced
-    assert side(cache)[0] == {3: ROW_PUBLISHED}
+    cache.prefetch(0, ids(3, 5))  # LFU: one region of both banks' 2 rows
+    rows = acquire(cache, 0, 3, 5)  # side hits, read by the current forward
+    assert rows == [cache.expert_slots + 0, cache.expert_slots + 1]
+    cache.prefetch(0, ids(4))  # ledger full, both rows fenced
+    assert side(cache)[0] == {3: ROW_PUBLISHED, 5: ROW_PUBLISHED}
     acquire(cache, 1, 0)
     acquire(cache, 0, 0)  # layer index wrapped: a new forward, the old one evaluated
-    cache.prefetch(0, ids(4))
-    assert side(cache)[0] == {4: ROW_PUBLISHED}
+    cache.prefetch(0, ids(4))  # 3 and 5 predicted once each: the tie goes to 3
+    assert side(cache)[0] == {4: ROW_PUBLISHED, 5: ROW_PUBLISHED}
     assert cache.check() == ""
 
 
@@ -76,7 +77,7 @@ def test_each_store_has_its_own_state(qwen_store):
 
 
 def test_lfu_reuses_the_least_frequently_predicted_row(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=2, sync=True))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=1, sync=True))
     cache.prefetch(0, ids(2, 5))
     cache.prefetch(0, ids(5))  # 5 predicted again: frequency 2, 2 stays at 1
     cache.prefetch(0, ids(7))
@@ -198,4 +199,21 @@ def test_a_miss_whose_fill_is_being_read_waits_for_it(qwen_store):
     checker.assert_row(0, rows[0], 5)
     assert (s["misses"], s["side_hits"], s["prefetch_late"], s["loads"]) == (0, 1, 1, 1)
     assert s["bytes_read"] == qwen_store.manifest.layers[0].stride
+    assert cache.check() == ""
+
+
+def test_lfu_keeps_both_banks_rows_and_the_double_buffer_fills_one_bank(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=2, sync=True))
+    cache.prefetch(0, ids(1, 2, 3, 4, 5))  # LFU: one region of 2 x 2 rows, 5 does not fit
+    assert side(cache) == ({e: ROW_PUBLISHED for e in (1, 2, 3, 4)}, 0)
+    cache.side_lfu = False
+    acquire(cache, 0, 0)
+    acquire(cache, 0, 0)  # boundary: the double buffer, its banks empty
+    cache.prefetch(0, ids(1, 2, 3))  # the bank this forward fills has 2 rows
+    banks = [bank_rows(cache, 0, b) for b in (0, 1)]
+    assert sorted(banks, key=len) == [{}, {1: ROW_PUBLISHED, 2: ROW_PUBLISHED}]
+    cache.side_lfu = True
+    acquire(cache, 0, 0)  # boundary: LFU again, over both banks' rows
+    cache.prefetch(0, ids(6, 7, 3, 4))
+    assert side(cache) == ({e: ROW_PUBLISHED for e in (3, 4, 6, 7)}, 0)
     assert cache.check() == ""
