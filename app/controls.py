@@ -171,6 +171,16 @@ class ControlsPanel(QWidget):
         """{field: on} of the live toggles."""
         return {name: box.isChecked() for name, box in self.live.items()}
 
+    def wanted_live(self) -> dict:
+        """{field: on} that the live toggles ask of a pool with the side rows set: as
+        --side-slots does on the command line, side rows given to a pool that has none
+        (the Prefetch box disabled) turn prefetch on, and no side rows turn it off."""
+        wanted = self.live_settings()
+        box = self.live["prefetch"]
+        side_rows = self.side_slots.value()
+        wanted["prefetch"] = side_rows > 0 and (box.isChecked() or not box.isEnabled())
+        return wanted
+
     def _rebuild(self) -> None:
         try:
             fields = self.pool()
@@ -189,19 +199,12 @@ class ControlsPanel(QWidget):
         """
         text = self.expert_memory.text().strip()
         memory = parse_memory(text) if text else None
-        side_rows = self.side_slots.value()
-        # As --side-slots does on the command line: side rows given to a pool that has none
-        # (the Prefetch box disabled) turn prefetch on, and no side rows turn it off.
-        box = self.live["prefetch"]
-        prefetch = side_rows > 0 and (box.isChecked() or not box.isEnabled())
         return {
-            **self.live_settings(),
             "expert_slots": None if memory is not None else self.expert_slots.value(),
             "expert_memory": memory,
-            "side_slots": side_rows,
+            "side_slots": self.side_slots.value(),
             "ahead_lo": self.ahead_lo.value(),
             "ahead_hi": self.ahead_hi.value(),
             "cutoff": self.cutoff.value(),
             "autopin_frac": self.autopin.value(),
-            "prefetch": prefetch,
-        }
+        } | self.wanted_live()

@@ -342,7 +342,9 @@ class MainWindow(QMainWindow):
         self.progress.setFormat(f"converting %p%  ({done / 1e6:.0f}/{total / 1e6:.0f} MB)")
 
     def _on_loaded(self, info: ModelInfo) -> None:
-        wanted = self.controls.live_settings() if self.info else {}
+        # What the boxes ask, the side rows' prefetch included (before set_model shows
+        # the new pool): a box that differs from the loaded config was toggled while loading.
+        wanted = self.controls.wanted_live() if self.info else {}
         self.info = info
         self.decode = [0, 0.0]  # measured figures are this budget's
         self.progress.hide()
@@ -352,7 +354,7 @@ class MainWindow(QMainWindow):
         # a reply needs one prompt token at least: the whole context never fits
         self.chat.max_tokens.setMaximum(info.context - 1 if info.context else 8192)
         for name, on in wanted.items():  # toggled while loading
-            if on != getattr(info.config, name):
+            if on != getattr(info.config, name) and self.controls.live[name].isEnabled():
                 self.controls.live[name].setChecked(on)
         self.setWindowTitle(f"ExpertStream · {info.name}")
         self.chat.show_note(f"Loaded {info.name} in {info.load_seconds:.1f} s: {summary(info)}.")

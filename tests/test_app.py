@@ -519,3 +519,27 @@ def test_side_rows_turn_prefetch_on_and_off_at_the_rebuild(qtbot):
     box.setChecked(True)
     panel.side_slots.setValue(0)
     assert (panel.pool()["side_slots"], panel.pool()["prefetch"]) == (0, False)
+
+
+def test_rebuild_with_side_rows_leaves_prefetch_on_in_the_engine_and_none_off(qtbot):
+    # The whole window, not only ControlsPanel.pool: the load's end re-applies the boxes
+    # toggled while loading, and must not undo the prefetch the side rows turned on/off.
+    w = MainWindow(MODEL, {"expert_slots": 8, "side_slots": 0, "prefetch": False})
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS):
+        w.show()
+    box = w.controls.live["prefetch"]
+
+    def rebuild(side_rows: int) -> tuple:
+        w.controls.side_slots.setValue(side_rows)
+        with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS):
+            qtbot.mouseClick(w.controls.apply_button, Qt.MouseButton.LeftButton)
+        sm = w.engine.worker._sm
+        return (w.info.config.prefetch, box.isChecked(), box.isEnabled(), sm.predictor.enabled)
+
+    assert (box.isChecked(), box.isEnabled()) == (False, False)
+    assert rebuild(4) == (True, True, True, True)
+    assert rebuild(0) == (False, False, False, False)  # not left checked and disabled
+    assert rebuild(4) == (True, True, True, True)
+    box.setChecked(False)  # once the pool has side rows, the box decides
+    assert rebuild(2) == (False, False, True, False)
