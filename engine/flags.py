@@ -265,8 +265,8 @@ _PREFETCH_WITHOUT_SIDE_SLOTS = (
     "--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)"
 )
 _SYNC_WITHOUT_PREFETCH = (
-    "--sync makes prefetch fills synchronous, and prefetch is off: add --prefetch and "
-    "--side-slots N (N >= 1), or leave out --sync"
+    "--sync makes prefetch fills synchronous, and prefetch is off here: leave out --sync, "
+    "or turn prefetch on with --side-slots N (N >= 1)"
 )
 
 
