@@ -18,7 +18,7 @@ import numpy as np
 
 from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig
-from engine.replay import POLICIES, ROUTER_ONLY, belady, replay, trace_store
+from engine.replay import POLICIES, ROUTER_ONLY, belady, oracle_rows, replay, trace_store
 from engine.store import ExpertStore
 from engine.trace import Trace
 
@@ -87,8 +87,8 @@ def policy_suite(
 
     Returns one dict per trace: name, shape, reuse rate, `capacities`, `curves`
     {policy: [replay dicts]}, `belady` [dicts per capacity], `belady_plus_k` (capacity +
-    top_k, the bound of lfu+oracle's fetch hit rate) and `of_belady` {policy: [hit rate /
-    Belady's]}.
+    `oracle_rows(top_k)`, the bound of lfu+oracle's fetch hit rate) and `of_belady`
+    {policy: [hit rate / Belady's]}.
     """
     from engine.trace import reuse_rate
 
@@ -111,7 +111,9 @@ def policy_suite(
         }
         for c in cs:
             res["belady"].append(belady(trace, c))
-            res["belady_plus_k"].append(belady(trace, min(c + trace.top_k, trace.num_experts)))
+            res["belady_plus_k"].append(
+                belady(trace, min(c + oracle_rows(trace.top_k), trace.num_experts))
+            )
         for policy in POLICIES + (ROUTER_ONLY if trace.router_ids is not None else ()):
             res["curves"][policy] = [replay(store, trace, c, policy) for c in cs]
             res["of_belady"][policy] = [

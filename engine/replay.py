@@ -18,11 +18,12 @@ through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, 
   min(cap - top_k, floor(autopin_frac x cap))); calls left with fewer evictable slots
   than missing experts stream the misses through the scratch rows (`load_scratch`), as
   the engine does, and count as misses;
-- `lfu+oracle`: the side region (top_k rows, persistent LFU, SYNC fills) fed after each
-  layer's acquire with the true ids of the next layer (the perfect predictor); it holds
-  top_k rows more than the others, and its side hits were still reads, so its `hit_rate`
-  may pass Belady's at the same capacity: its `fetch_hit_rate` (1 - loads / lookups) is
-  bounded by Belady's at capacity + top_k instead;
+- `lfu+oracle`: the side region (`oracle_rows` rows: top_k, rounded up to even since the
+  persistent LFU region spans both banks; SYNC fills) fed after each layer's acquire with
+  the true ids of the next layer (the perfect predictor); it holds those rows more than
+  the others, and its side hits were still reads, so its `hit_rate` may pass Belady's at
+  the same capacity: its `fetch_hit_rate` (1 - loads / lookups) is bounded by Belady's at
+  capacity + `oracle_rows` instead;
 - `belady`: Belady's MIN, offline, in Python (`belady`): per layer, on a miss evict the
   resident expert (not wanted by the current token) whose next use is furthest away. It is
   optimal for any policy with the same capacity, so it is the ceiling of every demand
@@ -70,6 +71,12 @@ def trace_store(trace: Trace, root: str | Path) -> ExpertStore:
     return ExpertStore(ensure_store(Path(root) / name, config, group_size=32))
 
 
+def oracle_rows(top_k: int) -> int:
+    """Side rows of the `lfu+oracle` replay: top_k, rounded up to even (its persistent LFU
+    side region is both banks of side_slots rows each)."""
+    return 2 * ((top_k + 1) // 2)
+
+
 def replay(
     store: ExpertStore,
     trace: Trace,
@@ -101,7 +108,7 @@ def replay(
         expert_slots=capacity,
         policy=base if base in EVICTION_POLICIES else "lfu",
         decay_every=0 if policy == "lfu-nodecay" else 256,
-        side_slots=k if oracle else 0,
+        side_slots=oracle_rows(k) // 2 if oracle else 0,
         side_lfu=True,
         sync=True,
         uncached_io=False,
