@@ -282,7 +282,7 @@ Raises:
 
 const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, ranks the experts of MoE
 layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
-the prefetch of the top `budget`, like prefetch: the whole prediction in one op. On the
+the prefetch of the top `budget`, like prefetch: one target's prediction in one op. On the
 default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
 mx.depends, or pass it as an earlier acquire_op's `after` (same stream). `after`: an
 mx.array evaluated first (not read), e.g. the scalar of a nearer target's prediction
