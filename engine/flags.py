@@ -291,17 +291,19 @@ def config_overrides(args: argparse.Namespace, environ: Mapping[str, str] | None
             values.pop(_SIZES[field], None)
     if "side_slots" in values and "prefetch" not in values:
         values["prefetch"] = values["side_slots"] > 0
-    if values.get("prefetch") and values.get("side_slots") == 0:
-        raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
-    if _sync_given(args) and values.get("prefetch") is False:
-        raise ValueError(_SYNC_WITHOUT_PREFETCH)
+    _refuse_idle_prefetch(values, args)
     return values
 
 
-def _sync_given(args: argparse.Namespace) -> bool:
-    """Whether --sync was given (SIDEREGION_SYNC alone is a preference for when prefetch is
-    on, as in the seed, and refuses nothing)."""
-    return getattr(args, "sync", None) is True
+def _refuse_idle_prefetch(values: Mapping, args: argparse.Namespace) -> None:
+    """Refuses prefetch with no side rows to fill, and --sync with prefetch off: each would
+    do nothing. A field absent from `values` is not known yet (a front end's default fills
+    it) and refuses nothing; SIDEREGION_SYNC alone is a preference for when prefetch is on,
+    as in the seed, and refuses nothing either."""
+    if values.get("prefetch") and values.get("side_slots") == 0:
+        raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
+    if getattr(args, "sync", None) is True and values.get("prefetch") is False:
+        raise ValueError(_SYNC_WITHOUT_PREFETCH)
 
 
 def with_defaults(defaults: Mapping, given: Mapping) -> dict:
@@ -326,10 +328,8 @@ def stream_config(
             message names the flag or variable.
     """
     values = with_defaults(defaults or {}, config_overrides(args, environ))
-    if values.get("prefetch") and not values.get("side_slots"):
-        raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
-    if _sync_given(args) and not values.get("prefetch"):
-        raise ValueError(_SYNC_WITHOUT_PREFETCH)
+    known = {f: StreamConfig.__dataclass_fields__[f].default for f in ("prefetch", "side_slots")}
+    _refuse_idle_prefetch(known | values, args)  # now with every default known
     try:
         return StreamConfig(**values)
     except ConfigError as e:
