@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.monitor import (
+    ABSENT,
     STATE_COLORS,
     STATE_NAMES,
     LiveSeries,
@@ -284,7 +285,7 @@ class InspectorPanel(QWidget):
 
         key = QHBoxLayout()
         key.setSpacing(4)
-        for name, color in zip(STATE_NAMES, STATE_COLORS, strict=True):
+        for name, color in zip(STATE_NAMES[:ABSENT], STATE_COLORS[:ABSENT], strict=True):
             swatch = QLabel()
             swatch.setFixedSize(14, 14)
             swatch.setStyleSheet(f"background: {color}; border: 1px solid #555;")
@@ -338,7 +339,7 @@ class InspectorPanel(QWidget):
         """Shapes the plots for `info` and restarts the time series."""
         c = info.config
         n = len(info.layers)
-        self.occupancy.set_shape(n, max(info.slots), c.side_slots)
+        self.occupancy.set_shape(n, max(info.pool_slots), c.side_slots)
         self.frequency.set_shape(n, info.num_experts)
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.cache import (
+    NO_ROW,
     ROW_FREE,
     ROW_IN_FLIGHT,
     ROW_PUBLISHED,
@@ -24,14 +25,21 @@ from engine.cache import (
     CacheSnapshot,
 )
 
-# Display states of the occupancy heat map, in colour-key order.
-EMPTY, RESIDENT, PINNED, SIDE_READY, IN_FLIGHT, JUST_LOADED = range(6)
-STATE_NAMES = ("empty", "resident", "pinned", "side-ready", "in-flight fill", "just loaded")
-STATE_COLORS = ("#2a2d34", "#3f7fd9", "#b05ce0", "#3fbf7f", "#f0a030", "#f4f1a0")
-
-_SLOT_DISPLAY = np.zeros(
-    max(SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED) + 1, np.uint8
+# Display states of the occupancy heat map, in colour-key order; ABSENT (no pool row
+# there: a layer with fewer slots or side rows than the widest) is drawn as the background.
+EMPTY, RESIDENT, PINNED, SIDE_READY, IN_FLIGHT, JUST_LOADED, ABSENT = range(7)
+STATE_NAMES = (
+    "empty",
+    "resident",
+    "pinned",
+    "side-ready",
+    "in-flight fill",
+    "just loaded",
+    "no row",
 )
+STATE_COLORS = ("#2a2d34", "#3f7fd9", "#b05ce0", "#3fbf7f", "#f0a030", "#f4f1a0", "#1b1d23")
+
+_SLOT_DISPLAY = np.full(NO_ROW + 1, ABSENT, np.uint8)
 _SLOT_DISPLAY[[SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED]] = (
     EMPTY,
     RESIDENT,
@@ -39,7 +47,7 @@ _SLOT_DISPLAY[[SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_L
     IN_FLIGHT,
     JUST_LOADED,
 )
-_ROW_DISPLAY = np.zeros(max(ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED) + 1, np.uint8)
+_ROW_DISPLAY = np.full(NO_ROW + 1, ABSENT, np.uint8)
 _ROW_DISPLAY[[ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED]] = (EMPTY, IN_FLIGHT, SIDE_READY)
 
 
@@ -48,7 +56,7 @@ def occupancy(snap: CacheSnapshot) -> tuple[np.ndarray, np.ndarray]:
 
     Returns:
         (states, experts), both (MoE layers, expert_slots + 2 * side_slots): the display
-        state (EMPTY ... JUST_LOADED) and the expert id (-1: none) of every pool row, real
+        state (EMPTY ... ABSENT) and the expert id (-1: none) of every pool row, real
         slots first, then the side rows of bank 0 and of bank 1.
     """
     states = np.concatenate([_SLOT_DISPLAY[snap.slot_state], _ROW_DISPLAY[snap.side_state]], axis=1)
@@ -104,7 +112,9 @@ def row_info(snap: CacheSnapshot, layer: int, row: int) -> RowInfo:
     states, experts = occupancy(snap)
     cap = snap.slot_expert.shape[1]
     spec = snap.side_expert.shape[1] // 2
-    if row < cap:
+    if states[layer, row] == ABSENT:
+        region = "this layer has no such row"
+    elif row < cap:
         region = f"real slot {row}"
     else:
         bank, idx = divmod(row - cap, spec)

@@ -328,7 +328,7 @@ class MainWindow(QMainWindow):
         snap = self.engine.snapshot()
         if info is None or snap is None:
             return
-        cap = max(info.slots, default=0)  # the widest layer's: expert memory sizes each
+        cap = max(info.pool_slots, default=0)  # the widest layer's (expert memory, side rows)
         if snap.slot_expert.shape[1] != cap or snap.side_expert.shape[1] != (
             2 * info.config.side_slots
         ):

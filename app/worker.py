@@ -73,7 +73,10 @@ class ModelInfo:
     num_experts: int
     top_k: int
     config: object
-    slots: list[int]  # real-region slots per MoE layer
+    slots: list[int]  # real-region slots per MoE layer the config gives (engine.cache.real_slots)
+    # The pool's real slots per MoE layer (the cache's layer_slots): `slots`, plus their
+    # 2 x side rows in the layers no layer prefetches for (engine.cache.layer_rows).
+    pool_slots: list[int]
     chat_template: bool
     pool_bytes: int
     budget: object  # engine.advisor.Budget
@@ -215,7 +218,7 @@ class Worker(QObject):
         t0 = time.monotonic()
         try:
             from engine.advisor import Budget
-            from engine.cache import PoolMemoryError, pool_bytes
+            from engine.cache import PoolMemoryError, pool_bytes, real_slots
             from engine.config import ConfigError, StreamConfig
             from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
@@ -243,6 +246,7 @@ class Worker(QObject):
                 f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
             )
             return
+        slots = real_slots(store, config)
         old = self._sm
         with self._lock:
             self._sm = sm
@@ -259,9 +263,10 @@ class Worker(QObject):
                 top_k=m.top_k,
                 config=config,
                 chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
-                slots=list(sm.cache.layer_slots),
+                slots=slots,
+                pool_slots=list(sm.cache.layer_slots),
                 pool_bytes=pool_bytes(sm.cache),
-                budget=Budget.of(m, config, list(sm.cache.layer_slots)),
+                budget=Budget.of(m, config, slots),
                 load_seconds=time.monotonic() - t0,
                 context=store.config.get("max_position_embeddings"),
                 note=note,

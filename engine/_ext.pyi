@@ -93,7 +93,7 @@ class ExpertCache:
     snapshot, check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], io_uring: bool = True) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -120,11 +120,13 @@ class ExpertCache:
                 (0: every call does).
             layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
                 expert_slots for every layer), each in [1, num_experts].
+            layer_side_slots: side-region rows per bank of each MoE layer, overriding side_slots
+                (empty: side_slots for every layer), each >= 0.
             io_uring: demand reads through io_uring on the calling thread, threads + 1 in
                 flight, where the kernel has it (see the io_uring property); else on the reader
                 threads. Prefetch fills always use the reader threads.
 
-        Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
+        Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
         Raises:
             ValueError: a count or option out of range, an unknown dtype, segments that do not
@@ -142,7 +144,7 @@ class ExpertCache:
 
     def rows(self, layer: int) -> int:
         """
-        Pool rows of MoE layer `layer`: its real slots + 2 * side_slots + scratch_slots.
+        Pool rows of MoE layer `layer`: its real slots + 2 * its side slots + scratch_slots.
         """
 
     @property
@@ -155,7 +157,15 @@ class ExpertCache:
 
     @property
     def side_slots(self) -> int:
-        """Side-region rows per bank (two banks)."""
+        """
+        Side-region rows per bank (two banks), and experts per prediction (layer_side_slots: each layer's rows).
+        """
+
+    @property
+    def layer_side_slots(self) -> list[int]:
+        """
+        Side-region rows per bank of each MoE layer (list of int, in MoE order).
+        """
 
     @property
     def io_uring(self) -> bool:
@@ -437,8 +447,8 @@ class ExpertCache:
 
         Returns:
             dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
-            uint8 SLOT_* codes; side_expert (2 * side_slots,) int32, bank 0 then bank 1;
-            side_state (2 * side_slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
+            uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
+            side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
             frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
             prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
             overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).

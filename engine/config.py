@@ -114,7 +114,9 @@ class StreamConfig:
         side_slots: side-region rows per bank, and experts per prediction (two banks: the
             persistent LFU mode keeps predicted experts in both banks' 2 x side_slots rows,
             the legacy double buffer reads one bank while the other fills); 0 disables
-            the side region.
+            the side region. A layer no layer prefetches for (the first MoE layer, or
+            one whose router is not found) holds its 2 x side_slots rows as real slots
+            instead (`engine.cache.layer_rows`).
         prefetch: run the predictor and fill the side region.
         ahead_lo: target distance (in MoE layers) for source layers before `cutoff`.
         ahead_hi: target distance from `cutoff` on. Every MoE layer after the first is

@@ -130,7 +130,8 @@ FLAGS = (
         "side_slots",
         int,
         "side-region rows per bank (2 banks, both holding predictions with --lfu) and experts "
-        "per prediction; a value > 0 turns --prefetch on unless given",
+        "per prediction (the first MoE layer, which no layer predicts, holds its rows as "
+        "real slots); a value > 0 turns --prefetch on unless given",
         deprecated=("--spec-slots",),
     ),
     Flag("--prefetch", "prefetch", None, "predict the next layers' experts into the side region"),

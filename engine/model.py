@@ -35,7 +35,7 @@ from engine.experts import (
 )
 from engine.experts import quantization as quantization_of
 from engine.pipeline import Stage
-from engine.predictor import Predictor
+from engine.predictor import Predictor, prefetch_targets
 from engine.safe_io import contained, read_json_object
 from engine.store import (
     DTYPES,
@@ -406,8 +406,10 @@ def load(
         experts = pipeline.stage_experts(model, where)
     _check_store_matches_model(store, cfg, model, pipeline.as_stored(model, experts, stage), specs)
     _check_backend(store)
-    cache = cache_mod.open_cache(store, config, specs)
-    predictor = Predictor(cache, [router_logits(model, e) for e in experts], config)
+    routers = [router_logits(model, e) for e in experts]
+    targets = prefetch_targets([r is not None for r in routers])
+    cache = cache_mod.open_cache(store, config, specs, targets)
+    predictor = Predictor(cache, routers, config)
     for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
         replace(model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math))
 

@@ -18,7 +18,7 @@ the first prediction for each target: one op per MoE layer per token instead of 
 of a 16 ms decode token at 25% of the experts, about what the reads they hide cost.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -99,6 +99,14 @@ class Predictor:
             router = self.router(target, x.shape[-1])
             token = self.cache.prefetch_op(target, x, router, self.budget, self.cpu_stream, token)
         return token
+
+
+def prefetch_targets(routed: Sequence[bool]) -> list[bool]:
+    """Whether each MoE layer is a prefetch target, given whether its router was found
+    (`routed[i]`): every layer after the first (`_schedule` covers each one, under any
+    distances and cutoff) that has a router. The cache gives the others' side rows to
+    their real regions (`engine.cache.layer_rows`)."""
+    return [li > 0 and bool(r) for li, r in enumerate(routed)]
 
 
 def _schedule(num_layers: int, ahead_lo: int, ahead_hi: int, cutoff: int) -> list[range]:

@@ -139,11 +139,13 @@ Args:
         (0: every call does).
     layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
         expert_slots for every layer), each in [1, num_experts].
+    layer_side_slots: side-region rows per bank of each MoE layer, overriding side_slots
+        (empty: side_slots for every layer), each >= 0.
     io_uring: demand reads through io_uring on the calling thread, threads + 1 in
         flight, where the kernel has it (see the io_uring property); else on the reader
         threads. Prefetch fills always use the reader threads.
 
-Pool rows per layer: its real slots + 2 * side_slots + scratch_slots.
+Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
 Raises:
     ValueError: a count or option out of range, an unknown dtype, segments that do not
@@ -153,10 +155,14 @@ Raises:
 const char* kNumLayers = "MoE layers (pools).";
 const char* kNumExperts = "Experts per MoE layer (records per blob).";
 const char* kRows =
-    "Pool rows of MoE layer `layer`: its real slots + 2 * side_slots + scratch_slots.";
+    "Pool rows of MoE layer `layer`: its real slots + 2 * its side slots + scratch_slots.";
 const char* kExpertSlots = "Real-region slots of the largest MoE layer (layer_slots: each's).";
 const char* kLayerSlots = "Real-region slots of each MoE layer (list of int, in MoE order).";
-const char* kSideSlots = "Side-region rows per bank (two banks).";
+const char* kSideSlots =
+    "Side-region rows per bank (two banks), and experts per prediction (layer_side_slots: "
+    "each layer's rows).";
+const char* kLayerSideSlots =
+    "Side-region rows per bank of each MoE layer (list of int, in MoE order).";
 const char* kIoUring =
     "Whether demand reads go through io_uring (asked for, and the kernel has it); else "
     "they use the reader threads.";
@@ -361,8 +367,8 @@ thread).
 
 Returns:
     dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
-    uint8 SLOT_* codes; side_expert (2 * side_slots,) int32, bank 0 then bank 1;
-    side_state (2 * side_slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
+    uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
+    side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
     frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
     prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
     overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
@@ -487,13 +493,15 @@ NB_MODULE(_ext, m) {
              int scratch_slots,
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
              bool uncached, int threads, double read_timeout, int top_k,
-             const std::vector<int>& layer_slots, bool io_uring) {
+             const std::vector<int>& layer_slots, const std::vector<int>& layer_side_slots,
+             bool io_uring) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
             c.cap = expert_slots;
             c.layer_caps = layer_slots;
             c.spec = side_slots;
+            c.layer_specs = layer_side_slots;
             c.scratch = scratch_slots;
             c.policy = es::policy_from_name(policy);
             if (top_k < 0) throw std::invalid_argument("top_k must be >= 0");
@@ -516,7 +524,7 @@ NB_MODULE(_ext, m) {
           "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
           "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
           "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
-          "io_uring"_a = true, doc::kInit)
+          "layer_side_slots"_a = std::vector<int>{}, "io_uring"_a = true, doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
@@ -541,6 +549,14 @@ NB_MODULE(_ext, m) {
           doc::kExpertSlots)
       .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
                    doc::kSideSlots)
+      .def_prop_ro(
+          "layer_side_slots",
+          [](const Cache& c) {
+            std::vector<int> v;
+            for (int li = 0; li < c.impl->num_layers(); ++li) v.push_back(c.impl->spec(li));
+            return v;
+          },
+          doc::kLayerSideSlots)
       .def_prop_ro("io_uring", [](const Cache& c) { return c.impl->io_uring(); }, doc::kIoUring)
       .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
                    doc::kScratchSlots)

@@ -106,7 +106,15 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     if (c < 1 || c > num_experts_)
       throw std::invalid_argument("expert slots (cap) must be in [1, " +
                                   std::to_string(num_experts_) + "], got " + std::to_string(c));
-  if (config_.spec < 0) throw std::invalid_argument("side rows (spec) must be >= 0");
+  if (!config_.layer_specs.empty() && config_.layer_specs.size() != layers_.size())
+    throw std::invalid_argument("side rows per layer: " +
+                                std::to_string(config_.layer_specs.size()) + " values for " +
+                                std::to_string(layers_.size()) + " MoE layers");
+  specs_ = config_.layer_specs.empty() ? std::vector<int>(layers_.size(), config_.spec)
+                                       : config_.layer_specs;
+  for (int sp : specs_)
+    if (sp < 0) throw std::invalid_argument("side rows (spec) must be >= 0, got " +
+                                            std::to_string(sp));
   if (config_.scratch < 1) throw std::invalid_argument("scratch rows must be >= 1");
   for (size_t li = 0; li < layers_.size(); ++li) {
     const int rows = this->rows(static_cast<int>(li));
@@ -140,14 +148,14 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
     real_.emplace_back(caps_[li], num_experts_, config_.policy, config_.decay_every);
-    side_.push_back(side_ledgers(side_lfu_));
+    side_.push_back(side_ledgers(static_cast<int>(li), side_lfu_));
     loading_.emplace_back(caps_[li], 0);
     mx::array table(checked_malloc(sizeof(int32_t) * num_experts_, L.path + " expert table"),
                     {num_experts_}, mx::int32);
     std::fill_n(table.data<int32_t>(), num_experts_, -1);
     tables_.push_back(std::move(table));
     complete_.push_back(0);
-    fill_tickets_.emplace_back(2 * static_cast<size_t>(config_.spec));
+    fill_tickets_.emplace_back(2 * static_cast<size_t>(specs_[li]));
   }
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
@@ -171,13 +179,14 @@ ExpertCache::~ExpertCache() {
 int ExpertCache::read_gen() const { return side_lfu_ ? 0 : static_cast<int>((forward_ + 1) % 2); }
 int ExpertCache::fill_gen() const { return side_lfu_ ? 0 : static_cast<int>(forward_ % 2); }
 
-std::vector<SideLedger> ExpertCache::side_ledgers(bool lfu) const {
+std::vector<SideLedger> ExpertCache::side_ledgers(int li, bool lfu) const {
   // Persistent LFU mode: one ledger over both banks' rows (2 x spec), so the rows the double
   // buffer needs hold predicted experts too. On the embedded model at 8 of 32 experts with
   // 8 side rows per bank this cut fills from 16.4 to 6.3 per decode token and misses from
   // 2.63 to 2.07 (2026-11-30). Row r of ledger g is pool row cap + g * spec + r either way.
-  if (lfu) return {SideLedger(2 * config_.spec, num_experts_)};
-  return {SideLedger(config_.spec, num_experts_), SideLedger(config_.spec, num_experts_)};
+  const int spec = specs_[li];
+  if (lfu) return {SideLedger(2 * spec, num_experts_)};
+  return {SideLedger(spec, num_experts_), SideLedger(spec, num_experts_)};
 }
 
 void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
@@ -337,7 +346,7 @@ void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
     side_lfu_ = pending_lfu_;
     for (size_t li = 0; li < side_.size(); ++li) {
       for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
-      side_[li] = side_ledgers(side_lfu_);
+      side_[li] = side_ledgers(static_cast<int>(li), side_lfu_);
     }
   }
 }
@@ -364,7 +373,7 @@ void ExpertCache::abandon_stuck_fills_locked() {
       auto& S = side_[li][g];
       for (int row = 0; row < S.spec(); ++row) {
         if (S.state(row) != RowState::kInFlight) continue;
-        const auto& t = fill_tickets_[li][static_cast<size_t>(g * config_.spec + row)];
+        const auto& t = fill_tickets_[li][static_cast<size_t>(g * specs_[li] + row)];
         int expect = kPending;
         if (!t || !t->state.compare_exchange_strong(expect, kAbandoned)) continue;
         S.abandon(S.expert_at(row), row);
@@ -442,7 +451,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   auto& S = side_[li][read_gen()];
   auto& st = stats_[li];
   const int cap = caps_[li];
-  const int side_base = cap + read_gen() * config_.spec;
+  const int side_base = cap + read_gen() * specs_[li];
   ++tick_;
 
   // Distinct experts of this call, in first-seen order, with their row (-1: miss).
@@ -478,7 +487,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     if (row_of[e] >= 0) continue;
     int r = S.in_flight(e);
     if (r < 0) continue;
-    const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * config_.spec + r)];
+    const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * specs_[li] + r)];
     if (!t || !t->reading) continue;
     auto settled = [&] { return S.in_flight(e) < 0; };
     if (config_.read_timeout_ms > 0) {
@@ -642,7 +651,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
     throw std::invalid_argument("load_scratch: " + std::to_string(experts.size()) +
                                 " experts for " + std::to_string(config_.scratch) +
                                 " scratch rows");
-  const int base = caps_[li] + 2 * config_.spec;
+  const int base = caps_[li] + 2 * specs_[li];
   std::vector<std::pair<int, int>> loads;
   std::vector<int> rows;
   for (size_t i = 0; i < experts.size(); ++i) {
@@ -705,7 +714,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     int expect = kPending;
     if (read && t->state.compare_exchange_strong(expect, kCopying)) {
       try {
-        copy_record(li, buf, caps_[li] + gen * config_.spec + row);
+        copy_record(li, buf, caps_[li] + gen * specs_[li] + row);
         landed = true;
       } catch (...) {
         t->state.store(kPending);  // settled Failed below, or Abandoned by a drain: released
@@ -737,7 +746,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
 
 void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
   check_layer(li, num_layers());
-  if (config_.spec == 0) return;
+  if (specs_[li] == 0) return;
   std::vector<std::pair<int, int>> todo;
   std::vector<std::shared_ptr<FillTicket>> tickets;
   int gen;
@@ -762,7 +771,7 @@ void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
     inflight_ += static_cast<int>(todo.size());
     for (auto [e, row] : todo) {
       auto t = std::make_shared<FillTicket>();
-      fill_tickets_[li][static_cast<size_t>(gen * config_.spec + row)] = t;
+      fill_tickets_[li][static_cast<size_t>(gen * specs_[li] + row)] = t;
       tickets.push_back(std::move(t));
     }
   }

@@ -1,7 +1,8 @@
 // ExpertCache: all expert-streaming state of one loaded store (no globals).
 //
 // Per MoE layer it owns the pool: one MLX array per segment key, shaped
-// (rows, *segment_shape) with rows = cap + 2 * spec + scratch:
+// (rows, *segment_shape) with rows = cap + 2 * spec + scratch, cap and spec the layer's own
+// (config.layer_caps, layer_specs: a layer no prefetch fills has spec 0, its rows real):
 //   [0, cap)                      real region (demand-loaded, LFU/LRU, pinning)
 //   [cap + g*spec, cap+(g+1)*spec) side region bank g (prefetch): the legacy double
 //                                  buffer fills one bank while it reads the other; the
@@ -59,7 +60,8 @@ struct LayerSpec {
 struct CacheConfig {
   int cap = 1;           // real-region slots per layer
   std::vector<int> layer_caps;  // per MoE layer, overriding cap when not empty
-  int spec = 0;          // side-region rows per generation
+  int spec = 0;          // side-region rows per bank
+  std::vector<int> layer_specs;  // per MoE layer, overriding spec when not empty
   int scratch = 1;       // over-capacity chunk rows
   Policy policy = Policy::kPredictive;
   int top_k = 0;          // experts per token: calls of at most top_k ids are one token (0: all)
@@ -97,8 +99,8 @@ struct LayerStats {
 struct LayerSnapshot {
   std::vector<int32_t> slot_expert;   // cap (-1 empty)
   std::vector<uint8_t> slot_state;    // cap: 0 empty, 1 resident, 2 pinned, 3 loading, 4 just loaded
-  std::vector<int32_t> side_expert;   // 2*spec (-1 free)
-  std::vector<uint8_t> side_state;    // 2*spec: 0 free, 1 in flight, 2 published
+  std::vector<int32_t> side_expert;   // 2*spec(li) (-1 free)
+  std::vector<uint8_t> side_state;    // 2*spec(li): 0 free, 1 in flight, 2 published
   std::vector<float> freq;            // num_experts: real-region LFU frequency
   LayerStats stats;
 };
@@ -117,7 +119,9 @@ class ExpertCache {
   bool io_uring() const { return ring_ != nullptr; }
   // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
   int cap(int li) const { return caps_.at(li); }
-  int rows(int li) const { return caps_.at(li) + 2 * config_.spec + config_.scratch; }
+  // Side-region rows per bank of MoE layer li (config.layer_specs, else config.spec).
+  int spec(int li) const { return specs_.at(li); }
+  int rows(int li) const { return caps_.at(li) + 2 * specs_.at(li) + config_.scratch; }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
   // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
   //   kPlanTable  the layer is complete (every expert has a real slot, which it keeps
@@ -214,8 +218,8 @@ class ExpertCache {
   void abandon_stuck_fills_locked();
   int read_gen() const;
   int fill_gen() const;
-  // The side-region ledgers of one MoE layer in the LFU (true) or legacy (false) mode.
-  std::vector<SideLedger> side_ledgers(bool lfu) const;
+  // The side-region ledgers of MoE layer li in the LFU (true) or legacy (false) mode.
+  std::vector<SideLedger> side_ledgers(int li, bool lfu) const;
   void copy_record(int li, const uint8_t* buf, int row);
   void copy_row(int li, int from, int to);
   // What demand_read adds to a layer's counters.
@@ -249,7 +253,8 @@ class ExpertCache {
   std::vector<LayerSpec> layers_;
   int num_experts_;
   CacheConfig config_;
-  std::vector<int> caps_;  // [li] real-region slots
+  std::vector<int> caps_;   // [li] real-region slots
+  std::vector<int> specs_;  // [li] side-region rows per bank
   std::vector<std::vector<mx::array>> pools_;
   std::vector<std::vector<uint8_t*>> pool_ptrs_;
   std::vector<std::unique_ptr<BlobFile>> files_;

@@ -33,10 +33,10 @@ class RowChecker:
     def assert_all_published(self):
         """Every mapped real slot and every published side row holds its expert.
         Returns how many rows were checked."""
-        cap = self.cache.expert_slots
         checked = 0
         for li in range(self.cache.num_layers):
             s = self.cache.snapshot(li)
+            cap = len(s["slot_expert"])  # this layer's real slots: its side rows follow
             for slot, e in enumerate(s["slot_expert"]):
                 if e >= 0:
                     self.assert_row(li, slot, int(e))
@@ -45,7 +45,7 @@ class RowChecker:
                 if state == ROW_PUBLISHED:
                     self.assert_row(li, cap + i, int(e))
                     checked += 1
-            assert len(s["side_expert"]) == 2 * self.cache.side_slots
+            assert len(s["side_expert"]) == 2 * self.cache.layer_side_slots[li]
         return checked
 
 

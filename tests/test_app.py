@@ -24,6 +24,7 @@ from app.conversation import ASSISTANT, USER, Conversation  # noqa: E402
 from app.main import has_display  # noqa: E402
 from app.main import main as app_main  # noqa: E402
 from app.monitor import (  # noqa: E402
+    ABSENT,
     EMPTY,
     IN_FLIGHT,
     JUST_LOADED,
@@ -52,8 +53,14 @@ SLOT_STATES = {
     C.SLOT_PINNED: PINNED,
     C.SLOT_LOADING: IN_FLIGHT,
     C.SLOT_JUST_LOADED: JUST_LOADED,
+    C.NO_ROW: ABSENT,
 }
-ROW_STATES = {C.ROW_FREE: EMPTY, C.ROW_IN_FLIGHT: IN_FLIGHT, C.ROW_PUBLISHED: SIDE_READY}
+ROW_STATES = {
+    C.ROW_FREE: EMPTY,
+    C.ROW_IN_FLIGHT: IN_FLIGHT,
+    C.ROW_PUBLISHED: SIDE_READY,
+    C.NO_ROW: ABSENT,
+}
 
 
 def cli_generate(prompt: str, max_tokens: int) -> dict:
@@ -214,7 +221,9 @@ def test_heatmap_is_the_engine_snapshot(window, qtbot, monkeypatch):
     assert len(drawn) > 2
     n_layers = len(window.info.layers)
     for snap, states, heat in drawn:
-        assert states.shape == (n_layers, 8 + 2 * 4)
+        # MoE layer 0 is no prefetch target: it holds its 2 x 4 side rows as real slots
+        assert states.shape == (n_layers, 16 + 2 * 4)
+        assert (states[0, 16:] == ABSENT).all() and (states[1:, 8:16] == ABSENT).all()
         np.testing.assert_array_equal(states, expected_states(snap))
         np.testing.assert_array_equal(heat, np.log10(1 + snap.freq).astype(np.float32))
     assert any((s == SIDE_READY).any() for _, s, _ in drawn), "prefetch never published"
@@ -279,7 +288,10 @@ def test_rebuild_waits_for_the_reply_and_errors_keep_the_conversation(window, qt
         window.tokenShown.disconnect(rebuild_then_stop)
         assert reply.stopped and 2 <= len(reply.tokens) < 200
     assert loaded.args[0].config.expert_slots == 12
-    assert window.engine.snapshot().slot_expert.shape[1] == 12
+    # 12 real slots per layer, and layer 0 (no prefetch target) its 2 x 4 side rows too
+    assert window.engine.snapshot().slot_expert.shape[1] == 12 + 2 * 4
+    assert window.info.slots == [12] * len(window.info.layers)
+    assert window.info.pool_slots == [12 + 2 * 4] + [12] * (len(window.info.layers) - 1)
     turns = [(USER, PROMPT), (ASSISTANT, reply.text)]
     assert window.conversation.turns == turns
 
@@ -422,16 +434,20 @@ def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot
     # bytes in decimal units, as the CLI and the plot's "MB read /s": 8 layers' pools of
     # 18 or 19 rows of 61.4 kB records
     assert info.pool_bytes == 8_908_800
-    assert w.controls.model_label.text().endswith("12–13 slots + 2 × 1 side rows · pool 8.9 MB")
+    assert w.controls.model_label.text().endswith(
+        "12–13 slots + 2 × 1 side rows (MoE layer 0 holds its side rows as slots) · pool 8.9 MB"
+    )
     assert w.statusBar().currentMessage() == f"Loaded {info.name}: {info.note}."
     assert w.controls.expert_memory.text() == "auto"
     assert sorted(set(info.slots)) == [12, 13]
+    assert info.pool_slots == [info.slots[0] + 2, *info.slots[1:]]  # layer 0: no prefetch target
     reply = chat_turn(qtbot, w, PROMPT, 8)
     assert reply is not None and reply.cache["misses"] > 0
     w.poll()  # idle: the engine's state holds still
     states = w.inspector.occupancy.image.image
     np.testing.assert_array_equal(states, expected_states(w.engine.snapshot()))
-    assert states.shape == (len(info.layers), 13 + 2) and (states[:, :12] == RESIDENT).all()
+    assert states.shape == (len(info.layers), max(info.pool_slots) + 2)
+    assert (states[:, :12] == RESIDENT).all()
 
     from app.worker import Worker
 
@@ -498,7 +514,8 @@ def test_side_rows_turn_prefetch_on_and_off_at_the_rebuild(qtbot):
     def info(**config):
         return ModelInfo(
             name="m", path="m", store_path="s", layers=[1, 2, 3, 4], num_experts=32,
-            top_k=4, config=StreamConfig(**config), slots=[8] * 4, chat_template=False,
+            top_k=4, config=StreamConfig(**config), slots=[8] * 4, pool_slots=[8] * 4,
+            chat_template=False,
             pool_bytes=0, budget=None, load_seconds=0.0, context=None,
         )  # fmt: skip
 

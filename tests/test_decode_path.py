@@ -76,6 +76,24 @@ def test_a_layer_with_a_slot_for_every_expert_is_filled_at_load(model_dir):
     assert t["loads"] == t["bytes_read"] == 0
 
 
+def test_the_first_layer_takes_its_side_rows_as_slots_and_can_become_complete(
+    model_dir, resident
+):
+    """Layer 0 is no prefetch target: with 2 x 1 side rows added to its 6 real slots it
+    holds all 8 experts, is read at load and decodes from the table, while the layers
+    prefetch predicts for keep 6 slots and stream; the logits stay the resident ones."""
+    config = StreamConfig(expert_slots=NUM_EXPERTS - 2, side_slots=1, prefetch=True)
+    sm = load(model_dir, config)
+    layers = sm.cache.num_layers
+    assert sm.cache.layer_slots == [NUM_EXPERTS] + [NUM_EXPERTS - 2] * (layers - 1)
+    assert sm.cache.layer_side_slots == [0] + [1] * (layers - 1)
+    assert sm.snapshot().totals()["loads"] == NUM_EXPERTS  # layer 0, at load
+    assert_same(greedy_logits(sm.model), resident)
+    per_layer = sm.snapshot().stats
+    assert per_layer["misses"][0] == 0 and per_layer["misses"][1:].sum() > 0
+    assert sm.cache.is_complete(0) and not any(map(sm.cache.is_complete, range(1, layers)))
+
+
 def test_records_reach_the_pools_by_host_copy_without_a_gpu(model_dir):
     """Without MLX CUDA in the process the pools are host memory: plain memcpy, and
     each filled slot holds its expert's record byte for byte."""

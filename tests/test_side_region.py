@@ -7,8 +7,18 @@ import time
 
 import numpy as np
 
-from engine.cache import ROW_FREE, ROW_IN_FLIGHT, ROW_PUBLISHED, open_cache
+from engine.cache import (
+    NO_ROW,
+    ROW_FREE,
+    ROW_IN_FLIGHT,
+    ROW_PUBLISHED,
+    open_cache,
+    planned_pool_bytes,
+    pool_bytes,
+    snapshot,
+)
 from engine.config import StreamConfig
+from engine.predictor import prefetch_targets
 
 
 def ids(*experts):
@@ -217,3 +227,41 @@ def test_lfu_keeps_both_banks_rows_and_the_double_buffer_fills_one_bank(qwen_sto
     cache.prefetch(0, ids(6, 7, 3, 4))
     assert side(cache) == ({e: ROW_PUBLISHED for e in (3, 4, 6, 7)}, 0)
     assert cache.check() == ""
+
+
+def test_layers_no_layer_prefetches_for_hold_their_side_rows_as_slots(qwen_store):
+    """The first MoE layer, and one whose router is not found, are no prefetch target:
+    their 2 x side_slots rows are real slots instead, in the same memory."""
+    m = qwen_store.manifest
+    n, scratch = len(m.layers), m.top_k
+    config = StreamConfig(expert_slots=2, side_slots=1, prefetch=True)
+    targets = prefetch_targets([True, True, False] + [True] * (n - 3))
+    assert targets == [False, True, False] + [True] * (n - 3)
+    cache = open_cache(qwen_store, config, targets=targets)
+    assert cache.layer_slots == [4, 2, 4] + [2] * (n - 3)
+    assert cache.layer_side_slots == [0, 1, 0] + [1] * (n - 3)
+    assert [cache.rows(li) for li in range(n)] == [4 + scratch] * n
+    uniform = open_cache(qwen_store, config)  # every layer a target: the old layout
+    assert uniform.layer_slots == [2] * n and uniform.layer_side_slots == [1] * n
+    assert pool_bytes(cache) == pool_bytes(uniform)
+    assert planned_pool_bytes(qwen_store, config, targets=targets) == planned_pool_bytes(
+        qwen_store, config
+    )
+
+    # A layer without side rows prefetches nothing, and its snapshot pads them as NO_ROW.
+    cache.prefetch(0, ids(5, 6))
+    s = snapshot(cache)
+    assert s.stats["prefetch_issued"][0] == 0 and cache.inflight == 0
+    assert (s.side_state[0] == NO_ROW).all() and (s.side_expert[0] == -1).all()
+    assert (s.side_state[1] == ROW_FREE).all()
+    assert (s.slot_state[1:2, 2:] == NO_ROW).all() and (s.slot_state[0] != NO_ROW).all()
+    # Layer 0 caches four experts with no eviction: the rows it took are real slots.
+    assert sorted(acquire(cache, 0, 0, 1, 2, 3)) == [0, 1, 2, 3]
+    assert acquire(cache, 0, 0, 1, 2, 3) == acquire(cache, 0, 0, 1, 2, 3)
+    assert cache.snapshot(0)["stats"]["evictions"] == 0 and cache.check() == ""
+
+    # Never more real slots than experts: the rows beyond are not allocated.
+    near_all = StreamConfig(expert_slots=m.num_experts - 1, side_slots=2, prefetch=True)
+    capped = open_cache(qwen_store, near_all, targets=targets)
+    assert capped.layer_slots[0] == m.num_experts and capped.rows(0) == m.num_experts + scratch
+    assert capped.rows(1) == m.num_experts - 1 + 2 * 2 + scratch
