@@ -93,7 +93,7 @@ class ExpertCache:
     snapshot, check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -122,9 +122,11 @@ class ExpertCache:
                 expert_slots for every layer), each in [1, num_experts].
             layer_side_slots: side-region rows per bank of each MoE layer, overriding side_slots
                 (empty: side_slots for every layer), each >= 0.
-            io_uring: demand reads through io_uring on the calling thread, threads + 1 in
+            io_uring: demand reads through io_uring on the calling thread, io_uring_depth in
                 flight, where the kernel has it (see the io_uring property); else on the reader
                 threads. Prefetch fills always use the reader threads.
+            io_uring_depth: demand reads in flight through io_uring, one read buffer (a
+                record's stride) each, in [0, 4096] (0: threads + 1).
 
         Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 

@@ -21,6 +21,7 @@ from engine.config import (
     ConfigError,
     StreamConfig,
     default_reader_threads,
+    io_uring_depth,
 )
 from engine.flags import flag_names
 from engine.memory import available_bytes, human_bytes
@@ -223,7 +224,7 @@ def planned_pool_bytes(
     layers `specs` of `store` (default: all) under `config`: every layer's pool of its
     real slots + 2 x its side rows (`layer_rows`, `targets` as there) + scratch_slots
     records, plus one read buffer (a record's stride) per reader thread, and with
-    `io_uring` one per demand read in flight (reader threads + 1; at least 2 MiB
+    `io_uring` one per demand read in flight (`io_uring_depth`; at least 2 MiB
     together)."""
     m = store.manifest
     specs = m.layers if specs is None else specs
@@ -235,7 +236,8 @@ def planned_pool_bytes(
     )
     largest = max((s.stride for s in specs), default=0)
     threads = reader_threads(store, config)
-    ring = max((threads + 1) * largest, 2 << 20) if config.io_uring and specs else 0
+    depth = io_uring_depth(threads, m.top_k, largest)
+    ring = max(depth * largest, 2 << 20) if config.io_uring and specs else 0
     return total + threads * largest + ring, max(rows, default=0)
 
 
@@ -338,6 +340,9 @@ def open_cache(
             layer_slots=slots,
             layer_side_slots=side,
             io_uring=config.io_uring,
+            io_uring_depth=io_uring_depth(
+                reader_threads(store, config), m.top_k, max((s.stride for s in specs), default=0)
+            ),
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
         raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None

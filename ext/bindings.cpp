@@ -141,9 +141,11 @@ Args:
         expert_slots for every layer), each in [1, num_experts].
     layer_side_slots: side-region rows per bank of each MoE layer, overriding side_slots
         (empty: side_slots for every layer), each >= 0.
-    io_uring: demand reads through io_uring on the calling thread, threads + 1 in
+    io_uring: demand reads through io_uring on the calling thread, io_uring_depth in
         flight, where the kernel has it (see the io_uring property); else on the reader
         threads. Prefetch fills always use the reader threads.
+    io_uring_depth: demand reads in flight through io_uring, one read buffer (a
+        record's stride) each, in [0, 4096] (0: threads + 1).
 
 Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -494,7 +496,7 @@ NB_MODULE(_ext, m) {
              const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
              bool uncached, int threads, double read_timeout, int top_k,
              const std::vector<int>& layer_slots, const std::vector<int>& layer_side_slots,
-             bool io_uring) {
+             bool io_uring, int io_uring_depth) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             es::CacheConfig c;
@@ -513,6 +515,10 @@ NB_MODULE(_ext, m) {
             c.uncached = uncached;
             c.threads = threads;
             c.io_uring = io_uring;
+            if (io_uring_depth < 0 || io_uring_depth > 4096)
+              throw std::invalid_argument("io_uring_depth must be in [0, 4096], got " +
+                                          std::to_string(io_uring_depth));
+            c.io_uring_depth = io_uring_depth;
             if (!(read_timeout >= 0 && read_timeout <= 86400))
               throw std::invalid_argument("read_timeout must be in [0, 86400] seconds, got " +
                                           std::to_string(read_timeout));
@@ -524,7 +530,8 @@ NB_MODULE(_ext, m) {
           "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
           "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
           "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
-          "layer_side_slots"_a = std::vector<int>{}, "io_uring"_a = true, doc::kInit)
+          "layer_side_slots"_a = std::vector<int>{}, "io_uring"_a = true,
+          "io_uring_depth"_a = 0, doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },

@@ -165,9 +165,10 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
   if (config_.io_uring && !layers_.empty()) {
     int64_t stride = 0;
     for (const auto& L : layers_) stride = std::max(stride, L.stride);
-    // As many demand reads in flight as the reader pool gives them (threads + 1 lanes).
-    ring_ = RingReader::create(static_cast<unsigned>(std::max(config_.threads, 1) + 1),
-                               static_cast<size_t>(stride), &writer_);
+    const int depth = config_.io_uring_depth > 0 ? config_.io_uring_depth
+                                                 : std::max(config_.threads, 1) + 1;
+    ring_ = RingReader::create(static_cast<unsigned>(depth), static_cast<size_t>(stride),
+                               &writer_);
   }
 }
 

@@ -72,10 +72,11 @@ struct CacheConfig {
   bool uncached = true;   // O_DIRECT / F_NOCACHE
   int threads = 2;        // reader pool
   int read_timeout_ms = 30000;  // longest wait without a read finishing (0: no limit)
-  // Demand reads through io_uring on the calling thread (ext/ring_reader.h), threads + 1
-  // in flight, where the kernel has it; else (and when the ring is busy with another
-  // thread's call) on the reader pool. Prefetch fills always use the reader pool.
+  // Demand reads through io_uring on the calling thread (ext/ring_reader.h), io_uring_depth
+  // in flight (0: threads + 1), where the kernel has it; else (and when the ring is busy
+  // with another thread's call) on the reader pool. Prefetch fills always use the pool.
   bool io_uring = true;
+  int io_uring_depth = 0;
 };
 
 // Counters of one layer. Lookups count distinct experts per acquire call.

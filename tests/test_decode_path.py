@@ -76,9 +76,7 @@ def test_a_layer_with_a_slot_for_every_expert_is_filled_at_load(model_dir):
     assert t["loads"] == t["bytes_read"] == 0
 
 
-def test_the_first_layer_takes_its_side_rows_as_slots_and_can_become_complete(
-    model_dir, resident
-):
+def test_the_first_layer_takes_its_side_rows_as_slots_and_can_become_complete(model_dir, resident):
     """Layer 0 is no prefetch target: with 2 x 1 side rows added to its 6 real slots it
     holds all 8 experts, is read at load and decodes from the table, while the layers
     prefetch predicts for keep 6 slots and stream; the logits stay the resident ones."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.cache import ChecksumError, ExpertReadError, ExpertReadTimeout, open_cache, snapshot
-from engine.config import StreamConfig
+from engine.config import StreamConfig, io_uring_depth
 
 from rowcheck import RowChecker
 
@@ -105,6 +105,27 @@ def test_ring_delay_shorter_than_the_timeout_is_only_slow(qwen_store):
     for e, r in zip([5, 6], rows.reshape(-1).tolist(), strict=True):
         checker.assert_row(1, r, e)
     assert totals(cache)["io_uring_reads"] == 2
+
+
+def test_a_calls_misses_are_in_flight_together_whatever_the_reader_threads(qwen_store):
+    """One reader thread once gave the ring threads + 1 = 2 reads in flight: eight misses
+    then took four round trips. The ring now holds io_uring_depth = 8 of these small
+    records, so eight reads delayed 300 ms each land in about one delay."""
+    small, huge = 61_440, 40 << 20
+    assert io_uring_depth(1, 2, small) == 8 and io_uring_depth(8, 2, small) == 9
+    assert io_uring_depth(1, 16, small) == 16
+    assert io_uring_depth(3, 8, huge) == 4  # 8 buffers of 40 MiB: threads + 1 only
+    assert io_uring_depth(1, 8, 16 << 20) == 4  # up to 64 MiB of buffers
+    cache = ring_cache(qwen_store, expert_slots=NUM_EXPERTS, reader_threads=1)
+    cache.inject_fault(0, "delay", count=NUM_EXPERTS, delay_ms=300)
+    t0 = time.monotonic()
+    rows, missing = cache.acquire(0, np.arange(NUM_EXPERTS, dtype=np.int32).reshape(-1, 1))
+    elapsed = time.monotonic() - t0
+    assert missing == [] and totals(cache)["io_uring_reads"] == NUM_EXPERTS
+    assert 0.29 <= elapsed < 0.9, elapsed  # four batches of two: at least 1.2 s
+    checker = RowChecker(qwen_store, cache)
+    for e, r in enumerate(rows.reshape(-1).tolist()):
+        checker.assert_row(0, r, e)
 
 
 @pytest.mark.parametrize(
