@@ -538,32 +538,19 @@ NB_MODULE(_ext, m) {
                    doc::kNumExperts)
       .def("rows", [](const Cache& c, int li) { return c.impl->rows(li); }, "layer"_a,
            doc::kRows)
-      .def_prop_ro(
-          "layer_slots",
-          [](const Cache& c) {
-            std::vector<int> v;
-            for (int li = 0; li < c.impl->num_layers(); ++li) v.push_back(c.impl->cap(li));
-            return v;
-          },
-          doc::kLayerSlots)
+      .def_prop_ro("layer_slots", [](const Cache& c) { return c.impl->caps(); },
+                   doc::kLayerSlots)
       .def_prop_ro(
           "expert_slots",
           [](const Cache& c) {
-            int m = 0;
-            for (int li = 0; li < c.impl->num_layers(); ++li) m = std::max(m, c.impl->cap(li));
-            return m;
+            const auto& caps = c.impl->caps();
+            return caps.empty() ? 0 : *std::max_element(caps.begin(), caps.end());
           },
           doc::kExpertSlots)
       .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
                    doc::kSideSlots)
-      .def_prop_ro(
-          "layer_side_slots",
-          [](const Cache& c) {
-            std::vector<int> v;
-            for (int li = 0; li < c.impl->num_layers(); ++li) v.push_back(c.impl->spec(li));
-            return v;
-          },
-          doc::kLayerSideSlots)
+      .def_prop_ro("layer_side_slots", [](const Cache& c) { return c.impl->specs(); },
+                   doc::kLayerSideSlots)
       .def_prop_ro("io_uring", [](const Cache& c) { return c.impl->io_uring(); }, doc::kIoUring)
       .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
                    doc::kScratchSlots)

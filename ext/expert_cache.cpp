@@ -77,6 +77,16 @@ struct DemandBatch {
   size_t settled = 0;  // reads Done, Failed or Abandoned
 };
 
+// `given` (one value per MoE layer), or `uniform` for each of `layers` when it is empty.
+std::vector<int> per_layer(const std::vector<int>& given, int uniform, size_t layers,
+                           const std::string& what) {
+  if (given.empty()) return std::vector<int>(layers, uniform);
+  if (given.size() != layers)
+    throw std::invalid_argument(what + " per layer: " + std::to_string(given.size()) +
+                                " values for " + std::to_string(layers) + " MoE layers");
+  return given;
+}
+
 }  // namespace
 
 // A prefetch fill's state: Pending -> Copying by its reader (compare-exchange, so the copy
@@ -96,22 +106,12 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       side_lfu_(config.side_lfu),
       sync_(config.sync) {
   if (num_experts_ < 1) throw std::invalid_argument("num_experts must be >= 1");
-  if (!config_.layer_caps.empty() && config_.layer_caps.size() != layers_.size())
-    throw std::invalid_argument("expert slots per layer: " +
-                                std::to_string(config_.layer_caps.size()) + " values for " +
-                                std::to_string(layers_.size()) + " MoE layers");
-  caps_ = config_.layer_caps.empty() ? std::vector<int>(layers_.size(), config_.cap)
-                                     : config_.layer_caps;
+  caps_ = per_layer(config_.layer_caps, config_.cap, layers_.size(), "expert slots");
   for (int c : caps_)
     if (c < 1 || c > num_experts_)
       throw std::invalid_argument("expert slots (cap) must be in [1, " +
                                   std::to_string(num_experts_) + "], got " + std::to_string(c));
-  if (!config_.layer_specs.empty() && config_.layer_specs.size() != layers_.size())
-    throw std::invalid_argument("side rows per layer: " +
-                                std::to_string(config_.layer_specs.size()) + " values for " +
-                                std::to_string(layers_.size()) + " MoE layers");
-  specs_ = config_.layer_specs.empty() ? std::vector<int>(layers_.size(), config_.spec)
-                                       : config_.layer_specs;
+  specs_ = per_layer(config_.layer_specs, config_.spec, layers_.size(), "side rows");
   for (int sp : specs_)
     if (sp < 0) throw std::invalid_argument("side rows (spec) must be >= 0, got " +
                                             std::to_string(sp));

@@ -120,8 +120,10 @@ class ExpertCache {
   bool io_uring() const { return ring_ != nullptr; }
   // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
   int cap(int li) const { return caps_.at(li); }
+  const std::vector<int>& caps() const { return caps_; }
   // Side-region rows per bank of MoE layer li (config.layer_specs, else config.spec).
   int spec(int li) const { return specs_.at(li); }
+  const std::vector<int>& specs() const { return specs_; }
   int rows(int li) const { return caps_.at(li) + 2 * specs_.at(li) + config_.scratch; }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
   // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
