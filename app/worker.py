@@ -73,7 +73,7 @@ class ModelInfo:
     num_experts: int
     top_k: int
     config: object
-    slots: list[int]  # real-region slots per MoE layer the config gives (engine.cache.real_slots)
+    slots: list[int]  # real-region slots per MoE layer the config gives (StreamedModel.real_slots)
     # The pool's real slots per MoE layer (the cache's layer_slots): `slots`, plus their
     # 2 x side rows in the layers no layer prefetches for (engine.cache.layer_rows).
     pool_slots: list[int]
@@ -218,7 +218,7 @@ class Worker(QObject):
         t0 = time.monotonic()
         try:
             from engine.advisor import Budget
-            from engine.cache import PoolMemoryError, pool_bytes, real_slots
+            from engine.cache import PoolMemoryError, pool_bytes
             from engine.config import ConfigError, StreamConfig
             from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
@@ -246,7 +246,7 @@ class Worker(QObject):
                 f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
             )
             return
-        slots = real_slots(store, config)
+        slots = list(sm.real_slots)
         old = self._sm
         with self._lock:
             self._sm = sm

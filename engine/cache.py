@@ -189,10 +189,12 @@ def layer_rows(
     config: StreamConfig,
     specs: Sequence[LayerSpec] | None = None,
     targets: Sequence[bool] | None = None,
+    real: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(real slots, side rows per bank) of each of the MoE layers `specs` of `store`
-    (default: all) under `config`: `real_slots`, and side_slots for each prefetch target
-    (`targets[i]`, from `engine.predictor.prefetch_targets`; default: every layer).
+    (default: all) under `config`: `real` (default: `real_slots`), and side_slots for
+    each prefetch target (`targets[i]`, from `engine.predictor.prefetch_targets`;
+    default: every layer).
 
     A layer that no layer prefetches for (the first, or one without a router) holds its
     2 x side_slots rows as real slots instead, up to every expert: no more memory, and
@@ -207,11 +209,11 @@ def layer_rows(
     m = store.manifest
     specs = m.layers if specs is None else specs
     side = [config.side_slots if targets is None or t else 0 for t in targets or specs]
-    real = [
-        min(n + 2 * (config.side_slots - s), m.num_experts)
-        for n, s in zip(real_slots(store, config, specs), side, strict=True)
+    real = real_slots(store, config, specs) if real is None else real
+    held = [
+        min(n + 2 * (config.side_slots - s), m.num_experts) for n, s in zip(real, side, strict=True)
     ]
-    return real, side
+    return held, side
 
 
 def planned_pool_bytes(
@@ -280,10 +282,13 @@ def open_cache(
     config: StreamConfig,
     specs: Sequence[LayerSpec] | None = None,
     targets: Sequence[bool] | None = None,
+    real: Sequence[int] | None = None,
 ) -> _ext.ExpertCache:
     """Allocates the pools of the MoE layers `specs` of `store` (default: all; a pipeline
     stage passes its own) and opens their blob files. The cache's layer i is specs[i];
-    `targets[i]`: whether layer i is a prefetch target (default: every layer).
+    `targets[i]`: whether layer i is a prefetch target (default: every layer); `real`:
+    the real slots the config gives each (default: `real_slots`; a caller that keeps
+    them passes its own, as expert_memory "auto" reads the memory available each time).
 
     Pool rows per layer: its real slots + 2 * its side rows (`layer_rows`: expert_slots
     or by expert_memory, side_slots where prefetch fills them) + scratch_slots, each one
@@ -298,7 +303,7 @@ def open_cache(
     """
     m = store.manifest
     specs = m.layers if specs is None else specs
-    slots, side = layer_rows(store, config, specs, targets)
+    slots, side = layer_rows(store, config, specs, targets, real)
     check_pool_fits(store, config, available_bytes(), specs)
     layers = [
         {

@@ -459,10 +459,9 @@ def _advise(args) -> int:
 def _record_for_advice(args, config):
     """Generates from --prompt-file with the cache flags, recording the routing; returns
     the trace, the measured figures (the hit rate over the reply and over its decode),
-    the store and the real slots per MoE layer its config gives (`real_slots`: without
-    the side rows a layer no layer prefetches for holds as slots)."""
+    the store and the real slots per MoE layer its config gives (`StreamedModel.real_slots`:
+    without the side rows a layer no layer prefetches for holds as slots)."""
     from engine.advisor import Measured
-    from engine.cache import real_slots
     from engine.generate import cache_delta, generate, prompt_tokens
     from engine.trace import record
 
@@ -496,7 +495,7 @@ def _record_for_advice(args, config):
             decode_tokens=len(result.tokens),
             decode_hit_rate=decode["hit_rate"],
         )
-    return trace, measured, sm.store, real_slots(sm.store, sm.config)
+    return trace, measured, sm.store, sm.real_slots
 
 
 def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:

@@ -109,6 +109,10 @@ class StreamedModel:
         cache: the native `engine._ext.ExpertCache` (see `engine.cache`), of the stage's
             MoE layers in a pipeline.
         predictor: the prefetch `Predictor`.
+        real_slots: real slots per MoE layer of `cache` as `config` gives them
+            (`engine.cache.real_slots`, expert_memory "auto" as it was at load): the
+            cache's layer_slots without the side rows a layer no layer prefetches for
+            holds as slots (`engine.cache.layer_rows`).
         stage: this process's pipeline stage (engine.pipeline), or None when it runs
             every layer.
     """
@@ -119,6 +123,7 @@ class StreamedModel:
     config: StreamConfig
     cache: cache_mod.ExpertCache
     predictor: Predictor
+    real_slots: list[int]
     stage: Stage | None = None
 
     @property
@@ -408,7 +413,8 @@ def load(
     _check_backend(store)
     routers = [router_logits(model, e) for e in experts]
     targets = prefetch_targets([r is not None for r in routers])
-    cache = cache_mod.open_cache(store, config, specs, targets)
+    real = cache_mod.real_slots(store, config, specs)  # "auto" read once, kept
+    cache = cache_mod.open_cache(store, config, specs, targets, real)
     predictor = Predictor(cache, routers, config)
     for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
         replace(model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math))
@@ -430,7 +436,7 @@ def load(
 
     tokenizer = load_store_tokenizer(store)
     cache_mod.fill_whole_layers(cache)  # the last step: every check above is cheaper
-    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, stage)
+    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, real, stage)
     remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
         n = store.manifest.num_experts

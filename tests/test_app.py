@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 from PySide6.QtCore import QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
+from app.controls import summary  # noqa: E402
 from app.conversation import ASSISTANT, USER, Conversation  # noqa: E402
 from app.main import has_display  # noqa: E402
 from app.main import main as app_main  # noqa: E402
@@ -459,6 +460,39 @@ def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot
     assert failed[0].endswith(
         "of memory is available: lower expert slots, or use expert memory auto (or lower side rows)"
     ), failed[0]
+
+
+def test_expert_memory_auto_shows_the_slots_the_pool_was_sized_with(qtbot, monkeypatch):
+    """ "auto" is half the memory available when the pools are sized; the pools and
+    weights then take some of it. The slots the window and the advisor show are the ones
+    the cache was built with, not auto evaluated again after the load (which gave fewer
+    slots, and told that every layer held its side rows as slots)."""
+    from app.worker import Worker
+    from engine import cache, memory
+
+    available = [12_000_000]
+    monkeypatch.setattr(memory, "available_bytes", lambda: available[0])
+    monkeypatch.setattr(cache, "available_bytes", lambda: available[0])
+    opened = cache.open_cache
+
+    def open_and_take_memory(*args, **kwargs):
+        c = opened(*args, **kwargs)
+        available[0] = 9_000_000  # what the load left
+        return c
+
+    monkeypatch.setattr(cache, "open_cache", open_and_take_memory)
+    worker = Worker(threading.Event(), threading.Event())
+    loaded = []
+    worker.loaded.connect(loaded.append)
+    worker.load(MODEL, {"side_slots": 1, "reader_threads": 2, "io_uring": False})
+    info = loaded[0]
+    assert info.config.expert_memory == "auto"
+    assert sorted(set(info.slots)) == [12, 13]  # 6 MB of 61.4 kB records, 8 layers
+    assert info.pool_slots == [info.slots[0] + 2, *info.slots[1:]]  # layer 0: no target
+    assert "(MoE layer 0 holds its side rows as slots)" in summary(info)
+    assert info.budget.slots_per_layer == max(info.slots)
+    assert info.budget.pool_bytes == info.pool_bytes
+    worker.unload()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="display check is Linux's")
