@@ -247,6 +247,7 @@ class Worker(QObject):
             )
             return
         slots = list(sm.real_slots)
+        targets = [s > 0 for s in sm.cache.layer_side_slots]  # the layers prefetch fills
         old = self._sm
         with self._lock:
             self._sm = sm
@@ -266,7 +267,7 @@ class Worker(QObject):
                 slots=slots,
                 pool_slots=list(sm.cache.layer_slots),
                 pool_bytes=pool_bytes(sm.cache),
-                budget=Budget.of(m, config, slots),
+                budget=Budget.of(m, config, slots, targets),
                 load_seconds=time.monotonic() - t0,
                 context=store.config.get("max_position_embeddings"),
                 note=note,

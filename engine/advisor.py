@@ -43,16 +43,23 @@ class Budget:
     record_bytes: int
 
     @classmethod
-    def of(cls, manifest, config, layer_slots: list[int] | None = None) -> "Budget":
+    def of(cls, manifest, config, layer_slots: list[int] | None = None, targets=None) -> "Budget":
         """The budget of a store's `manifest` (engine.store.Manifest) under StreamConfig
-        `config`; `layer_slots`: the cache's real slots per layer where they differ
-        (expert_memory), the largest standing for slots_per_layer."""
-        uniform = config.expert_slots or manifest.num_experts
-        slots = layer_slots or [uniform] * len(manifest.layers)
-        extra = 2 * config.side_slots + (config.scratch_slots or manifest.top_k)
+        `config`; `layer_slots`: the real slots per layer the config gives where they
+        differ (expert_memory), the largest standing for slots_per_layer; `targets`:
+        whether each layer is a prefetch target (default: every router found), the
+        others holding their side rows as slots (`engine.cache.held_rows`)."""
+        from engine.cache import held_rows
+        from engine.predictor import prefetch_targets
+
+        n = len(manifest.layers)
+        slots = layer_slots or [config.expert_slots or manifest.num_experts] * n
+        targets = prefetch_targets([True] * n) if targets is None else targets
+        held, side = held_rows(slots, config.side_slots, manifest.num_experts, targets)
+        scratch = config.scratch_slots or manifest.top_k
         records = [spec.record_bytes for spec in manifest.layers]
         row = sum(records)  # a pool row holds one record per layer
-        pool = sum((n + extra) * r for n, r in zip(slots, records, strict=True))
+        pool = sum((h + 2 * s + scratch) * r for h, s, r in zip(held, side, records, strict=True))
         return cls(max(slots), pool, row, round(row / len(records)))
 
     def bytes_at(self, slots: int) -> int:

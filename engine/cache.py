@@ -194,7 +194,24 @@ def layer_rows(
     """(real slots, side rows per bank) of each of the MoE layers `specs` of `store`
     (default: all) under `config`: `real` (default: `real_slots`), and side_slots for
     each prefetch target (`targets[i]`, from `engine.predictor.prefetch_targets`;
-    default: every layer).
+    default: every layer); `held_rows` says how.
+
+    Raises:
+        ConfigError: as `real_slots`.
+    """
+    real = real_slots(store, config, specs) if real is None else real
+    return held_rows(real, config.side_slots, store.manifest.num_experts, targets)
+
+
+def held_rows(
+    real: Sequence[int],
+    side_slots: int,
+    num_experts: int,
+    targets: Sequence[bool] | None = None,
+) -> tuple[list[int], list[int]]:
+    """(real slots, side rows per bank) the cache gives MoE layers of `real[i]` real
+    slots under `side_slots`: side_slots rows per bank for each prefetch target
+    (`targets[i]`; default: every layer).
 
     A layer that no layer prefetches for (the first, or one without a router) holds its
     2 x side_slots rows as real slots instead, up to every expert: no more memory, and
@@ -202,17 +219,9 @@ def layer_rows(
     with 8 side rows per bank and LFU prefetch, layer 0 then holds 24 real slots: misses
     fell from 2.66 to 1.20 per decode token and decode from 0.806x to 0.883x of resident
     (this 2-core CPU, 10 alternated rounds, 2026-11-30).
-
-    Raises:
-        ConfigError: as `real_slots`.
     """
-    m = store.manifest
-    specs = m.layers if specs is None else specs
-    side = [config.side_slots if targets is None or t else 0 for t in targets or specs]
-    real = real_slots(store, config, specs) if real is None else real
-    held = [
-        min(n + 2 * (config.side_slots - s), m.num_experts) for n, s in zip(real, side, strict=True)
-    ]
+    side = [side_slots if targets is None or t else 0 for t in targets or real]
+    held = [min(n + 2 * (side_slots - s), num_experts) for n, s in zip(real, side, strict=True)]
     return held, side
 
 
@@ -221,18 +230,19 @@ def planned_pool_bytes(
     config: StreamConfig,
     specs: Sequence[LayerSpec] | None = None,
     targets: Sequence[bool] | None = None,
+    real: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """(bytes, rows of the largest layer) the native cache will allocate for the MoE
     layers `specs` of `store` (default: all) under `config`: every layer's pool of its
-    real slots + 2 x its side rows (`layer_rows`, `targets` as there) + scratch_slots
-    records, plus one read buffer (a record's stride) per reader thread, and with
-    `io_uring` one per demand read in flight (`io_uring_depth`; at least 2 MiB
+    real slots + 2 x its side rows (`layer_rows`, `targets` and `real` as there) +
+    scratch_slots records, plus one read buffer (a record's stride) per reader thread,
+    and with `io_uring` one per demand read in flight (`io_uring_depth`; at least 2 MiB
     together)."""
     m = store.manifest
     specs = m.layers if specs is None else specs
     scratch = config.scratch_slots or m.top_k
-    real, side = layer_rows(store, config, specs, targets)
-    rows = [n + 2 * s + scratch for n, s in zip(real, side, strict=True)]
+    held, side = layer_rows(store, config, specs, targets, real)
+    rows = [n + 2 * s + scratch for n, s in zip(held, side, strict=True)]
     total = sum(
         n * spec.record_bytes + 4 * m.num_experts for n, spec in zip(rows, specs, strict=True)
     )
@@ -248,11 +258,14 @@ def check_pool_fits(
     config: StreamConfig,
     available: int | None,
     specs: Sequence[LayerSpec] | None = None,
+    targets: Sequence[bool] | None = None,
+    real: Sequence[int] | None = None,
 ) -> None:
     """Refuses pools that, with the dense weights the load holds beside them, exceed
     `available` bytes (None: unknown, nothing refused), for the MoE layers `specs` of
-    `store` (default: all), each a prefetch target (no fewer bytes than any other
-    targets give, `layer_rows`). The dense weights are `manifest.dense_bytes`; a pipeline
+    `store` (default: all) sized as `layer_rows` sizes them (`targets`, `real` as
+    there; by default every layer a prefetch target: no fewer bytes than any other
+    targets give). The dense weights are `manifest.dense_bytes`; a pipeline
     stage (`specs` a part of the layers) counts its MoE layers' share of them, as it
     loads only its layers' weights.
 
@@ -260,7 +273,7 @@ def check_pool_fits(
         PoolMemoryError: naming the size asked for, the layers, rows and record size, the
             dense weights, and the flag to change (the sizing one the user gave).
     """
-    need, rows = planned_pool_bytes(store, config, specs)
+    need, rows = planned_pool_bytes(store, config, specs, targets, real)
     m = store.manifest
     specs = m.layers if specs is None else specs
     dense = m.dense_bytes * len(specs) // max(1, len(m.layers))
@@ -303,8 +316,10 @@ def open_cache(
     """
     m = store.manifest
     specs = m.layers if specs is None else specs
+    if real is None:
+        real = real_slots(store, config, specs)  # "auto": the memory available once
     slots, side = layer_rows(store, config, specs, targets, real)
-    check_pool_fits(store, config, available_bytes(), specs)
+    check_pool_fits(store, config, available_bytes(), specs, targets, real)
     layers = [
         {
             "layer": spec.layer,

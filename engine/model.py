@@ -340,9 +340,13 @@ def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
 
 def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
     """(expert pools, dense weights) in bytes that `load(store, config)` holds before the
-    first token: every MoE layer's pools (`engine.cache.planned_pool_bytes`) and
-    `dense.safetensors`. Front ends compare their sum with the memory available."""
-    return cache_mod.planned_pool_bytes(store, config)[0], store.manifest.dense_bytes
+    first token: every MoE layer's pools (`engine.cache.planned_pool_bytes`, with every
+    router found: a layer without one holds no more) and `dense.safetensors`. Front ends
+    compare their sum with the memory available."""
+    targets = prefetch_targets([True] * len(store.manifest.layers))
+    return cache_mod.planned_pool_bytes(store, config, targets=targets)[
+        0
+    ], store.manifest.dense_bytes
 
 
 def auto_if_too_large(

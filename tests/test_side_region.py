@@ -265,3 +265,28 @@ def test_layers_no_layer_prefetches_for_hold_their_side_rows_as_slots(qwen_store
     capped = open_cache(qwen_store, near_all, targets=targets)
     assert capped.layer_slots[0] == m.num_experts and capped.rows(0) == m.num_experts + scratch
     assert capped.rows(1) == m.num_experts - 1 + 2 * 2 + scratch
+
+
+def test_memory_figures_count_a_capped_layer_as_allocated(qwen_store, monkeypatch):
+    """Layer 0 at 7 of 8 experts with 2 x 2 side rows holds 8 slots, not 11: the figures
+    a user sees before and after the load (the pools' refusal, load_bytes, the
+    advisor's budget) are what the cache allocates, not 3 rows more."""
+    from engine import cache as cache_mod
+    from engine.advisor import Budget
+    from engine.model import load_bytes
+
+    m = qwen_store.manifest
+    n = len(m.layers)
+    config = StreamConfig(expert_slots=m.num_experts - 1, side_slots=2, prefetch=True)
+    targets = prefetch_targets([True] * n)
+    cache = open_cache(qwen_store, config, targets=targets)
+    assert cache.layer_slots[0] == m.num_experts  # 7 + 2 x 2, capped
+    record = m.layers[0].record_bytes
+    planned = planned_pool_bytes(qwen_store, config, targets=targets)[0]
+    assert planned_pool_bytes(qwen_store, config)[0] == planned + 3 * record  # all targets
+    assert load_bytes(qwen_store, config)[0] == planned
+    assert Budget.of(m, config, targets=targets).pool_bytes == pool_bytes(cache)
+    assert Budget.of(m, config).pool_bytes == pool_bytes(cache)  # every router found
+    # Memory for exactly these pools and the dense weights is enough to open them.
+    monkeypatch.setattr(cache_mod, "available_bytes", lambda: planned + m.dense_bytes)
+    assert open_cache(qwen_store, config, targets=targets).layer_slots == cache.layer_slots
