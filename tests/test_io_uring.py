@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine import cache as cache_mod
 from engine.cache import ChecksumError, ExpertReadError, ExpertReadTimeout, open_cache, snapshot
 from engine.config import StreamConfig, io_uring_depth
 
@@ -56,9 +57,10 @@ def test_the_ring_is_used_where_the_kernel_has_it(qwen_store):
 
 
 @pytest.mark.parametrize("uncached", [True, False], ids=["o_direct", "buffered"])
-def test_ring_reads_every_record_byte_for_byte(qwen_store, uncached):
+def test_ring_reads_every_record_byte_for_byte(qwen_store, uncached, monkeypatch):
     """Every record of every layer, read in one call per layer (more records than the
-    ring has buffers: they go through in turn), lands in its row unchanged."""
+    ring has buffers, 3 here: they go through in turn), lands in its row unchanged."""
+    monkeypatch.setattr(cache_mod, "io_uring_depth", lambda threads, top_k, stride: 3)
     cache = ring_cache(qwen_store, reader_threads=2, uncached_io=uncached)
     checker = RowChecker(qwen_store, cache)
     for li in range(cache.num_layers):
@@ -126,6 +128,22 @@ def test_a_calls_misses_are_in_flight_together_whatever_the_reader_threads(qwen_
     checker = RowChecker(qwen_store, cache)
     for e, r in enumerate(rows.reshape(-1).tolist()):
         checker.assert_row(0, r, e)
+
+
+def test_a_ring_shallower_than_the_misses_reads_them_in_turns(qwen_store, monkeypatch):
+    """Eight misses through a ring of 3 buffers: three rounds of delayed reads, and every
+    row its record."""
+    monkeypatch.setattr(cache_mod, "io_uring_depth", lambda threads, top_k, stride: 3)
+    cache = ring_cache(qwen_store, expert_slots=NUM_EXPERTS, reader_threads=1)
+    cache.inject_fault(1, "delay", count=NUM_EXPERTS, delay_ms=200)
+    t0 = time.monotonic()
+    rows, missing = cache.acquire(1, np.arange(NUM_EXPERTS, dtype=np.int32).reshape(-1, 1))
+    elapsed = time.monotonic() - t0
+    assert missing == [] and totals(cache)["io_uring_reads"] == NUM_EXPERTS
+    assert elapsed >= 0.59, elapsed  # 3 + 3 + 2
+    checker = RowChecker(qwen_store, cache)
+    for e, r in enumerate(rows.reshape(-1).tolist()):
+        checker.assert_row(1, r, e)
 
 
 @pytest.mark.parametrize(
