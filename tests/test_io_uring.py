@@ -43,6 +43,20 @@ def totals(cache):
     return snapshot(cache).totals()
 
 
+def every_expert_delayed(store, cache, layer: int, delay_ms: int) -> float:
+    """Seconds one call of every expert of `layer` takes through the ring with each read
+    delayed `delay_ms`; each of its rows must hold its record."""
+    cache.inject_fault(layer, "delay", count=NUM_EXPERTS, delay_ms=delay_ms)
+    t0 = time.monotonic()
+    rows, missing = cache.acquire(layer, np.arange(NUM_EXPERTS, dtype=np.int32).reshape(-1, 1))
+    elapsed = time.monotonic() - t0
+    assert missing == [] and totals(cache)["io_uring_reads"] == NUM_EXPERTS
+    checker = RowChecker(store, cache)
+    for e, r in enumerate(rows.reshape(-1).tolist()):
+        checker.assert_row(layer, r, e)
+    return elapsed
+
+
 def test_the_ring_is_used_where_the_kernel_has_it(qwen_store):
     cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
     off = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
@@ -119,15 +133,8 @@ def test_a_calls_misses_are_in_flight_together_whatever_the_reader_threads(qwen_
     assert io_uring_depth(3, 8, huge) == 4  # 8 buffers of 40 MiB: threads + 1 only
     assert io_uring_depth(1, 8, 16 << 20) == 4  # up to 64 MiB of buffers
     cache = ring_cache(qwen_store, expert_slots=NUM_EXPERTS, reader_threads=1)
-    cache.inject_fault(0, "delay", count=NUM_EXPERTS, delay_ms=300)
-    t0 = time.monotonic()
-    rows, missing = cache.acquire(0, np.arange(NUM_EXPERTS, dtype=np.int32).reshape(-1, 1))
-    elapsed = time.monotonic() - t0
-    assert missing == [] and totals(cache)["io_uring_reads"] == NUM_EXPERTS
+    elapsed = every_expert_delayed(qwen_store, cache, 0, delay_ms=300)
     assert 0.29 <= elapsed < 0.9, elapsed  # four batches of two: at least 1.2 s
-    checker = RowChecker(qwen_store, cache)
-    for e, r in enumerate(rows.reshape(-1).tolist()):
-        checker.assert_row(0, r, e)
 
 
 def test_a_ring_shallower_than_the_misses_reads_them_in_turns(qwen_store, monkeypatch):
@@ -135,15 +142,8 @@ def test_a_ring_shallower_than_the_misses_reads_them_in_turns(qwen_store, monkey
     row its record."""
     monkeypatch.setattr(cache_mod, "io_uring_depth", lambda threads, top_k, stride: 3)
     cache = ring_cache(qwen_store, expert_slots=NUM_EXPERTS, reader_threads=1)
-    cache.inject_fault(1, "delay", count=NUM_EXPERTS, delay_ms=200)
-    t0 = time.monotonic()
-    rows, missing = cache.acquire(1, np.arange(NUM_EXPERTS, dtype=np.int32).reshape(-1, 1))
-    elapsed = time.monotonic() - t0
-    assert missing == [] and totals(cache)["io_uring_reads"] == NUM_EXPERTS
+    elapsed = every_expert_delayed(qwen_store, cache, 1, delay_ms=200)
     assert elapsed >= 0.59, elapsed  # 3 + 3 + 2
-    checker = RowChecker(qwen_store, cache)
-    for e, r in enumerate(rows.reshape(-1).tolist()):
-        checker.assert_row(1, r, e)
 
 
 @pytest.mark.parametrize(
