@@ -9,7 +9,9 @@ buffer) free + in flight + published == its rows with no
 row owned twice (ExpertCache.check()). Every row a caller is handed, and every published
 side row, holds exactly its expert's record bytes from the blob. Read faults are injected
 too: a transient one (one bad read) must be invisible; a persistent one may fail a call,
-with an error naming file, layer and expert, and with every invariant intact.
+with an error naming file, layer and expert, and with every invariant intact. The state
+machine's layers may be no prefetch target (`engine.cache.layer_rows`): no side rows,
+their rows real slots.
 """
 
 import os
@@ -43,8 +45,10 @@ class CacheMachine(RuleBasedStateMachine):
         sync=st.booleans(),
         policy=st.sampled_from(EVICTION_POLICIES),
         io_uring=st.booleans(),
+        # which layers prefetch fills (None: all); the others hold their side rows as slots
+        prefetched=st.none() | st.lists(st.booleans(), min_size=4, max_size=4),
     )
-    def open(self, cap, spec, side_lfu, sync, policy, io_uring):
+    def open(self, cap, spec, side_lfu, sync, policy, io_uring, prefetched):
         store = self.store
         self.cache = open_cache(
             store,
@@ -58,6 +62,7 @@ class CacheMachine(RuleBasedStateMachine):
                 scratch_slots=2,
                 io_uring=io_uring,
             ),
+            targets=prefetched,
         )
         self.checker = RowChecker(store, self.cache)
         self.hard = [False] * 4  # a fault that can fail a read is armed on the layer
