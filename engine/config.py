@@ -91,7 +91,8 @@ def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
         raise ConfigError("top_p", top_p, "must be in (0, 1]")
 
 
-# Record buffers the io_uring may add beyond reader threads + 1 lanes, bytes.
+# Bytes of record buffers the ring may hold in all where io_uring_depth raises it past
+# reader threads + 1 (a bound on the total, not on what is added).
 IO_URING_EXTRA_BYTES = 64 << 20
 
 
