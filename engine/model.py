@@ -344,9 +344,8 @@ def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
     router found: a layer without one holds no more) and `dense.safetensors`. Front ends
     compare their sum with the memory available."""
     targets = prefetch_targets([True] * len(store.manifest.layers))
-    return cache_mod.planned_pool_bytes(store, config, targets=targets)[
-        0
-    ], store.manifest.dense_bytes
+    pools, _ = cache_mod.planned_pool_bytes(store, config, targets=targets)
+    return pools, store.manifest.dense_bytes
 
 
 def auto_if_too_large(

@@ -140,7 +140,7 @@ Args:
     layer_slots: real-region slots of each MoE layer, overriding expert_slots (empty:
         expert_slots for every layer), each in [1, num_experts].
     layer_side_slots: side-region rows per bank of each MoE layer, overriding side_slots
-        (empty: side_slots for every layer), each >= 0.
+        (empty: side_slots for every layer), each in [0, side_slots].
     io_uring: demand reads through io_uring on the calling thread, io_uring_depth in
         flight, where the kernel has it (see the io_uring property); else on the reader
         threads. Prefetch fills always use the reader threads.

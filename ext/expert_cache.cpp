@@ -112,9 +112,11 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       throw std::invalid_argument("expert slots (cap) must be in [1, " +
                                   std::to_string(num_experts_) + "], got " + std::to_string(c));
   specs_ = per_layer(config_.layer_specs, config_.spec, layers_.size(), "side rows");
+  // config.spec is the widest layer's (snapshots are padded to it) and the prediction size
   for (int sp : specs_)
-    if (sp < 0) throw std::invalid_argument("side rows (spec) must be >= 0, got " +
-                                            std::to_string(sp));
+    if (sp < 0 || sp > config_.spec)
+      throw std::invalid_argument("side rows per layer must be in [0, " +
+                                  std::to_string(config_.spec) + "], got " + std::to_string(sp));
   if (config_.scratch < 1) throw std::invalid_argument("scratch rows must be >= 1");
   for (size_t li = 0; li < layers_.size(); ++li) {
     const int rows = this->rows(static_cast<int>(li));

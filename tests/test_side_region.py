@@ -6,6 +6,7 @@ Each test names the seed defect of DESIGN.md it guards against, or the mode rule
 import time
 
 import numpy as np
+import pytest
 
 from engine.cache import (
     NO_ROW,
@@ -290,3 +291,15 @@ def test_memory_figures_count_a_capped_layer_as_allocated(qwen_store, monkeypatc
     # Memory for exactly these pools and the dense weights is enough to open them.
     monkeypatch.setattr(cache_mod, "available_bytes", lambda: planned + m.dense_bytes)
     assert open_cache(qwen_store, config, targets=targets).layer_slots == cache.layer_slots
+
+
+def test_side_rows_wider_than_side_slots_are_refused(qwen_store, monkeypatch):
+    """Snapshots are padded to side_slots, and a prediction fills that many rows: the
+    native cache refuses a layer given more, naming the bound."""
+    from engine import cache as cache_mod
+
+    n = len(qwen_store.manifest.layers)
+    wide = ([2] * n, [2] + [1] * (n - 1))
+    monkeypatch.setattr(cache_mod, "layer_rows", lambda *a, **k: wide)
+    with pytest.raises(ValueError, match=r"side rows per layer must be in \[0, 1\], got 2"):
+        open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=1))
