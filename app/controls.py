@@ -48,10 +48,11 @@ def summary(info: ModelInfo) -> str:
     # layers no layer prefetches for hold their side rows as real slots (layer_rows)
     pairs = enumerate(zip(info.slots, info.pool_slots, strict=True))
     moved = [str(i) for i, (n, held) in pairs if held != n]
+    where = ""
     if len(moved) == 1:
         where = f" (MoE layer {moved[0]} holds its side rows as slots)"
-    else:
-        where = f" (MoE layers {', '.join(moved)} hold their side rows as slots)" if moved else ""
+    elif moved:
+        where = f" (MoE layers {', '.join(moved)} hold their side rows as slots)"
     return (
         f"{len(info.layers)} MoE layers × {info.num_experts} experts (top-{info.top_k})"
         f" · {slots} slots + 2 × {c.side_slots} side rows{where}"

@@ -594,3 +594,20 @@ def test_rebuild_with_side_rows_leaves_prefetch_on_in_the_engine_and_none_off(qt
     assert rebuild(4) == (True, True, True, True)
     box.setChecked(False)  # once the pool has side rows, the box decides
     assert rebuild(2) == (False, False, True, False)
+
+
+def test_summary_names_the_layers_that_hold_their_side_rows_as_slots():
+    from app.worker import ModelInfo
+    from engine.config import StreamConfig
+
+    def info(pool_slots):
+        return ModelInfo(
+            name="m", path="m", store_path="s", layers=[1, 2, 3, 4], num_experts=32,
+            top_k=4, config=StreamConfig(expert_slots=8, side_slots=4, prefetch=True),
+            slots=[8] * 4, pool_slots=pool_slots, chat_template=False, pool_bytes=0,
+            budget=None, load_seconds=0.0, context=None,
+        )  # fmt: skip
+
+    assert summary(info([8] * 4)).endswith("8 slots + 2 × 4 side rows · pool 0 B")
+    assert "(MoE layer 0 holds its side rows as slots)" in summary(info([16, 8, 8, 8]))
+    assert "(MoE layers 0, 2 hold their side rows as slots)" in summary(info([16, 8, 16, 8]))
