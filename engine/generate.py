@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -21,6 +22,35 @@ from engine.chat import SYSTEM, USER, chat_ids, checked_ids, encode
 from engine.config import check_sampling
 from engine.model import StreamedModel
 from engine.predictor import GenerationStopped
+
+# The largest float32: a temperature whose reciprocal exceeds it scales logits to inf.
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def sampler(temperature: float, top_p: float = 1.0) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler (`make_sampler`) of `temperature` and `top_p`, safe for tiny
+    temperatures: mlx-lm scales the log-probabilities by 1 / temperature, which in float32
+    turns every one of them to -inf once the scale overflows (and then samples garbage).
+    Here the log-probabilities are shifted so that the most likely token's is 0 (the
+    distribution is unchanged) and computed in float32, and a temperature whose reciprocal
+    overflows float32 is greedy, as the limit of sampling at temperature -> 0 is.
+
+    Args:
+        temperature: >= 0 (0: greedy).
+        top_p: in (0, 1].
+
+    Returns:
+        A function of log-probabilities (..., vocab) returning the sampled token ids (...).
+    """
+    if temperature == 0 or 1.0 / temperature > _F32_MAX:
+        return make_sampler(temp=0.0)
+    sample = make_sampler(temp=temperature, top_p=top_p)
+
+    def shifted(logprobs: mx.array) -> mx.array:
+        x = logprobs.astype(mx.float32)
+        return sample(x - x.max(axis=-1, keepdims=True))
+
+    return shifted
 
 
 def prompt_tokens(
@@ -100,14 +130,13 @@ def stream_generate(
         raise ValueError(f"max_tokens is {max_tokens}: a reply needs at least 1 token")
     check_sampling(temperature, top_p)
     check_context(sm, cached_tokens + len(prompt), max_tokens)
-    sampler = make_sampler(temp=temperature, top_p=top_p)
     seen, restored = [], False
     for r in mlx_stream_generate(
         sm.model,
         sm.tokenizer,
         mx.array(prompt),
         max_tokens=max_tokens,
-        sampler=sampler,
+        sampler=sampler(temperature, top_p),
         prompt_cache=prompt_cache,
     ):
         # A read that failed inside a stream-ordered acquire left row 0 in its place: the
