@@ -5,19 +5,31 @@ Models whose tokenizer has a chat template get the whole conversation through it
 system prompt first when one is given. Models without one (the embedded TinyStories
 model) continue the concatenated text: a reply follows its prompt exactly as generated; a
 user message follows the text so far, after a space when neither side has one; system
-messages have no place in a plain continuation and are left out.
+messages have no place in a plain continuation and are left out; a tool's result is text
+the user side gives, as a user message is.
+
+Tools (function definitions, as OpenAI's `tools` field holds them) go through the chat
+template too, with the assistant's tool calls and the tools' results in the history: the
+template decides how the model sees them, and mlx-lm's tokenizer knows how the model
+writes a call (`has_tool_calling`, its `tool_parser`).
 """
 
 from collections.abc import Sequence
 from pathlib import Path
 
-USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
-ROLES = (SYSTEM, USER, ASSISTANT)
+USER, ASSISTANT, SYSTEM, TOOL = "user", "assistant", "system", "tool"
+ROLES = (SYSTEM, USER, ASSISTANT, TOOL)
 
 
 def has_chat_template(tokenizer) -> bool:
     """True when `tokenizer` (mlx-lm TokenizerWrapper or None) has a chat template."""
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def has_tool_calling(tokenizer) -> bool:
+    """True when `tokenizer`'s chat template renders tools and mlx-lm knows how the model
+    writes a call (a tool parser of `mlx_lm.tool_parsers`, chosen as mlx-lm chooses it)."""
+    return has_chat_template(tokenizer) and bool(getattr(tokenizer, "has_tool_calling", False))
 
 
 def joiner(before: str, after: str) -> str:
@@ -32,40 +44,59 @@ def plain_text(messages: Sequence[dict]) -> str:
     """The conversation as one text to continue (models without a chat template).
 
     Args:
-        messages: `{"role": ..., "content": str}` dicts; system messages are skipped.
+        messages: `{"role": ..., "content": str}` dicts; system messages are skipped,
+            tool results read as user messages.
     """
     text = ""
     for m in messages:
         if m["role"] == SYSTEM:
             continue
         piece = m["content"]
-        text += (joiner(text, piece) if m["role"] == USER else "") + piece
+        text += (joiner(text, piece) if m["role"] in (USER, TOOL) else "") + piece
     return text
 
 
-def chat_ids(tokenizer, messages: Sequence[dict], vocab_size: int | None = None) -> list[int]:
+def chat_ids(
+    tokenizer,
+    messages: Sequence[dict],
+    vocab_size: int | None = None,
+    tools: Sequence[dict] | None = None,
+) -> list[int]:
     """Token ids of the prompt for the next assistant reply to `messages`.
 
     Through the tokenizer's chat template (generation prompt added) when it has one, else
     the encoded `plain_text`.
 
     Args:
-        messages: `{"role": "system" | "user" | "assistant", "content": str}` dicts.
+        messages: `{"role": "system" | "user" | "assistant" | "tool", "content": str}`
+            dicts; an assistant message may add `tool_calls` (`[{"id", "type":
+            "function", "function": {"name", "arguments": dict}}]`), a tool message its
+            `tool_call_id` and `name`, as Hugging Face chat templates read them.
         vocab_size: the model's vocabulary (config.json), checked when given.
+        tools: OpenAI function definitions (`{"type": "function", "function": {"name",
+            "description", "parameters"}}`) for the template; only with
+            `has_tool_calling(tokenizer)`.
 
     Raises:
-        ValueError: no tokenizer, a role outside `ROLES`, the template refuses the
-            conversation (its own message), nothing to encode, or an id outside the
-            vocabulary.
+        ValueError: no tokenizer, a role outside `ROLES`, tools for a model that cannot
+            call them, the template refuses the conversation (its own message), nothing
+            to encode, or an id outside the vocabulary.
     """
     if tokenizer is None:
         raise ValueError("this model has no tokenizer files: chat needs one")
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}].role {m.get('role')!r} is not one of {ROLES}")
+    if tools and not has_tool_calling(tokenizer):
+        raise ValueError(
+            f"{template_source(tokenizer)}: this model's chat template does not render tools "
+            "in a format mlx-lm can parse calls from (no tool parser of mlx_lm.tool_parsers "
+            "matches it)"
+        )
     if has_chat_template(tokenizer):
+        extra = {"tools": list(tools)} if tools else {}
         try:
-            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)
         except Exception as e:  # jinja2's TemplateError and the template's raise_exception
             raise ValueError(
                 f"{template_source(tokenizer)}: the chat template refuses the conversation "

@@ -308,7 +308,10 @@ def _serve(args) -> int:
             engine = PipelineGenerationThread(model, config, group, args.max_queue)
         else:
             engine = GenerationThread(
-                lambda: _load(model, config), args.max_queue, args.record_trace
+                lambda: _load(model, config),
+                args.max_queue,
+                args.record_trace,
+                args.prompt_cache,
             )
         engine.start()
         if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -616,6 +619,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="keep the routing of the last N tokens, served at GET /v1/trace as .npz "
         "(for expertstream advise --trace; 0: off)",
+    )
+
+    def prompt_cache_size(text: str) -> int:
+        from engine.config import parse_memory
+
+        try:
+            value = 0 if text.strip() == "0" else parse_memory(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value == "auto":
+            raise argparse.ArgumentTypeError(f"must be a size (e.g. 1GiB) or 0 (off), got {text!r}")
+        return int(value)
+
+    p.add_argument(
+        "--prompt-cache",
+        type=prompt_cache_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="KV memory kept of recent conversations, so that a request continuing one "
+        "prefills only its new tokens (LRU; 0: off; not with --pipeline)",
     )
     _add_pipeline_flag(p, "rank 0 serves, the other ranks follow it")
     add_cache_flags(p)

@@ -1,19 +1,27 @@
-"""`expertstream serve`: an OpenAI-compatible HTTP server for one streamed model.
+"""`expertstream serve`: an HTTP server for one streamed model, in the protocols agents and
+chat front ends speak: OpenAI's chat completions, completions and Responses
+(engine.server_openai, engine.server_responses), Anthropic's Messages
+(engine.server_anthropic) and Ollama's API (engine.server_ollama).
 
 Starlette routes run on uvicorn's event loop; one generation thread owns the model (it
 loads it, and only it touches MLX arrays) and serves requests one at a time, in arrival
-order, from a bounded queue (a full queue answers 503 with Retry-After). Each request
-gets its own `Job`: the thread sends the reply's text pieces and its end back to the
-event loop. A client that goes away sets the job's cancel flag, which the model polls at
-every MoE layer call, so its generation ends at the next one.
+order, from a bounded queue (a full queue answers 503 with Retry-After). Every route turns
+its request into the same `Job` (engine.server_requests), so every protocol shares the
+queue, the sampling checks and the limits; each writes its own error format. The thread
+sends the reply's text pieces and its end back to the event loop. A client that goes away
+sets the job's cancel flag, which the model polls at every MoE layer call, so its
+generation ends at the next one.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming or one JSON
-reply), `GET /v1/models`, `GET /v1/stats` (the expert cache's counters and the request
-counts since the server started: totals, unlike `expertstream generate --json`'s stats,
-which are one reply's), `GET /v1/trace` (the routing of the last N tokens as a `.npz`
-trace, with `--record-trace N`: `expertstream advise --trace` reads it), `GET /health`
-(with `last_error` while the latest reply failed). A request names no file: `model` is
-not used to pick or load anything.
+A prompt cache (mlx-lm's LRUPromptCache, within a byte budget) keeps the KV of recent
+replies: a request whose prompt starts with tokens the server has seen (a conversation
+continued, an agent's growing context) prefills only the rest.
+
+Routes shared by the protocols: `GET /v1/models`, `GET /v1/stats` (the expert cache's
+counters, the prompt cache's, and the request counts since the server started: totals,
+unlike `expertstream generate --json`'s stats, which are one reply's), `GET /v1/trace`
+(the routing of the last N tokens as a `.npz` trace, with `--record-trace N`:
+`expertstream advise --trace` reads it), `GET /health` (with `last_error` while the latest
+reply failed). A request names no file: `model` is not used to pick or load anything.
 
 `serve --pipeline` serves the same application with engine.pipeline_server's subclass of
 the generation thread, which runs each job on every rank of a pipeline.
@@ -21,30 +29,29 @@ the generation thread, which runs each job on every rank of a pipeline.
 
 import asyncio
 import contextlib
+import copy
 import errno
 import io
-import json
 import math
 import queue
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine import server_openai
 from engine.cache import ratio
-from engine.chat import ROLES, chat_ids, checked_ids, encode
-from engine.config import ConfigError, check_sampling
+from engine.server_requests import Job, RequestError, Served
 
-MAX_BODY_BYTES = 1 << 20
-MAX_STOP_STRINGS = 4
+__all__ = ["GenerationThread", "Job", "StopMatcher", "bind", "build_app", "url", "uvicorn_server"]
+
 # The expert cache's counters that `/v1/stats` reports (CacheSnapshot.totals() keys).
 CACHE_STATS = (
     "hits",
@@ -58,23 +65,10 @@ CACHE_STATS = (
     "prefetch_accuracy",
     "evictions",
 )
-
-
-class RequestError(Exception):
-    """A request the server refuses: `status` with an OpenAI-style error naming `param`."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400):
-        super().__init__(message)
-        self.param, self.message, self.status = param, message, status
-
-
-def error_response(
-    message: str, status: int, param: str | None = None, kind: str | None = None, headers=None
-) -> JSONResponse:
-    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+# Conversations the prompt cache keeps at most (mlx_lm.server's default), within its bytes.
+PROMPT_CACHE_ENTRIES = 10
+# The prompt cache's key for the one model served (mlx-lm's keys a model provider's).
+_MODEL_KEY = "model"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -114,59 +108,27 @@ def url(sock: socket.socket) -> str:
 # ---- the generation thread ------------------------------------------------------------
 
 
-@dataclass
-class Job:
-    """One request's generation.
-
-    Attributes:
-        prompt: token ids.
-        max_tokens: reply length limit, tokens (>= 1).
-        temperature, top_p: sampling (temperature 0: greedy).
-        seed: MLX random seed set before this reply, or None.
-        stop: strings that end the reply (not included in it).
-        events: where the generation thread puts ("text", str), then ("done",
-            finish_reason, usage dict) or ("error", message); read on the event loop.
-        cancel: set when the client has gone; the generation ends at the next MoE layer.
-    """
-
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, *event) -> None:
-        """Hands `event` to the event loop (thread-safe; dropped once the loop is closed)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:
-            pass  # the loop has closed: the server is shutting down
-
-
 class StopMatcher:
     """Stop strings over a reply that grows piece by piece: `add` returns the text that
     may be sent now, holding back a tail that could be the start of a stop string, and
-    cuts the reply where the first stop string begins (`hit`)."""
+    cuts the reply where the first stop string begins (`hit`; `matched`: that string)."""
 
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.text = ""
         self.sent = 0
         self.hit = False
+        self.matched: str | None = None
 
     def add(self, piece: str) -> str:
         """Appends `piece`; returns what can be sent (nothing more after a hit)."""
         if self.hit:
             return ""
         self.text += piece
-        found = [i for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
         if found:
             self.hit = True
-            end = min(found)
+            end, self.matched = min(found)
         else:
             end = len(self.text) - self._pending()
         out, self.sent = self.text[self.sent : end], end
@@ -199,6 +161,10 @@ class ServerStats:
         requests: requests queued (refused ones are `requests_refused`).
         requests_refused: requests refused with 503 (the queue was full).
         completed, cancelled, failed: queued requests by how they ended.
+        prompt_tokens: prompt tokens of the replies, cached ones included.
+        cached_tokens: prompt tokens taken from the prompt cache (not prefilled).
+        prefill_tokens, prefill_seconds, decode_tokens, decode_seconds: what the replies
+            prefilled and decoded and how long that took (the queue's wait estimate).
         last_error: why the latest reply failed; None once a later one succeeds.
         last_prefill_tps, last_decode_tps: the latest reply's prefill and decode
             tokens/s; None before the first reply, and without a prefill / decode step
@@ -211,8 +177,13 @@ class ServerStats:
     cancelled: int = 0
     failed: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     generation_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
     last_prefill_tps: float | None = None
     last_decode_tps: float | None = None
     last_error: str | None = None
@@ -227,6 +198,7 @@ class GenerationThread:
         max_queue: jobs that may wait (beyond the one generating); more are refused.
         trace_tokens: keep the routing of the last this many tokens (`recorder`, an
             engine.trace.TraceRecorder; 0: none).
+        prompt_cache_bytes: the prompt cache's budget, bytes of KV (0: no prompt cache).
 
     A subclass may change how the thread waits for a job (`_next_job`) and generates one
     (`_generate`); an exception of `fatal` raised there ends the thread, not only the
@@ -235,11 +207,21 @@ class GenerationThread:
 
     fatal: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, load: Callable[[], object], max_queue: int = 32, trace_tokens: int = 0):
+    def __init__(
+        self,
+        load: Callable[[], object],
+        max_queue: int = 32,
+        trace_tokens: int = 0,
+        prompt_cache_bytes: int = 0,
+    ):
         if max_queue < 1:
             raise ValueError(f"max_queue is {max_queue}: must be >= 1")
         if trace_tokens < 0:
             raise ValueError(f"trace_tokens is {trace_tokens}: must be >= 0")
+        if prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes is {prompt_cache_bytes}: must be >= 0")
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self.prompt_cache = None  # made on the thread, with the model
         self._load = load
         self._trace_tokens = trace_tokens
         self.recorder = None
@@ -288,11 +270,41 @@ class GenerationThread:
         return self._current is not None
 
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: the queue times the mean reply time."""
+        """Seconds a refused client should wait: the time to generate the replies queued
+        and the one generating, each estimated from its own prompt length and reply limit
+        at the prefill and decode rates of the replies so far (a reply's length taken as
+        at most the mean reply length); 1 second a reply before the first one."""
+        with self._jobs.mutex:
+            jobs = [j for j in self._jobs.queue if j is not None]
+        if (current := self._current) is not None:
+            jobs.append(current)
         with self.stats.lock:
-            done = self.stats.completed + self.stats.cancelled + self.stats.failed
-            mean = self.stats.generation_seconds / done if done else 1.0
-        return max(1, math.ceil(mean * (self.queued() + 1)))
+            s = self.stats
+            done = s.completed + s.cancelled + s.failed
+            if not (done and s.prefill_seconds and s.decode_seconds):
+                return max(1, len(jobs))
+            prefill, decode = (
+                s.prefill_tokens / s.prefill_seconds,
+                s.decode_tokens / s.decode_seconds,
+            )
+            mean_reply = s.completion_tokens / done
+        seconds = sum(
+            len(j.prompt) / prefill + min(j.max_tokens, mean_reply) / decode for j in jobs
+        )
+        return max(1, math.ceil(seconds))
+
+    def prompt_cache_stats(self) -> dict:
+        """The prompt cache's figures (`/v1/stats`'s "prompt_cache"): its budget, the bytes
+        and conversations it holds, and the prompt tokens it has saved prefilling."""
+        cache = self.prompt_cache
+        with self.stats.lock:
+            reused = self.stats.cached_tokens
+        return {
+            "budget_bytes": self.prompt_cache_bytes,
+            "bytes": cache.nbytes if cache is not None else 0,
+            "entries": len(cache) if cache is not None else 0,
+            "cached_tokens": reused,
+        }
 
     def cache_stats(self) -> dict:
         """The expert cache's counters over the server's lifetime (`/v1/stats`'s "cache");
@@ -335,6 +347,10 @@ class GenerationThread:
     def _run(self) -> None:
         try:
             self.sm = self._load()
+            if self.prompt_cache_bytes:
+                from mlx_lm.models.cache import LRUPromptCache
+
+                self.prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, self.prompt_cache_bytes)
             if self._trace_tokens:
                 from engine.trace import record
 
@@ -354,14 +370,18 @@ class GenerationThread:
                 self._serve(job)
             finally:
                 self._current = None
-        self.sm = None  # the model's arrays are freed here, on their thread
+        self.sm = self.prompt_cache = None  # the model's arrays are freed here, on their thread
 
     def _serve(self, job: Job) -> None:
         matcher = StopMatcher(job.stop)
+        records: list[dict] = []  # log-probabilities of tokens whose text is held back
 
         def on_response(r) -> None:
+            if job.logprobs is not None:
+                records.append(self._logprobs(r, job.logprobs))
             if piece := matcher.add(r.text):
-                job.emit("text", piece)
+                job.emit("text", piece, records[:])
+                records.clear()
 
         t0 = time.monotonic()
         try:
@@ -381,13 +401,15 @@ class GenerationThread:
         elif job.cancel.is_set():
             finish = None
         else:
-            if rest := matcher.flush():
-                job.emit("text", rest)
+            if (rest := matcher.flush()) or records:
+                job.emit("text", rest, records[:])
             finish = result.finish_reason
+        prompt, cached = len(job.prompt), result.cached_tokens
         usage = {
-            "prompt_tokens": result.prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": len(result.tokens),
-            "total_tokens": result.prompt_tokens + len(result.tokens),
+            "total_tokens": prompt + len(result.tokens),
+            "cached_tokens": cached,
         }
         with self.stats.lock:
             s = self.stats
@@ -395,34 +417,99 @@ class GenerationThread:
                 s.cancelled += 1
             else:
                 s.completed += 1
-            s.prompt_tokens += usage["prompt_tokens"]
+            s.prompt_tokens += prompt
+            s.cached_tokens += cached
             s.completion_tokens += usage["completion_tokens"]
             s.generation_seconds += time.monotonic() - t0
+            if result.prefill_tps:
+                s.prefill_tokens += prompt - cached
+                s.prefill_seconds += (prompt - cached) / result.prefill_tps
+            if result.decode_tps:
+                s.decode_tokens += len(result.tokens)
+                s.decode_seconds += len(result.tokens) / result.decode_tps
             s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
             s.last_error = None
-        job.emit("done", finish, usage)
+        job.emit("done", {"finish": finish, "stop": matcher.matched, "usage": usage})
+
+    def _logprobs(self, r, top: int) -> dict:
+        """The log-probability of response `r`'s token and of the `top` most likely tokens
+        at its step (mlx-lm's `GenerationResponse.logprobs`: the sampler's distribution
+        before temperature), with each token's text."""
+        import mlx.core as mx
+
+        decode = self.sm.tokenizer.decode
+        out = {"token": decode([r.token]), "logprob": r.logprobs[r.token].item(), "top": []}
+        if top:
+            ids = mx.argpartition(-r.logprobs, top - 1)[:top]
+            values = r.logprobs[ids].tolist()
+            pairs = sorted(zip(values, ids.tolist(), strict=True), key=lambda p: -p[0])
+            out["top"] = [(decode([i]), v) for v, i in pairs]
+        return out
 
     def _generate(self, job: Job, on_response: Callable, stop: Callable[[], bool]):
-        """Generates `job`'s reply (engine.generate.generate); returns its GenerationResult."""
+        """Generates `job`'s reply (engine.generate.generate) over the prompt cache's KV of
+        its longest known prefix, then keeps its KV there; returns its GenerationResult."""
         import mlx.core as mx
 
         from engine.generate import generate
 
+        cache, cached = self._fetch(job.prompt)
         try:
             if job.seed is not None:
                 mx.random.seed(job.seed)
-            return generate(
+            result = generate(
                 self.sm,
-                job.prompt,
+                job.prompt[cached:],
                 job.max_tokens,
                 job.temperature,
                 job.top_p,
                 on_response=on_response,
                 stop=stop,
+                prompt_cache=cache,
+                cached_tokens=cached,
             )
         finally:
             # Sampling leaves MLX's global random key lazy on this thread's stream.
             mx.eval(mx.random.state)
+        self._keep(cache, job.prompt + result.tokens)
+        return result
+
+    def _fetch(self, prompt: list[int]) -> tuple[list | None, int]:
+        """(KV cache, tokens of `prompt` it holds) to generate `prompt`'s reply over: the
+        prompt cache's nearest entry (trimmed to the common prefix, at least one prompt
+        token left to feed), a fresh cache, or (None, 0) without a prompt cache."""
+        if self.prompt_cache is None:
+            return None, 0
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt)
+        cached = len(prompt) - len(rest)
+        if cache is not None and not rest:  # the whole prompt is known: feed its last token
+            if can_trim_prompt_cache(cache):
+                for c in cache:
+                    c.trim(1)
+                cached -= 1
+            else:
+                cache = None
+        if cache is None:
+            return make_prompt_cache(self.sm.model), 0
+        return cache, cached
+
+    def _keep(self, cache: list | None, tokens: list[int]) -> None:
+        """Puts `cache` into the prompt cache under the `tokens` whose KV it holds.
+
+        A reply cut short (stopped, cancelled) may have ended mid-forward, with some
+        layers a token ahead of others: every layer is trimmed to the shortest, whose
+        tokens every layer holds whole."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        if cache is None or not can_trim_prompt_cache(cache):
+            return
+        held = min(c.offset for c in cache)
+        for c in cache:
+            c.trim(c.offset - held)
+        if held:
+            self.prompt_cache.insert_cache(_MODEL_KEY, tokens[:held], cache)
 
 
 def uvicorn_server(
@@ -436,8 +523,10 @@ def uvicorn_server(
     client told then was refused), and whose shutdown (Ctrl+C, SIGTERM) starts with
     `engine.cancel_all()`: uvicorn waits for open replies before the app's lifespan ends
     (`engine.close`), so a long reply would otherwise hold the shutdown until its last
-    token."""
+    token. Every log line, the access log's included, goes to stderr: stdout is left to
+    what a command prints as its result."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -449,119 +538,9 @@ def uvicorn_server(
             engine.cancel_all()
             super().handle_exit(sig, frame)
 
-    return Server(uvicorn.Config(app, log_level=log_level))
-
-
-# ---- request fields -------------------------------------------------------------------
-
-
-def _number(data: dict, name: str, default, lo: float, hi: float, integer: bool = False):
-    value = data.get(name)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
-        what = "an integer" if integer else "a number"
-        raise RequestError(name, f"{name} must be {what} in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _sampling(data: dict) -> tuple[float, float]:
-    """(temperature, top_p) of a request: numbers, refused as the CLI refuses them
-    (`check_sampling`)."""
-    values = {}
-    for name, default in (("temperature", 0.0), ("top_p", 1.0)):
-        value = data.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise RequestError(name, f"{name} must be a number, got {value!r}")
-        values[name] = default if value is None else float(value)
-    try:
-        check_sampling(**values)
-    except ConfigError as e:
-        raise RequestError(e.field, f"{e.field} {e.value}: {e.what}") from None
-    return values["temperature"], values["top_p"]
-
-
-def _response_format(data: dict) -> None:
-    """Refuses a `response_format` other than text: replies are never constrained (to
-    JSON or a schema), and a client that asks for that must not get free text."""
-    fmt = data.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError(
-            "response_format",
-            f'response_format {json.dumps(fmt)} is not supported: only {{"type": "text"}}',
-        )
-
-
-def _stop_strings(data: dict) -> list[str]:
-    stop = data.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and s for s in stops)
-    ):
-        raise RequestError(
-            "stop", f"stop must be a non-empty string or a list of up to {MAX_STOP_STRINGS}"
-        )
-    return stops
-
-
-def _messages(data: dict) -> list[dict]:
-    """The chat messages as `{"role", "content": str}`; text content parts are joined."""
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "messages must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(where, f"{where} must be an object with role and content")
-        role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role", f"{where}.role must be one of {ROLES}")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    raise RequestError(
-                        f"{where}.content[{j}]", "only text content parts are supported"
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise RequestError(f"{where}.content[{j}].text", "must be a string")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise RequestError(f"{where}.content", f"{where}.content must be a string")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _prompt(data: dict, tokenizer, vocab: int | None) -> list[int]:
-    """Token ids of a completion's `prompt`: a string, a list of one string, or token ids."""
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt", "prompt is empty")
-        return checked_ids(encode(tokenizer, prompt), vocab)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
-        if vocab and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
-            raise RequestError(
-                "prompt",
-                f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens "
-                f"(ids 0 to {vocab - 1})",
-            )
-        return list(prompt)
-    raise RequestError("prompt", "prompt must be a non-empty string or a list of token ids")
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return Server(uvicorn.Config(app, log_level=log_level, log_config=log_config))
 
 
 # ---- the application ------------------------------------------------------------------
@@ -572,121 +551,41 @@ def build_app(
     model_id: str,
     default_max_tokens: int = 256,
 ) -> Starlette:
-    """The Starlette application serving `engine`'s model as `model_id`.
+    """The Starlette application serving `engine`'s model as `model_id`, in every protocol.
 
     Args:
         engine: a started GenerationThread.
-        model_id: the name `/v1/models` lists and replies carry.
+        model_id: the name `/v1/models` (and Ollama's `/api/tags`) lists and replies carry.
         default_max_tokens: reply limit of requests that give no max_tokens (shortened to
             what the context leaves).
     """
     sm = engine.sm
-    tokenizer = sm.tokenizer
-    vocab = sm.store.config.get("vocab_size")
-    context = sm.store.config.get("max_position_embeddings") or 1 << 30
-    created = int(time.time())
-
-    async def read_json(request: Request) -> dict:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise RequestError(None, f"the request body is over {MAX_BODY_BYTES} bytes", 413)
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            raise RequestError(None, f"the request body is not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise RequestError(None, "the request body must be a JSON object")
-        return data
-
-    def make_job(data: dict, ids: list[int]) -> Job:
-        if (n := data.get("n")) is not None and n != 1:
-            raise RequestError("n", "only n = 1 is supported")
-        for name in ("logprobs", "echo", "tools", "suffix"):
-            if data.get(name):
-                raise RequestError(name, f"{name} is not supported")
-        if not isinstance(data.get("model", ""), str):
-            raise RequestError("model", "model must be a string")
-        if not isinstance(data.get("stream", False), bool):
-            raise RequestError("stream", "stream must be true or false")
-        _response_format(data)
-        temperature, top_p = _sampling(data)
-        room = context - len(ids)
-        if room < 1:
-            raise RequestError(
-                "messages" if "messages" in data else "prompt",
-                f"the prompt ({len(ids)} tokens) fills the model's context of {context} tokens",
-            )
-        name = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
-        max_tokens = _number(data, name, None, 1, 1 << 30, integer=True)
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens, room)
-        elif max_tokens > room:
-            raise RequestError(
-                name,
-                f"prompt ({len(ids)} tokens) + {name} ({max_tokens}) exceeds the model's "
-                f"context of {context} tokens",
-            )
-        return Job(
-            prompt=ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=_number(data, "seed", None, 0, 2**64 - 1, integer=True),
-            stop=_stop_strings(data),
-            loop=asyncio.get_running_loop(),
-        )
-
-    async def completion(request: Request, chat: bool):
-        data = await read_json(request)
-        if chat:
-            messages = _messages(data)
-            try:
-                ids = chat_ids(tokenizer, messages, vocab)
-            except ValueError as e:
-                raise RequestError("messages", str(e)) from None
-        else:
-            try:
-                ids = _prompt(data, tokenizer, vocab)
-            except ValueError as e:
-                raise RequestError("prompt", str(e)) from None
-        job = make_job(data, ids)
-        options = data.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        try:
-            engine.submit(job)
-        except queue.Full:
-            return error_response(
-                f"the server is busy ({engine.queued()} requests queued); retry later",
-                503,
-                kind="server_busy",
-                headers={"Retry-After": str(engine.retry_after())},
-            )
-        reply = _Reply(chat, model_id, job)
-        if data.get("stream"):
-            return StreamingResponse(
-                reply.sse(include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        return await reply.whole(request)
-
-    async def chat_completions(request: Request):
-        return await completion(request, chat=True)
-
-    async def completions(request: Request):
-        return await completion(request, chat=False)
+    served = Served(
+        engine=engine,
+        model_id=model_id,
+        tokenizer=sm.tokenizer,
+        vocab=sm.store.config.get("vocab_size"),
+        context=sm.store.config.get("max_position_embeddings") or 1 << 30,
+        default_max_tokens=default_max_tokens,
+        created=int(time.time()),
+        config=sm.store.config,
+    )
 
     async def models(request: Request):
-        entry = {"id": model_id, "object": "model", "created": created, "owned_by": "expertstream"}
+        entry = {
+            "id": model_id,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "expertstream",
+        }
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def stats(request: Request):
         cache = engine.cache_stats()
+        prompt_cache = engine.prompt_cache_stats()
         with engine.stats.lock:
             s = engine.stats
-            served = {
+            counts = {
                 "requests": s.requests,
                 "requests_refused": s.requests_refused,
                 "completed": s.completed,
@@ -695,12 +594,15 @@ def build_app(
                 "queued": engine.queued(),
                 "generating": engine.busy(),
                 "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens,
                 "completion_tokens": s.completion_tokens,
                 "tokens_per_second": ratio(s.completion_tokens, s.generation_seconds),
                 "last_prefill_tps": s.last_prefill_tps,
                 "last_decode_tps": s.last_decode_tps,
             }
-        return JSONResponse({"model": model_id, "cache": cache, "server": served})
+        return JSONResponse(
+            {"model": model_id, "cache": cache, "prompt_cache": prompt_cache, "server": counts}
+        )
 
     async def trace(request: Request):
         if engine.recorder is None:
@@ -728,112 +630,24 @@ def build_app(
         yield
         await asyncio.to_thread(engine.close)
 
-    async def refused(request: Request, exc: RequestError):
-        return error_response(exc.message, exc.status, exc.param)
-
     async def http_error(request: Request, exc: HTTPException):
-        return error_response(exc.detail, exc.status_code, headers=exc.headers)
+        return server_openai.error_response(
+            RequestError(None, str(exc.detail), exc.status_code, headers=exc.headers)
+        )
 
     async def internal_error(request: Request, exc: Exception):
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return server_openai.error_response(
+            RequestError(None, f"internal error: {type(exc).__name__}: {exc}", 500)
+        )
 
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
+            *server_openai.routes(served),
+            Route("/v1/models", server_openai.endpoint(models), methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
-            Route("/v1/trace", trace, methods=["GET"]),
+            Route("/v1/trace", server_openai.endpoint(trace), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
-        exception_handlers={
-            RequestError: refused,
-            HTTPException: http_error,
-            Exception: internal_error,
-        },
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
-
-
-class _Reply:
-    """Turns a job's events into OpenAI's chat or text completion objects."""
-
-    def __init__(self, chat: bool, model_id: str, job: Job):
-        self.chat, self.model_id, self.job = chat, model_id, job
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _object(self, choices: list, chunk: bool, usage: dict | None = None) -> dict:
-        kind = "chat.completion" if self.chat else "text_completion"
-        out = {
-            "id": self.id,
-            "object": kind + (".chunk" if chunk and self.chat else ""),
-            "created": self.created,
-            "model": self.model_id,
-            "choices": choices,
-        }
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        key = "delta" if chunk else "message"
-        body = {} if text is None else {"content": text}
-        if not chunk:
-            body["role"] = "assistant"
-        return {"index": 0, key: body, "finish_reason": finish, "logprobs": None}
-
-    async def whole(self, request: Request) -> JSONResponse:
-        """Waits for the whole reply; a client that disconnects meanwhile cancels it."""
-        text = []
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(self.job.events.get(), 0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        self.job.cancel.set()
-                        return error_response("the client disconnected", 499)
-                    continue
-                if event[0] == "text":
-                    text.append(event[1])
-                elif event[0] == "error":
-                    return error_response(event[1], 500)
-                else:
-                    _, finish, usage = event
-                    choice = self._choice("".join(text), finish, chunk=False)
-                    return JSONResponse(self._object([choice], False, usage))
-        except asyncio.CancelledError:
-            self.job.cancel.set()
-            raise
-
-    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per text piece, the finish reason, the usage
-        (when asked), then `[DONE]`. Leaving early (the client went away) cancels the job."""
-
-        def data(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
-        try:
-            if self.chat:
-                first = self._choice("", None, chunk=True)
-                first["delta"]["role"] = "assistant"
-                yield data(self._object([first], True))
-            while True:
-                event = await self.job.events.get()
-                if event[0] == "text":
-                    yield data(self._object([self._choice(event[1], None, True)], True))
-                    continue
-                if event[0] == "error":
-                    yield data({"error": {"message": event[1], "type": "server_error"}})
-                    break
-                _, finish, usage = event
-                yield data(self._object([self._choice(None, finish, True)], True))
-                if include_usage:
-                    yield data(self._object([], True, usage))
-                break
-            yield "data: [DONE]\n\n"
-        finally:
-            self.job.cancel.set()  # a no-op once the reply is over

@@ -1,13 +1,26 @@
 """The server's answers to clients that push at its edges (issue 26's defects), each found
 by trying it as a hostile client would, on a loopback port."""
 
-import pytest
+import logging
+import socket
+import threading
+import time
 
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+import engine.server_requests
 from engine.config import StreamConfig
 from engine.generate import generate, prompt_tokens
 from engine.model import load
+from engine.server import GenerationThread, uvicorn_server
+from engine.server_requests import Job
 
-from test_server import PROMPT, Served
+from test_server import PROMPT, Served, http, raw_post
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +47,126 @@ def test_tiny_temperature_over_http(served):
     greedy = client.completions.create(model="m", prompt=PROMPT, max_tokens=10)
     tiny = client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=1e-45)
     assert tiny.choices[0].text == greedy.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a\ud800b"}]},
+            "messages[0].content",
+        ),
+        ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": PROMPT, "stop": ["\udfff"]}, "stop[0]"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_the_field(served, route, body, param):
+    """JSON can spell a lone surrogate ("\\ud800"), no text encoding takes it: the
+    tokenizer raised, and the client got a 500 (and stderr a traceback)."""
+    status, reply = http("POST", served.url + route, body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert "surrogate" in reply["error"]["message"]
+
+
+def test_a_disconnect_cancels_a_whole_reply(served):
+    """A non-streamed reply went on to its last token after its client left: the check
+    for a disconnect ran only when no token came for 0.5 s, never while generating."""
+    before = served.stats()["server"]
+    client = served.client(max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=1500)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = served.stats()["server"]
+        if s["cancelled"] > before["cancelled"] and not s["generating"]:
+            break
+        time.sleep(0.05)
+    assert (s["cancelled"], s["completed"]) == (before["cancelled"] + 1, before["completed"])
+    assert s["completion_tokens"] - before["completion_tokens"] < 500
+
+
+def test_a_body_longer_than_the_limit_is_refused_by_its_length(served):
+    """A Content-Length of 999999999 with a 2-byte body was never answered: the server
+    waited for the rest. It is refused from the header."""
+    t0 = time.monotonic()
+    answer = raw_post(served.url, b"{}", length=999_999_999)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"over 1048576 bytes" in answer
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.fixture
+def uvicorn_errors():
+    """The records uvicorn's error logger gets (where it writes an app's tracebacks)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_a_stalled_body_is_refused_in_time_and_a_leaving_client_is_quiet(
+    served, monkeypatch, uvicorn_errors
+):
+    """A body that stops coming is answered 408 after BODY_TIMEOUT_S; a client that
+    leaves mid-body printed a ClientDisconnect traceback, one per client."""
+    monkeypatch.setattr(engine.server_requests, "BODY_TIMEOUT_S", 1.0)
+    t0 = time.monotonic()
+    answer = raw_post(served.url, b'{"prompt"', length=100)
+    assert answer.startswith(b"HTTP/1.1 408 ") and 1.0 <= time.monotonic() - t0 < 5
+    host, port = served.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+            )
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert [r.getMessage() for r in uvicorn_errors] == []
+    assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+def test_retry_after_counts_the_queued_replies_not_past_long_ones():
+    """Retry-After was the mean time of every reply so far times the queue: after a few
+    long prompts it said 122 s for a queue of short replies that drained in 3.6 s. Each
+    waiting reply is now estimated from its own prompt and limit at the rates seen."""
+    thread = GenerationThread(lambda: None, max_queue=8)
+    s = thread.stats
+    # Four replies of 4,000-token prompts and 4 tokens each: 30 s apiece, nearly all prefill.
+    s.completed, s.generation_seconds = 4, 120.0
+    s.prompt_tokens = s.prefill_tokens = 16_000
+    s.prefill_seconds = 119.0
+    s.completion_tokens = s.decode_tokens = 16
+    s.decode_seconds = 1.0
+    loop = None
+    for _ in range(3):  # three short requests wait: 8 prompt tokens, up to 4 tokens each
+        thread.submit(Job([1] * 8, 4, 0.0, 1.0, None, [], loop))
+    # 3 x (8 / 134.5 + 4 / 16) s = 0.93 s; the old estimate: 30 s x (3 + 1) = 120 s.
+    assert thread.retry_after() == 1
+
+
+def test_access_log_lines_go_to_stderr(capfd):
+    """uvicorn's access log (one line per request at --log-level info) went to stdout,
+    which is the command's output."""
+
+    class Idle:
+        def cancel_all(self):
+            pass
+
+    app = Starlette(routes=[Route("/ping", lambda request: PlainTextResponse("pong"))])
+    server = uvicorn_server(app, Idle(), "info")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        assert httpx.get(f"http://127.0.0.1:{port}/ping").text == "pong"
+        server.should_exit = True
+        thread.join(10)
+    out, err = capfd.readouterr()
+    assert '"GET /ping HTTP/1.1" 200' in err
+    assert "/ping" not in out

@@ -1,0 +1,511 @@
+"""OpenAI's chat completions (`POST /v1/chat/completions`, with tools) and completions
+(`POST /v1/completions`): SSE streaming or one JSON reply, OpenAI's error body."""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL, checked_ids, encode
+from engine.server_requests import (
+    MAX_TOP_LOGPROBS,
+    Job,
+    RequestError,
+    Served,
+    collect,
+    events,
+    make_job,
+    number,
+    read_json,
+    submit,
+    text,
+)
+from engine.server_requests import (
+    endpoint as guarded,
+)
+from engine.tool_calls import ToolCall, ToolCallStream
+
+# OpenAI's limit of `logprobs` on the (legacy) completions route.
+MAX_COMPLETION_LOGPROBS = 5
+
+
+def error_response(e: RequestError) -> JSONResponse:
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+    kind = e.kind or ("invalid_request_error" if e.status < 500 else "server_error")
+    body = {"error": {"message": e.message, "type": kind, "param": e.param, "code": None}}
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def endpoint(handler):
+    """`handler` answering its RequestErrors in OpenAI's error format."""
+    return guarded(handler, error_response)
+
+
+def routes(served: Served) -> list[Route]:
+    """The chat completions and completions routes of `served`."""
+
+    async def chat_completions(request: Request):
+        data = await read_json(request)
+        check_common(data)
+        tools = openai_tools(data)
+        messages = openai_messages(data.get("messages"))
+        ids = served.chat_ids(messages, tools, "messages")
+        top = chat_logprobs(data)
+        job = job_of(served, data, ids, "messages", top)
+        submit(served.engine, job)
+        reply = ChatReply(served, job, tools, top is not None)
+        if data.get("stream"):
+            return sse(reply.chunks(include_usage(data)))
+        return JSONResponse(reply.whole(await collect(request, job)))
+
+    async def completions(request: Request):
+        data = await read_json(request)
+        check_common(data)
+        for name in ("echo", "suffix", "tools"):
+            if data.get(name):
+                raise RequestError(name, f"{name} is not supported on /v1/completions")
+        ids = prompt_ids(data.get("prompt"), served)
+        top = number(data.get("logprobs"), "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, True)
+        job = job_of(served, data, ids, "prompt", top)
+        submit(served.engine, job)
+        reply = TextReply(served, job)
+        if data.get("stream"):
+            return sse(reply.chunks(include_usage(data)))
+        return JSONResponse(reply.whole(await collect(request, job)))
+
+    return [
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+    ]
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events of `chunks`, then `[DONE]`."""
+
+    async def lines():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def check_common(data: dict) -> None:
+    """The fields both routes refuse the same way: n, model, stream, response_format."""
+    if (n := data.get("n")) is not None and n != 1:
+        raise RequestError("n", "only n = 1 is supported")
+    if not isinstance(data.get("model", ""), str):
+        raise RequestError("model", "model must be a string")
+    if not isinstance(data.get("stream", False), bool):
+        raise RequestError("stream", "stream must be true or false")
+    fmt = data.get("response_format")
+    # Replies are never constrained (to JSON or a schema): a client that asks for that
+    # must not get free text.
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError(
+            "response_format",
+            f'response_format {json.dumps(fmt)} is not supported: only {{"type": "text"}}',
+        )
+
+
+def include_usage(data: dict) -> bool:
+    options = data.get("stream_options") or {}
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def job_of(served: Served, data: dict, ids: list[int], prompt_name: str, top) -> Job:
+    """The job of an OpenAI request's prompt `ids` and sampling fields."""
+    name = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
+    return make_job(
+        ids,
+        served.context,
+        served.default_max_tokens,
+        max_tokens=data.get(name),
+        max_tokens_name=name,
+        prompt_name=prompt_name,
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
+        seed=data.get("seed"),
+        stop=data.get("stop"),
+        logprobs=top,
+    )
+
+
+def chat_logprobs(data: dict) -> int | None:
+    """How many alternatives a chat request wants per token (`top_logprobs`), or None
+    without `logprobs`."""
+    wanted = data.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError("logprobs", "logprobs must be true or false")
+    top = number(data.get("top_logprobs"), "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, True)
+    if top and not wanted:
+        raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
+    return top if wanted else None
+
+
+def openai_tools(data: dict) -> list[dict] | None:
+    """The request's function tools, as chat templates read them; None without tools or
+    with `tool_choice` "none" (the model is not told of them).
+
+    Raises:
+        RequestError: naming the field, for a malformed tool or a `tool_choice` that would
+            force a call (replies are not constrained, so that cannot be promised).
+    """
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(
+            "tool_choice",
+            f'tool_choice {json.dumps(choice)} is not supported: only "auto" or "none" '
+            "(replies are not constrained to a call)",
+        )
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools", "tools must be a list of function tools")
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise RequestError(f"{where}.type", f'{where} must be {{"type": "function", ...}}')
+        out.append(function_tool(t.get("function"), f"{where}.function"))
+    return out or None
+
+
+def function_tool(f, where: str, schema_key: str = "parameters") -> dict:
+    """`{"type": "function", "function": {"name", "description", "parameters"}}` of a
+    function definition `f` whose schema is under `schema_key`.
+
+    Raises:
+        RequestError: naming the field under `where`.
+    """
+    if not isinstance(f, dict):
+        raise RequestError(where, f"{where} must be an object with a name")
+    name = text(f.get("name"), f"{where}.name", empty=False)
+    description = text(f.get("description", ""), f"{where}.description")
+    schema = f.get(schema_key, {"type": "object", "properties": {}})
+    if not isinstance(schema, dict):
+        raise RequestError(f"{where}.{schema_key}", f"{where}.{schema_key} must be an object")
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": schema},
+    }
+
+
+def call_arguments(value, where: str) -> dict:
+    """A call's arguments (a JSON object, or its JSON text) as a dict.
+
+    Raises:
+        RequestError: naming `where`.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise RequestError(where, f"{where} is not JSON") from None
+    if not isinstance(value, dict):
+        raise RequestError(where, f"{where} must be a JSON object")
+    return value
+
+
+def content_text(content, where: str, part_types=("text",)) -> str:
+    """A message's content: a string, or text parts (of `part_types`) joined.
+
+    Raises:
+        RequestError: naming `where` or the part.
+    """
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") in part_types):
+                raise RequestError(f"{where}[{j}]", "only text content parts are supported")
+            parts.append(text(part.get("text"), f"{where}[{j}].text"))
+        return "".join(parts)
+    return text(content, where)
+
+
+def openai_messages(messages) -> list[dict]:
+    """Chat messages as the chat template reads them: `{"role", "content": str}`, an
+    assistant's `tool_calls` (arguments parsed), a tool result's `tool_call_id`.
+
+    Raises:
+        RequestError: naming the message field.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "messages must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(where, f"{where} must be an object with role and content")
+        role = SYSTEM if m.get("role") == "developer" else m.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role", f"{where}.role must be one of {ROLES}")
+        content = m.get("content")
+        message = {"role": role}
+        if role == ASSISTANT and m.get("tool_calls") is not None:
+            message["content"] = (
+                "" if content is None else content_text(content, f"{where}.content")
+            )
+            message["tool_calls"] = openai_calls(m["tool_calls"], f"{where}.tool_calls")
+        else:
+            message["content"] = content_text(content, f"{where}.content")
+        if role == TOOL:
+            message["tool_call_id"] = text(m.get("tool_call_id"), f"{where}.tool_call_id", False)
+        out.append(message)
+    return out
+
+
+def openai_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls`, arguments parsed.
+
+    Raises:
+        RequestError: naming the field under `where`.
+    """
+    if not isinstance(calls, list):
+        raise RequestError(where, f"{where} must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        here = f"{where}[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict):
+            raise RequestError(f"{here}.function", f"{here}.function must be an object")
+        out.append(
+            {
+                "id": text(c.get("id", ""), f"{here}.id"),
+                "type": "function",
+                "function": {
+                    "name": text(f.get("name"), f"{here}.function.name", empty=False),
+                    "arguments": call_arguments(f.get("arguments"), f"{here}.function.arguments"),
+                },
+            }
+        )
+    return out
+
+
+def prompt_ids(prompt, served: Served) -> list[int]:
+    """Token ids of a completion's `prompt`: a string, a list of one string, or token ids.
+
+    Raises:
+        RequestError: naming "prompt".
+    """
+    vocab = served.vocab
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt", "prompt is empty")
+        if served.tokenizer is None:
+            raise RequestError("prompt", "this model has no tokenizer: give token ids")
+        try:
+            return checked_ids(encode(served.tokenizer, prompt), vocab)
+        except ValueError as e:
+            raise RequestError("prompt", str(e)) from None
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        if vocab and (bad := next((t for t in prompt if t >= vocab), None)) is not None:
+            raise RequestError(
+                "prompt",
+                f"prompt token id {bad} is outside the model's vocabulary of {vocab} tokens "
+                f"(ids 0 to {vocab - 1})",
+            )
+        return list(prompt)
+    raise RequestError("prompt", "prompt must be a non-empty string or a list of token ids")
+
+
+def openai_usage(usage: dict) -> dict:
+    """OpenAI's usage object, the prompt cache's part in `prompt_tokens_details`."""
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "total_tokens": usage["total_tokens"],
+        "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+    }
+
+
+def token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "replace"))
+
+
+def chat_logprobs_object(records: list[dict]) -> dict:
+    """Chat's `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
+    return {
+        "content": [
+            {
+                "token": r["token"],
+                "logprob": r["logprob"],
+                "bytes": token_bytes(r["token"]),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": token_bytes(t)} for t, v in r["top"]
+                ],
+            }
+            for r in records
+        ],
+        "refusal": None,
+    }
+
+
+def text_logprobs_object(records: list[dict], top: int, offset: int) -> dict:
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs, text_offset (from
+    `offset`, characters into the reply)."""
+    offsets = []
+    for r in records:
+        offsets.append(offset)
+        offset += len(r["token"])
+    return {
+        "tokens": [r["token"] for r in records],
+        "token_logprobs": [r["logprob"] for r in records],
+        "top_logprobs": [dict(r["top"]) for r in records] if top else None,
+        "text_offset": offsets,
+    }
+
+
+class ChatReply:
+    """A chat completion of a job: the text split from the tool calls (with tools), as
+    one object or as chunks."""
+
+    def __init__(self, served: Served, job: Job, tools: list[dict] | None, logprobs: bool):
+        self.served, self.job, self.logprobs = served, job, logprobs
+        self.split = ToolCallStream(served.tokenizer, tools) if tools else None
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _object(self, choices: list, chunk: bool, usage: dict | None = None) -> dict:
+        out = {
+            "id": self.id,
+            "object": "chat.completion" + (".chunk" if chunk else ""),
+            "created": self.created,
+            "model": self.served.model_id,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = openai_usage(usage)
+        return out
+
+    def _items(self, piece: str, last: bool) -> list:
+        if self.split is None:
+            return [piece] if piece else []
+        return self.split.feed(piece) + (self.split.end() if last else [])
+
+    def _finish(self, end: dict) -> str | None:
+        finish = end["finish"]
+        if finish == "stop" and self.split is not None and self.split.calls:
+            return "tool_calls"
+        return finish
+
+    def whole(self, got) -> dict:
+        """The chat.completion object of a collected reply."""
+        items = self._items("".join(got.pieces), last=True)
+        message = {"role": "assistant", "content": "".join(i for i in items if isinstance(i, str))}
+        if calls := [i for i in items if isinstance(i, ToolCall)]:
+            message["tool_calls"] = [openai_call(c) for c in calls]
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": self._finish(got.end),
+            "logprobs": chat_logprobs_object(got.logprobs) if self.logprobs else None,
+        }
+        return self._object([choice], False, got.end["usage"])
+
+    async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
+        """chat.completion.chunk objects: the role, one per text piece or tool call, the
+        finish reason, the usage (when asked)."""
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield self._object([first], True)
+        calls, pending = 0, []  # log-probabilities not yet sent (text held back)
+        async for event in events(self.job):
+            if event[0] == "error":
+                yield {"error": {"message": event[1], "type": "server_error"}}
+                return
+            last = event[0] == "done"
+            if not last:
+                pending += event[2]
+            for item in self._items("" if last else event[1], last):
+                delta = {"content": item}
+                if isinstance(item, ToolCall):
+                    delta = {"tool_calls": [openai_call(item) | {"index": calls}]}
+                    calls += 1
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                if self.logprobs:
+                    choice["logprobs"], pending = chat_logprobs_object(pending), []
+                yield self._object([choice], True)
+            if last:
+                end = event[1]
+                done = {"index": 0, "delta": {}, "finish_reason": self._finish(end)}
+                if self.logprobs and pending:
+                    done["logprobs"] = chat_logprobs_object(pending)
+                yield self._object([done], True)
+                if include_usage:
+                    yield self._object([], True, end["usage"])
+
+
+def openai_call(call: ToolCall) -> dict:
+    """A tool call as OpenAI's `tool_calls` entry."""
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json()},
+    }
+
+
+class TextReply:
+    """A text completion of a job, as one object or as chunks."""
+
+    def __init__(self, served: Served, job: Job):
+        self.served, self.job = served, job
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _object(self, choices: list, usage: dict | None = None) -> dict:
+        out = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.served.model_id,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = openai_usage(usage)
+        return out
+
+    def _logprobs(self, records: list[dict], offset: int) -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        return text_logprobs_object(records, self.job.logprobs, offset)
+
+    def whole(self, got) -> dict:
+        """The text_completion object of a collected reply."""
+        choice = {
+            "index": 0,
+            "text": "".join(got.pieces),
+            "finish_reason": got.end["finish"],
+            "logprobs": self._logprobs(got.logprobs, 0),
+        }
+        return self._object([choice], got.end["usage"])
+
+    async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
+        """text_completion chunks: one per text piece, the finish reason, the usage."""
+        offset = 0
+        async for event in events(self.job):
+            if event[0] == "error":
+                yield {"error": {"message": event[1], "type": "server_error"}}
+                return
+            if event[0] == "text":
+                logprobs = self._logprobs(event[2], offset)
+                offset += len(event[1])
+                choice = {"index": 0, "text": event[1], "finish_reason": None}
+                yield self._object([choice | {"logprobs": logprobs}])
+                continue
+            end = event[1]
+            choice = {"index": 0, "text": "", "finish_reason": end["finish"], "logprobs": None}
+            yield self._object([choice])
+            if include_usage:
+                yield self._object([], end["usage"])

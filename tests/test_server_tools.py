@@ -1,0 +1,251 @@
+"""Tool calls, log-probabilities and the prompt cache on the OpenAI routes, through the
+official `openai` client. The tool model (tests/tool_model.py) is a real MoE model whose
+greedy reply is a call in its template's format, and whose reply after a tool's result is
+text."""
+
+import json
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.generate import stream_generate
+
+from engine.chat import chat_ids
+from engine.config import StreamConfig
+from engine.generate import prompt_tokens
+from engine.model import load
+
+from test_server import PROMPT, Served, http
+from tool_model import ANSWER, CALL, make_tool_model
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def tool_served(tool_model):
+    s = Served(model=tool_model, prompt_cache_bytes=64 << 20)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(tool_served):
+    return tool_served.client(max_retries=0)
+
+
+def test_a_tool_call_whole(client):
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == ""
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == CALL["name"]
+    assert json.loads(call.function.arguments) == CALL["arguments"]
+    assert r.usage.completion_tokens == 4  # <tool_call>, the JSON, </tool_call>, <eos>
+
+
+def test_a_tool_call_streamed(client):
+    chunks = list(client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, stream=True))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, CALL["name"], CALL["arguments"])
+    ]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_tool_result_goes_back_through_the_template(client, tool_served):
+    first = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call.model_dump()],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    r = client.chat.completions.create(model="m", messages=history, tools=TOOLS)
+    assert r.choices[0].message.content == ANSWER
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    # What the model saw: the tools, the call and the result, as the template renders them.
+    tok = tool_served.engine.sm.tokenizer
+    ids = chat_ids(tok, [*ASK, history[1] | {"tool_calls": [_parsed(call)]}, history[2]], 32, TOOLS)
+    assert tok.decode(ids) == (
+        "SYSTEM TOOLS get_weather END USER weather [UNK] [UNK] END ASSISTANT <tool_call> "
+        + "[UNK] " * 5
+        + "</tool_call> END TOOL sunny END ANSWER"
+    )
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def _parsed(call) -> dict:
+    d = call.model_dump()
+    d["function"]["arguments"] = json.loads(d["function"]["arguments"])
+    return d
+
+
+def test_without_tools_the_call_is_text(client):
+    r = client.chat.completions.create(model="m", messages=ASK)
+    assert r.choices[0].message.content == (
+        '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
+    )
+    assert r.choices[0].finish_reason == "stop"
+    none = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="none")
+    assert none.choices[0].message.content == r.choices[0].message.content
+
+
+def test_a_call_cut_by_max_tokens_is_given_back_as_text(client):
+    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == '<tool_call> {"name": "get_weather", "arguments": ' + (
+        '{"city": "Paris"}}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": "x"}, "tools"),
+        ({"tools": [{"type": "code"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+    ],
+)
+def test_bad_tool_requests(tool_served, extra, param):
+    body = {"messages": ASK} | extra
+    status, reply = http("POST", f"{tool_served.url}/v1/chat/completions", body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_a_model_without_a_tool_template_refuses_tools():
+    plain = Served()
+    try:
+        status, reply = http(
+            "POST",
+            f"{plain.url}/v1/chat/completions",
+            {"messages": [{"role": "user", "content": PROMPT}], "tools": TOOLS},
+        )
+    finally:
+        plain.close()
+    assert status == 400 and reply["error"]["param"] == "tools"
+    assert "cannot call tools" in reply["error"]["message"]
+
+
+def test_the_prompt_cache_serves_a_continued_conversation(client, tool_served):
+    """The second turn's prompt starts with the first turn's prompt and reply: only the
+    rest is prefilled, and usage says how many tokens came from the cache."""
+    before = tool_served.stats()
+    first = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "cat sat on mat"}], tools=TOOLS
+    )
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        {"role": "user", "content": "cat sat on mat"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    second = client.chat.completions.create(model="m", messages=history, tools=TOOLS)
+    assert second.choices[0].message.content == ANSWER
+    # The first prompt ends "... END ASSISTANT", its reply starts "<tool_call>"; the
+    # second prompt renders the call back as "ASSISTANT <tool_call> [UNK] ..." (the JSON
+    # as other words than the model's one token): the first prompt and one reply token
+    # are common.
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.prompt_tokens + 1
+    after = tool_served.stats()
+    assert after["server"]["cached_tokens"] - before["server"]["cached_tokens"] == cached + (
+        first.usage.prompt_tokens_details.cached_tokens
+    )
+    assert 0 < after["prompt_cache"]["bytes"] <= after["prompt_cache"]["budget_bytes"]
+    assert after["prompt_cache"]["entries"] >= 1
+    # The same request again: all but its last token from the cache, the same reply.
+    again = client.chat.completions.create(model="m", messages=history, tools=TOOLS)
+    assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == ANSWER
+
+
+def test_logprobs_equal_mlx_lms():
+    """The server's log-probabilities are mlx-lm's own (`GenerationResponse.logprobs`) for
+    the same steps, on both routes, whole and streamed."""
+    sm = load(None, StreamConfig(expert_slots=8))
+    ids = prompt_tokens(sm, PROMPT, chat=False)
+    want, top = [], []
+    for r in stream_generate(sm.model, sm.tokenizer, mx.array(ids), max_tokens=5):
+        want.append(r.logprobs[r.token].item())
+        order = mx.argsort(-r.logprobs)[:3].tolist()
+        top.append([(sm.tokenizer.decode([i]), r.logprobs[i].item()) for i in order])
+    del sm
+    served = Served()
+    try:
+        client = served.client(max_retries=0)
+        r = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, logprobs=3)
+        lp = r.choices[0].logprobs
+        assert lp.token_logprobs == pytest.approx(want, abs=1e-5)
+        assert [list(d.items()) for d in lp.top_logprobs] == [
+            [(t, pytest.approx(v, abs=1e-5)) for t, v in step] for step in top
+        ]
+        assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+
+        messages = [{"role": "user", "content": PROMPT}]
+        chat = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=5, logprobs=True, top_logprobs=3
+        )
+        content = chat.choices[0].logprobs.content
+        assert [c.logprob for c in content] == pytest.approx(want, abs=1e-5)
+        assert [[t.token for t in c.top_logprobs] for c in content] == [
+            [t for t, _ in step] for step in top
+        ]
+        stream = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=5, logprobs=True, stream=True
+        )
+        streamed = [
+            e.logprob
+            for c in stream
+            if c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
+        assert streamed == pytest.approx(want, abs=1e-5)
+        status, reply = http(
+            "POST", f"{served.url}/v1/chat/completions", {"messages": messages, "top_logprobs": 2}
+        )
+        assert status == 400 and reply["error"]["param"] == "top_logprobs"
+    finally:
+        served.close()
+
+
+def test_bad_requests_never_500(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m", messages=[{"role": "tool", "content": "x", "tool_call_id": 5}]
+        )
+    assert e.value.body["param"] == "messages[0].tool_call_id"
