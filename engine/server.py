@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import server_openai
+from engine import server_anthropic, server_ollama, server_openai, server_responses
 from engine.cache import ratio
 from engine.server_requests import Job, RequestError, Served
 
@@ -569,6 +569,7 @@ def build_app(
         default_max_tokens=default_max_tokens,
         created=int(time.time()),
         config=sm.store.config,
+        size_bytes=sum(f.stat().st_size for f in sm.store.path.iterdir() if f.is_file()),
     )
 
     async def models(request: Request):
@@ -643,6 +644,9 @@ def build_app(
     return Starlette(
         routes=[
             *server_openai.routes(served),
+            *server_responses.routes(served),
+            *server_anthropic.routes(served),
+            *server_ollama.routes(served),
             Route("/v1/models", server_openai.endpoint(models), methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
             Route("/v1/trace", server_openai.endpoint(trace), methods=["GET"]),

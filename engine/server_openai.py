@@ -17,6 +17,7 @@ from engine.server_requests import (
     RequestError,
     Served,
     collect,
+    event_stream,
     events,
     make_job,
     number,
@@ -91,9 +92,7 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
-        lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return event_stream(lines())
 
 
 def check_common(data: dict) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from engine.chat import chat_ids, has_tool_calling
 from engine.config import ConfigError, check_sampling
@@ -42,6 +42,13 @@ class RequestError(Exception):
         self.param, self.message, self.status = param, message, status
         self.kind, self.headers = kind, headers
 
+    def named(self) -> str:
+        """The message, led by the field it names unless it starts with it already (for
+        error formats without a field of their own)."""
+        if self.param and not self.message.startswith(self.param):
+            return f"{self.param}: {self.message}"
+        return self.message
+
 
 @dataclass
 class Served:
@@ -56,6 +63,7 @@ class Served:
         default_max_tokens: reply limit of requests that set none.
         created: when the server started, Unix seconds.
         config: the model's config.json.
+        size_bytes: the bytes of the model's store files.
     """
 
     engine: object
@@ -66,6 +74,12 @@ class Served:
     default_max_tokens: int
     created: int
     config: dict
+    size_bytes: int = 0
+
+    @property
+    def tools(self) -> bool:
+        """The model can call tools (`engine.chat.has_tool_calling`)."""
+        return has_tool_calling(self.tokenizer)
 
     def chat_ids(self, messages: list[dict], tools: list[dict] | None, param: str) -> list[int]:
         """The prompt of `messages` (and `tools`) through the chat template.
@@ -73,7 +87,7 @@ class Served:
         Raises:
             RequestError: naming `param`, or "tools" for a model that cannot call tools.
         """
-        if tools and not has_tool_calling(self.tokenizer):
+        if tools and not self.tools:
             raise RequestError(
                 "tools",
                 "this model cannot call tools: its chat template renders none in a format "
@@ -99,6 +113,13 @@ def endpoint(
             return error(e)
 
     return run
+
+
+def event_stream(lines: AsyncIterator[str]) -> StreamingResponse:
+    """A response of server-sent events, `lines` already in their wire format."""
+    return StreamingResponse(
+        lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 def lone_surrogate(value, path: str = "") -> str | None:

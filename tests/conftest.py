@@ -8,6 +8,7 @@ from engine.convert import convert
 from engine.store import ExpertStore
 
 from factories import make_random_model
+from tool_model import make_tool_model
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -45,3 +46,9 @@ def qwen_store(model_dirs, tmp_path_factory):
     """ExpertStore of a 4-layer, 8-expert, top-2 quantized qwen3_moe model."""
     dest = tmp_path_factory.mktemp("stores") / "qwen3"
     return ExpertStore(convert(model_dirs("qwen3_moe"), dest))
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """A tiny model that calls a tool (tests/tool_model.py)."""
+    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "model")

@@ -16,7 +16,7 @@ from engine.generate import prompt_tokens
 from engine.model import load
 
 from test_server import PROMPT, Served, http
-from tool_model import ANSWER, CALL, make_tool_model
+from tool_model import ANSWER, CALL
 
 TOOLS = [
     {
@@ -29,11 +29,6 @@ TOOLS = [
     }
 ]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
-
-
-@pytest.fixture(scope="session")
-def tool_model(tmp_path_factory):
-    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "model")
 
 
 @pytest.fixture(scope="module")
