@@ -244,3 +244,63 @@ def test_bad_requests_never_500(client):
             model="m", messages=[{"role": "tool", "content": "x", "tool_call_id": 5}]
         )
     assert e.value.body["param"] == "messages[0].tool_call_id"
+
+
+def test_replies_over_the_prompt_cache_equal_replies_without_it():
+    """A conversation continued turn by turn, with stop strings and a reply cancelled
+    midway (which may leave the KV a token ahead in some layers): the same text with the
+    prompt cache as without, and the cache is used."""
+    with_cache, without = Served(prompt_cache_bytes=256 << 20), Served()
+    try:
+
+        def turns(served) -> list[str]:
+            client = served.client(max_retries=0, timeout=60)
+            text, out = PROMPT, []
+            for stop in ([". "], None, ["!"], ["."]):
+                r = client.completions.create(model="m", prompt=text, max_tokens=20, stop=stop)
+                out.append(r.choices[0].text)
+                text += r.choices[0].text + " Then"
+            # A stream left after a few pieces: cancelled mid-reply.
+            with client.completions.with_streaming_response.create(
+                model="m", prompt=text, max_tokens=400, stream=True
+            ) as response:
+                next(response.iter_lines())
+            r = client.completions.create(model="m", prompt=text + " and", max_tokens=12)
+            return [*out, r.choices[0].text]
+
+        cached = turns(with_cache)
+        assert cached == turns(without)
+        reused = with_cache.stats()["server"]["cached_tokens"]
+        assert reused > 40 and without.stats()["server"]["cached_tokens"] == 0
+    finally:
+        with_cache.close()
+        without.close()
+
+
+def test_the_prompt_cache_stays_within_its_budget():
+    """Different prompts each leave an entry; the least recently used go once their KV
+    passes the budget."""
+    from engine.server import PROMPT_CACHE_ENTRIES
+
+    budget = 5 << 20  # bytes: two entries (the KV is allocated 256 tokens at a time)
+    served = Served(prompt_cache_bytes=budget)
+    try:
+        client = served.client(max_retries=0)
+        words = "cat dog sun tree king ball cake fish bird frog boat hat".split()
+        assert len(words) == PROMPT_CACHE_ENTRIES + 2
+        shared = []  # tokens reused by each prompt: the start they all share
+        for word in words:
+            r = client.completions.create(model="m", prompt=f"{PROMPT} {word}", max_tokens=2)
+            shared.append(r.usage.prompt_tokens_details.cached_tokens)
+            cache = served.stats()["prompt_cache"]
+            assert 0 < cache["bytes"] <= budget and cache["budget_bytes"] == budget
+        assert shared == [0] + [4] * (len(words) - 1)  # "Once upon a": 4 tokens
+        assert cache["entries"] == 2
+        # The most recent prompt is kept: asked again, all but its last token are reused.
+        again = client.completions.create(model="m", prompt=f"{PROMPT} hat", max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+        # The first one is gone: only the start all share is reused.
+        first = client.completions.create(model="m", prompt=f"{PROMPT} cat", max_tokens=2)
+        assert first.usage.prompt_tokens_details.cached_tokens == 4
+    finally:
+        served.close()
