@@ -50,8 +50,6 @@ from engine import server_anthropic, server_ollama, server_openai, server_respon
 from engine.cache import ratio
 from engine.server_requests import Job, RequestError, Served
 
-__all__ = ["GenerationThread", "Job", "StopMatcher", "bind", "build_app", "url", "uvicorn_server"]
-
 # The expert cache's counters that `/v1/stats` reports (CacheSnapshot.totals() keys).
 CACHE_STATS = (
     "hits",

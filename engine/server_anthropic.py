@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, SYSTEM, TOOL, USER
-from engine.server_openai import call_arguments, function_tool
+from engine.server_messages import call_arguments, function_tool
 from engine.server_requests import (
     RequestError,
     Served,

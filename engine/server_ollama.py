@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL, USER, checked_ids, encode
-from engine.server_openai import call_arguments, openai_tools
+from engine.server_messages import call_arguments, openai_tools
 from engine.server_requests import (
     RequestError,
     Served,

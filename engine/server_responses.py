@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, SYSTEM, TOOL, USER
-from engine.server_openai import call_arguments, content_text, endpoint, function_tool
+from engine.server_messages import call_arguments, content_text, function_tool
+from engine.server_openai import endpoint
 from engine.server_requests import (
     RequestError,
     Served,

@@ -42,6 +42,18 @@ def test_tiny_temperatures_are_greedy(temperature):
     assert generate(sm, ids, 12, temperature=temperature).tokens == greedy.tokens
 
 
+def test_generate_temp_1e_300_is_greedy(capfd):
+    """`expertstream generate --temp 1e-300` printed garbage."""
+    from engine.cli import main
+
+    def run(*flags) -> str:
+        assert main(["generate", "--prompt", PROMPT, "--max-tokens", "10", *flags]) == 0
+        return capfd.readouterr().out
+
+    greedy = run()
+    assert greedy.startswith(PROMPT + " time, there was") and run("--temp", "1e-300") == greedy
+
+
 def test_tiny_temperature_over_http(served):
     client = served.client(max_retries=0)
     greedy = client.completions.create(model="m", prompt=PROMPT, max_tokens=10)
