@@ -136,6 +136,7 @@ class Server:
         return first, cached
 
     def close(self) -> None:
+        """Stops uvicorn; the generation thread ends with the app's lifespan."""
         self.server.should_exit = True
         self.thread.join(60)
 
@@ -166,6 +167,7 @@ def measure(server: Server, context: int, new: int, reply: int, reps: int, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measures and prints the table (markdown) and the medians; returns the exit code."""
     p = argparse.ArgumentParser(prog="python -m bench.prompt_cache", description=__doc__)
     p.add_argument("--model", help="mlx-lm model directory or expert store (default: embedded)")
     p.add_argument("--synthetic", metavar="WORK_DIR", help="serve the synthetic store there")

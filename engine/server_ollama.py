@@ -139,6 +139,7 @@ def routes(served: Served) -> list[Route]:
             top_p=options.get("top_p"),
             sampling_names=("options.temperature", "options.top_p"),
             seed=options.get("seed"),
+            seed_name="options.seed",
             stop=options.get("stop") or None,
             stop_name="options.stop",
         )
@@ -193,7 +194,8 @@ def ollama_messages(messages) -> list[dict]:
             raise RequestError(f"{where}.role", f"{where}.role must be one of {ROLES}")
         if m.get("images"):
             raise RequestError(f"{where}.images", "images are not supported: the model reads text")
-        message = {"role": m["role"], "content": text(m.get("content", ""), f"{where}.content")}
+        content = m.get("content") or ""  # absent or null in a turn that only calls tools
+        message = {"role": m["role"], "content": text(content, f"{where}.content")}
         if m["role"] == ASSISTANT and m.get("tool_calls"):
             calls = m["tool_calls"]
             if not isinstance(calls, list):

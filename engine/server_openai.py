@@ -112,6 +112,7 @@ def check_common(data: dict) -> None:
 
 
 def include_usage(data: dict) -> bool:
+    """A streamed reply ends with a usage chunk (`stream_options.include_usage`)."""
     options = data.get("stream_options") or {}
     return isinstance(options, dict) and options.get("include_usage") is True
 
@@ -190,6 +191,7 @@ def openai_usage(usage: dict) -> dict:
 
 
 def token_bytes(token: str) -> list[int]:
+    """A token's text as the UTF-8 bytes OpenAI's logprobs entries carry."""
     return list(token.encode("utf-8", "replace"))
 
 

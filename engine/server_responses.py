@@ -46,8 +46,10 @@ def routes(served: Served) -> list[Route]:
                 "previous_response_id is not supported: responses are not stored; send the "
                 "conversation as input",
             )
-        fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
-        if fmt not in (None, {"type": "text"}):
+        options = data.get("text") or {}
+        if not isinstance(options, dict):
+            raise RequestError("text", "text must be an object (its format)")
+        if (fmt := options.get("format")) not in (None, {"type": "text"}):
             raise RequestError(
                 "text.format",
                 f'text.format {json.dumps(fmt)} is not supported: only {{"type": "text"}}',

@@ -125,6 +125,8 @@ def test_tool_calls_then_the_result(tool_model):
             "options.temperature",
         ),
         ("/api/generate", {"prompt": PROMPT, "options": {"stop": [""]}}, "options.stop"),
+        ("/api/generate", {"prompt": PROMPT, "options": {"seed": -3}}, "options.seed"),
+        ("/api/generate", {"prompt": PROMPT, "options": ["num_predict"]}, "options"),
         ("/api/generate", {"prompt": PROMPT, "format": "json"}, "format"),
         ("/api/generate", {"prompt": 5}, "prompt"),
         ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}, "tools"),

@@ -126,6 +126,7 @@ def test_function_calls_whole_and_streamed_then_the_output(tool_served):
         ({"input": PROMPT, "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": PROMPT, "top_p": 2}, "top_p"),
         ({"input": PROMPT, "text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"input": PROMPT, "text": "plain"}, "text"),
         (
             {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
             "input[0].arguments",
