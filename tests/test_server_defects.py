@@ -5,6 +5,7 @@ import logging
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -182,3 +183,48 @@ def test_access_log_lines_go_to_stderr(capfd):
     out, err = capfd.readouterr()
     assert '"GET /ping HTTP/1.1" 200' in err
     assert "/ping" not in out
+
+
+def test_every_protocol_shares_the_queue_and_refuses_in_its_own_format():
+    """One generation queue behind every route: with one reply generating (held at a
+    gate) and one waiting, each protocol's next request gets 503, a Retry-After, and its
+    own error body."""
+    small = Served(max_queue=1)
+    gate = threading.Event()
+    serve = small.engine._serve
+    small.engine._serve = lambda job: (gate.wait(), serve(job))
+    url = small.url
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            accepted = [
+                pool.submit(
+                    http, "POST", f"{url}/api/generate", {"prompt": PROMPT, "stream": False}
+                )
+            ]
+            while not small.engine.busy():
+                time.sleep(0.01)
+            body = {"max_tokens": 2, "messages": [{"role": "user", "content": PROMPT}]}
+            accepted.append(pool.submit(http, "POST", f"{url}/v1/messages", body))
+            while small.engine.queued() < 1:
+                time.sleep(0.01)
+            refused = {
+                "/v1/completions": {"prompt": PROMPT},
+                "/v1/responses": {"input": PROMPT},
+                "/v1/messages": body,
+                "/api/chat": {"messages": body["messages"], "stream": False},
+            }
+            answers = {}
+            for route, request in refused.items():
+                r = httpx.post(url + route, json=request, timeout=30)
+                answers[route] = (r.status_code, int(r.headers["retry-after"]) >= 1, r.json())
+            gate.set()
+            assert [f.result()[0] for f in accepted] == [200, 200]
+        assert {route: a[:2] for route, a in answers.items()} == dict.fromkeys(refused, (503, True))
+        assert answers["/v1/completions"][2]["error"]["type"] == "server_busy"
+        assert answers["/v1/responses"][2]["error"]["type"] == "server_busy"
+        assert answers["/v1/messages"][2]["error"]["type"] == "overloaded_error"
+        assert answers["/api/chat"][2]["error"].startswith("the server is busy")
+        assert small.stats()["server"]["requests_refused"] == 4
+    finally:
+        gate.set()
+        small.close()
