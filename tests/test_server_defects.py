@@ -228,3 +228,37 @@ def test_every_protocol_shares_the_queue_and_refuses_in_its_own_format():
     finally:
         gate.set()
         small.close()
+
+
+ROUTES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 2}},
+    "/api/generate": {"prompt": "hi", "options": {"num_predict": 2}},
+}
+FIELDS = (
+    "messages", "prompt", "input", "max_tokens", "max_output_tokens", "tools", "tool_choice",
+    "stop", "stop_sequences", "system", "instructions", "options", "temperature", "top_p",
+    "seed", "logprobs", "top_logprobs", "stream_options", "response_format", "text", "n",
+    "raw", "format", "think", "top_k",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_no_field_value_gets_a_5xx(tool_model, route):
+    """Every field of every route as null, a negative number, a string, a list, an object
+    or a lone surrogate: an answer below 500 (a reply, or the protocol's 400)."""
+    served = Served(model=tool_model)
+    try:
+        statuses = set()
+        for name in FIELDS:
+            for value in (None, -1, "x", [], [{}], {"a": 1}, "\ud800"):
+                body = ROUTES[route] | {name: value, "stream": False}
+                status, reply = http("POST", served.url + route, body)
+                assert status < 500, (name, value, reply)
+                statuses.add(status)
+        assert statuses == {200, 400}
+    finally:
+        served.close()
