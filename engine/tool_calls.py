@@ -41,7 +41,7 @@ class ToolCallStream:
         tools: the request's tools (the parser may read their parameter types).
 
     `feed` and `end` return items in reply order: `str` (text the model said outside any
-    call; reasoning markers' text is passed through as text) or `ToolCall`. A call that
+    call, its reasoning markers included, as it wrote them) or `ToolCall`. A call that
     cannot be parsed (cut by max_tokens, or not what the parser reads) is given back as
     the text the model wrote, markers included, so nothing the model said is lost.
     """
@@ -49,6 +49,10 @@ class ToolCallStream:
     def __init__(self, tokenizer, tools: list[dict]):
         self._parse = tokenizer.tool_parser
         self._start, self._end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
+        # The state machine consumes the reasoning markers too: they are given back.
+        self._think = (
+            (tokenizer.think_start, tokenizer.think_end) if tokenizer.has_thinking else None
+        )
         self._tools = tools
         self._state = make_text_state_machine(tokenizer).make_state("normal")
         self._state_name = "normal"  # the state the last segment was in
@@ -74,6 +78,10 @@ class ToolCallStream:
         for state, text in segments:
             if previous == "tool" and state != "tool":
                 items += self._close(finished=True)
+            if self._think and (previous, state) == ("normal", "reasoning"):
+                items.append(self._think[0])
+            if self._think and (previous, state) == ("reasoning", "normal"):
+                items.append(self._think[1])
             if state == "tool":
                 self._call += text
             elif text:

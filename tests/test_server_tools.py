@@ -304,3 +304,32 @@ def test_the_prompt_cache_stays_within_its_budget():
         assert first.usage.prompt_tokens_details.cached_tokens == 4
     finally:
         served.close()
+
+
+def test_the_split_keeps_every_character_the_model_wrote_outside_its_calls(tool_model):
+    """Through mlx-lm's own state machine and parser (the tool model's tokenizer also has
+    reasoning markers): fed a character at a time, the text around the call comes back as
+    written, reasoning markers included, and a call that does not parse comes back as
+    its text."""
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.tool_calls import ToolCall, ToolCallStream
+
+    tok = load_tokenizer(tool_model)
+    assert tok.has_thinking and tok.has_tool_calling
+
+    def split(reply: str) -> tuple[str, list]:
+        stream = ToolCallStream(tok, TOOLS)
+        items = [i for ch in reply for i in stream.feed(ch)] + stream.end()
+        said = "".join(i for i in items if isinstance(i, str))
+        return said, [(c.name, c.arguments) for c in items if isinstance(c, ToolCall)]
+
+    call = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
+    said, calls = split(f"<think> which tool? </think> Checking. {call} Done <tool")
+    assert said == "<think> which tool? </think> Checking.  Done <tool"
+    assert calls == [("get_weather", {"city": "Paris"})]
+    assert split("<tool_call> not json </tool_call> x") == (
+        "<tool_call> not json </tool_call> x",
+        [],
+    )
+    assert split('<tool_call> {"name": "f"') == ('<tool_call> {"name": "f"', [])

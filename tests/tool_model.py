@@ -41,6 +41,8 @@ WORDS = [
     "sunny",
     "weather",
     "get_weather",
+    "<think>",
+    "</think>",
 ]
 VOCAB = 32  # WORDS, then unused ids
 
