@@ -1,7 +1,10 @@
 """OpenAI's chat completions (`POST /v1/chat/completions`, with tools) and completions
 (`POST /v1/completions`): SSE streaming or one JSON reply, OpenAI's error body."""
 
+import asyncio
+import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +33,8 @@ from engine.tool_calls import ToolCall, ToolCallStream
 
 # OpenAI's limit of `logprobs` on the (legacy) completions route.
 MAX_COMPLETION_LOGPROBS = 5
+# Choices (`n`) a request may ask for: each is a reply of its own in the queue.
+MAX_CHOICES = 8
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -54,12 +59,12 @@ def routes(served: Served) -> list[Route]:
         messages = openai_messages(data.get("messages"))
         ids = served.chat_ids(messages, tools, "messages")
         top = chat_logprobs(data)
-        job = job_of(served, data, ids, "messages", top)
-        submit(served.engine, job)
-        reply = ChatReply(served, job, tools, top is not None)
+        jobs = jobs_of(served, data, ids, "messages", top)
+        submit_all(served.engine, jobs)
+        reply = ChatReply(served, jobs, tools, top is not None)
         if data.get("stream"):
             return sse(reply.chunks(include_usage(data)))
-        return JSONResponse(reply.whole(await collect(request, job)))
+        return JSONResponse(reply.whole(await collect_all(request, jobs)))
 
     async def completions(request: Request):
         data = await read_json(request)
@@ -69,12 +74,12 @@ def routes(served: Served) -> list[Route]:
                 raise RequestError(name, f"{name} is not supported on /v1/completions")
         ids = prompt_ids(data.get("prompt"), served)
         top = number(data.get("logprobs"), "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, True)
-        job = job_of(served, data, ids, "prompt", top)
-        submit(served.engine, job)
-        reply = TextReply(served, job)
+        jobs = jobs_of(served, data, ids, "prompt", top)
+        submit_all(served.engine, jobs)
+        reply = TextReply(served, jobs)
         if data.get("stream"):
             return sse(reply.chunks(include_usage(data)))
-        return JSONResponse(reply.whole(await collect(request, job)))
+        return JSONResponse(reply.whole(await collect_all(request, jobs)))
 
     return [
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
@@ -94,9 +99,7 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 def check_common(data: dict) -> None:
-    """The fields both routes refuse the same way: n, model, stream, response_format."""
-    if (n := data.get("n")) is not None and n != 1:
-        raise RequestError("n", "only n = 1 is supported")
+    """The fields both routes refuse the same way: model, stream, response_format."""
     if not isinstance(data.get("model", ""), str):
         raise RequestError("model", "model must be a string")
     if not isinstance(data.get("stream", False), bool):
@@ -117,10 +120,17 @@ def include_usage(data: dict) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def job_of(served: Served, data: dict, ids: list[int], prompt_name: str, top) -> Job:
-    """The job of an OpenAI request's prompt `ids` and sampling fields."""
+def jobs_of(served: Served, data: dict, ids: list[int], prompt_name: str, top) -> list[Job]:
+    """The jobs of an OpenAI request's prompt `ids` and sampling fields: one per choice
+    (`n`), each a reply of its own (after the first, the prompt comes from the prompt
+    cache); with a `seed`, choice i samples with seed + i, so that they differ and repeat.
+
+    Raises:
+        RequestError: naming the field.
+    """
+    n = number(data.get("n"), "n", 1, 1, MAX_CHOICES, integer=True)
     name = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
-    return make_job(
+    first = make_job(
         ids,
         served.context,
         served.default_max_tokens,
@@ -133,6 +143,52 @@ def job_of(served: Served, data: dict, ids: list[int], prompt_name: str, top) ->
         stop=data.get("stop"),
         logprobs=top,
     )
+    seed = first.seed
+    return [first] + [
+        dataclasses.replace(
+            first,
+            seed=None if seed is None else (seed + i) % 2**64,
+            events=asyncio.Queue(),
+            cancel=threading.Event(),
+        )
+        for i in range(1, n)
+    ]
+
+
+def submit_all(engine, jobs: list[Job]) -> None:
+    """Queues every job of a request, or none: when the queue is full before the last,
+    those queued are cancelled (the thread skips them).
+
+    Raises:
+        RequestError: 503 (as `submit`).
+    """
+    for i, job in enumerate(jobs):
+        try:
+            submit(engine, job)
+        except RequestError:
+            for queued in jobs[:i]:
+                queued.cancel.set()
+            raise
+
+
+async def collect_all(request: Request, jobs: list[Job]) -> list:
+    """Every job's whole reply (`collect`), in order; a failure or a disconnect cancels
+    the jobs not yet done."""
+    try:
+        return [await collect(request, job) for job in jobs]
+    finally:
+        for job in jobs:
+            job.cancel.set()  # a no-op for the jobs done
+
+
+def total_usage(usages: list[dict]) -> dict:
+    """The usage of a request's choices: its prompt once, every choice's reply tokens."""
+    first = usages[0]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return first | {
+        "completion_tokens": completion,
+        "total_tokens": first["prompt_tokens"] + completion,
+    }
 
 
 def chat_logprobs(data: dict) -> int | None:
@@ -229,12 +285,11 @@ def text_logprobs_object(records: list[dict], top: int, offset: int) -> dict:
 
 
 class ChatReply:
-    """A chat completion of a job: the text split from the tool calls (with tools), as
-    one object or as chunks."""
+    """A chat completion of a request's jobs (one per choice): the text split from the
+    tool calls (with tools), as one object or as chunks."""
 
-    def __init__(self, served: Served, job: Job, tools: list[dict] | None, logprobs: bool):
-        self.served, self.job, self.logprobs = served, job, logprobs
-        self.split = ToolCallStream(served.tokenizer, tools) if tools else None
+    def __init__(self, served: Served, jobs: list[Job], tools: list[dict] | None, logprobs: bool):
+        self.served, self.jobs, self.tools, self.logprobs = served, jobs, tools, logprobs
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -250,61 +305,84 @@ class ChatReply:
             out["usage"] = openai_usage(usage)
         return out
 
-    def _items(self, piece: str, last: bool) -> list:
-        if self.split is None:
+    def _split(self) -> ToolCallStream | None:
+        return ToolCallStream(self.served.tokenizer, self.tools) if self.tools else None
+
+    @staticmethod
+    def _items(split: ToolCallStream | None, piece: str, last: bool) -> list:
+        if split is None:
             return [piece] if piece else []
-        return self.split.feed(piece) + (self.split.end() if last else [])
+        return split.feed(piece) + (split.end() if last else [])
 
-    def _finish(self, end: dict) -> str | None:
-        finish = end["finish"]
-        if finish == "stop" and self.split is not None and self.split.calls:
+    @staticmethod
+    def _finish(end: dict, split: ToolCallStream | None) -> str | None:
+        if end["finish"] == "stop" and split is not None and split.calls:
             return "tool_calls"
-        return finish
+        return end["finish"]
 
-    def whole(self, got) -> dict:
-        """The chat.completion object of a collected reply."""
-        items = self._items("".join(got.pieces), last=True)
-        message = {"role": "assistant", "content": "".join(i for i in items if isinstance(i, str))}
-        if calls := [i for i in items if isinstance(i, ToolCall)]:
-            message["tool_calls"] = [openai_call(c) for c in calls]
-        choice = {
-            "index": 0,
-            "message": message,
-            "finish_reason": self._finish(got.end),
-            "logprobs": chat_logprobs_object(got.logprobs) if self.logprobs else None,
-        }
-        return self._object([choice], False, got.end["usage"])
+    def whole(self, gots: list) -> dict:
+        """The chat.completion object of the collected replies, one choice each."""
+        choices = []
+        for index, got in enumerate(gots):
+            split = self._split()
+            items = self._items(split, "".join(got.pieces), last=True)
+            said = "".join(i for i in items if isinstance(i, str))
+            message = {"role": "assistant", "content": said}
+            if calls := [i for i in items if isinstance(i, ToolCall)]:
+                message["tool_calls"] = [openai_call(c) for c in calls]
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "finish_reason": self._finish(got.end, split),
+                    "logprobs": chat_logprobs_object(got.logprobs) if self.logprobs else None,
+                }
+            )
+        return self._object(choices, False, total_usage([g.end["usage"] for g in gots]))
 
     async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
-        """chat.completion.chunk objects: the role, one per text piece or tool call, the
-        finish reason, the usage (when asked)."""
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield self._object([first], True)
-        calls, pending = 0, []  # log-probabilities not yet sent (text held back)
-        async for event in events(self.job):
+        """chat.completion.chunk objects, choice after choice: its role, one per text
+        piece or tool call, its finish reason; then the usage (when asked)."""
+        usages = []
+        try:
+            for index, job in enumerate(self.jobs):
+                async for chunk in self._choice_chunks(index, job, usages):
+                    yield chunk
+                if len(usages) == index:  # the choice failed: its error was the last chunk
+                    return
+            if include_usage:
+                yield self._object([], True, total_usage(usages))
+        finally:
+            for job in self.jobs:
+                job.cancel.set()  # a no-op for the jobs done
+
+    async def _choice_chunks(self, index: int, job: Job, usages: list) -> AsyncIterator[dict]:
+        role = {"role": "assistant", "content": ""}
+        yield self._object([{"index": index, "delta": role, "finish_reason": None}], True)
+        split, calls, pending = self._split(), 0, []  # pending: log-probabilities not sent
+        async for event in events(job):
             if event[0] == "error":
                 yield {"error": {"message": event[1], "type": "server_error"}}
                 return
             last = event[0] == "done"
             if not last:
                 pending += event[2]
-            for item in self._items("" if last else event[1], last):
+            for item in self._items(split, "" if last else event[1], last):
                 delta = {"content": item}
                 if isinstance(item, ToolCall):
                     delta = {"tool_calls": [openai_call(item) | {"index": calls}]}
                     calls += 1
-                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                choice = {"index": index, "delta": delta, "finish_reason": None}
                 if self.logprobs:
                     choice["logprobs"], pending = chat_logprobs_object(pending), []
                 yield self._object([choice], True)
             if last:
                 end = event[1]
-                done = {"index": 0, "delta": {}, "finish_reason": self._finish(end)}
+                done = {"index": index, "delta": {}, "finish_reason": self._finish(end, split)}
                 if self.logprobs and pending:
                     done["logprobs"] = chat_logprobs_object(pending)
                 yield self._object([done], True)
-                if include_usage:
-                    yield self._object([], True, end["usage"])
+                usages.append(end["usage"])
 
 
 def openai_call(call: ToolCall) -> dict:
@@ -317,10 +395,12 @@ def openai_call(call: ToolCall) -> dict:
 
 
 class TextReply:
-    """A text completion of a job, as one object or as chunks."""
+    """A text completion of a request's jobs (one per choice), as one object or as
+    chunks."""
 
-    def __init__(self, served: Served, job: Job):
-        self.served, self.job = served, job
+    def __init__(self, served: Served, jobs: list[Job]):
+        self.served, self.jobs = served, jobs
+        self.top = jobs[0].logprobs
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -337,35 +417,46 @@ class TextReply:
         return out
 
     def _logprobs(self, records: list[dict], offset: int) -> dict | None:
-        if self.job.logprobs is None:
+        if self.top is None:
             return None
-        return text_logprobs_object(records, self.job.logprobs, offset)
+        return text_logprobs_object(records, self.top, offset)
 
-    def whole(self, got) -> dict:
-        """The text_completion object of a collected reply."""
-        choice = {
-            "index": 0,
-            "text": "".join(got.pieces),
-            "finish_reason": got.end["finish"],
-            "logprobs": self._logprobs(got.logprobs, 0),
-        }
-        return self._object([choice], got.end["usage"])
+    def whole(self, gots: list) -> dict:
+        """The text_completion object of the collected replies, one choice each."""
+        choices = [
+            {
+                "index": index,
+                "text": "".join(got.pieces),
+                "finish_reason": got.end["finish"],
+                "logprobs": self._logprobs(got.logprobs, 0),
+            }
+            for index, got in enumerate(gots)
+        ]
+        return self._object(choices, total_usage([g.end["usage"] for g in gots]))
 
     async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
-        """text_completion chunks: one per text piece, the finish reason, the usage."""
-        offset = 0
-        async for event in events(self.job):
-            if event[0] == "error":
-                yield {"error": {"message": event[1], "type": "server_error"}}
-                return
-            if event[0] == "text":
-                logprobs = self._logprobs(event[2], offset)
-                offset += len(event[1])
-                choice = {"index": 0, "text": event[1], "finish_reason": None}
-                yield self._object([choice | {"logprobs": logprobs}])
-                continue
-            end = event[1]
-            choice = {"index": 0, "text": "", "finish_reason": end["finish"], "logprobs": None}
-            yield self._object([choice])
+        """text_completion chunks, choice after choice: one per text piece, its finish
+        reason; then the usage (when asked)."""
+        usages = []
+        try:
+            for index, job in enumerate(self.jobs):
+                offset = 0
+                async for event in events(job):
+                    if event[0] == "error":
+                        yield {"error": {"message": event[1], "type": "server_error"}}
+                        return
+                    if event[0] == "text":
+                        logprobs = self._logprobs(event[2], offset)
+                        offset += len(event[1])
+                        choice = {"index": index, "text": event[1], "finish_reason": None}
+                        yield self._object([choice | {"logprobs": logprobs}])
+                        continue
+                    end = event[1]
+                    choice = {"index": index, "text": "", "finish_reason": end["finish"]}
+                    yield self._object([choice | {"logprobs": None}])
+                    usages.append(end["usage"])
             if include_usage:
-                yield self._object([], end["usage"])
+                yield self._object([], total_usage(usages))
+        finally:
+            for job in self.jobs:
+                job.cancel.set()  # a no-op for the jobs done

@@ -333,3 +333,38 @@ def test_the_split_keeps_every_character_the_model_wrote_outside_its_calls(tool_
         [],
     )
     assert split('<tool_call> {"name": "f"') == ('<tool_call> {"name": "f"', [])
+
+
+def test_n_choices_whole_and_streamed():
+    """`n` choices, each a reply of its own: greedy ones equal, seeded ones repeat per
+    seed; usage counts the prompt once and every choice's tokens."""
+    served = Served(prompt_cache_bytes=64 << 20)
+    try:
+        client = served.client(max_retries=0)
+        one = client.completions.create(model="m", prompt=PROMPT, max_tokens=6).choices[0].text
+        r = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, n=3)
+        assert [(c.index, c.text) for c in r.choices] == [(i, one) for i in range(3)]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (4, 18)
+
+        def sampled(**kwargs):
+            return client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=8,
+                temperature=1.0,
+                seed=11,
+                n=3,
+                **kwargs,
+            )
+
+        whole = [c.message.content for c in sampled().choices]
+        assert len(set(whole)) > 1 and whole == [c.message.content for c in sampled().choices]
+        streamed = {}
+        for chunk in sampled(stream=True, stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            usage = chunk.usage
+        assert [streamed[i] for i in range(3)] == whole
+        assert usage.completion_tokens == 24 and usage.prompt_tokens == 4
+    finally:
+        served.close()
