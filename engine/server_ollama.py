@@ -265,7 +265,7 @@ class OllamaReply:
 
     def whole(self, got) -> dict:
         """The one object of a collected reply."""
-        self.first = self.t0
+        self.first = got.first_ns
         items = self._items("".join(got.pieces), last=True)
         said = "".join(i for i in items if isinstance(i, str))
         calls = [i for i in items if isinstance(i, ToolCall)]

@@ -9,6 +9,7 @@ import asyncio
 import json
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -375,12 +376,14 @@ async def watch(request: Request, job: Job) -> None:
 
 @dataclass
 class Collected:
-    """A whole reply: its text `pieces` as sent, their `logprobs` records, and the job's
-    `end` (see `Job.events`)."""
+    """A whole reply: its text `pieces` as sent, their `logprobs` records, the job's `end`
+    (see `Job.events`), and when its first text came (`time.monotonic_ns()`; None: none
+    came)."""
 
     pieces: list[str]
     logprobs: list[dict]
     end: dict
+    first_ns: int | None = None
 
 
 async def collect(request: Request, job: Job) -> Collected:
@@ -390,15 +393,16 @@ async def collect(request: Request, job: Job) -> Collected:
         RequestError: 499 when the client left, 500 when the generation failed.
     """
     watcher = asyncio.create_task(watch(request, job))
-    pieces, records = [], []
+    pieces, records, first = [], [], None
     try:
         while True:
             event = await job.events.get()
             if event[0] == "text":
                 pieces.append(event[1])
                 records += event[2]
+                first = first or time.monotonic_ns()
             elif event[0] == "done":
-                return Collected(pieces, records, event[1])
+                return Collected(pieces, records, event[1], first)
             elif event[0] == "gone":
                 raise RequestError(None, "the client disconnected", 499)
             else:

@@ -51,6 +51,7 @@ def test_generate_streamed_and_not(client, completion):
     r = client.generate(model="m", prompt=PROMPT, options={"num_predict": 8})
     assert r.response == completion and r.done and r.done_reason == "length"
     assert (r.prompt_eval_count, r.eval_count) == (4, 8)
+    assert 0 < r.prompt_eval_duration < r.total_duration and r.eval_duration > 0
     parts = list(client.generate(model="m", prompt=PROMPT, options={"num_predict": 8}, stream=True))
     assert "".join(p.response for p in parts) == completion
     assert [p.done for p in parts].count(True) == 1 and parts[-1].done
