@@ -5,6 +5,7 @@ text."""
 
 import json
 
+import httpx
 import mlx.core as mx
 import openai
 import pytest
@@ -247,9 +248,9 @@ def test_bad_requests_never_500(client):
 
 
 def test_replies_over_the_prompt_cache_equal_replies_without_it():
-    """A conversation continued turn by turn, with stop strings and a reply cancelled
-    midway (which may leave the KV a token ahead in some layers): the same text with the
-    prompt cache as without, and the cache is used."""
+    """A conversation continued turn by turn, with stop strings, a reply cancelled midway
+    and one cancelled during its prefill (either may leave some layers' KV ahead of
+    others): the same text with the prompt cache as without, and the cache is used."""
     with_cache, without = Served(prompt_cache_bytes=256 << 20), Served()
     try:
 
@@ -266,6 +267,13 @@ def test_replies_over_the_prompt_cache_equal_replies_without_it():
             ) as response:
                 next(response.iter_lines())
             r = client.completions.create(model="m", prompt=text + " and", max_tokens=12)
+            out.append(r.choices[0].text)
+            # A client gone during a long prefill (no token within 0.2 s).
+            text += " and the sun was warm." * 60
+            body = {"prompt": text, "max_tokens": 4, "stream": True}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{served.url}/v1/completions", json=body, timeout=0.2)
+            r = client.completions.create(model="m", prompt=text + " So", max_tokens=12)
             return [*out, r.choices[0].text]
 
         cached = turns(with_cache)
