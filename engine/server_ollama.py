@@ -3,8 +3,9 @@ client): `GET /api/tags`, `GET /api/version`, `POST /api/show`, `POST /api/chat`
 tools), `POST /api/generate`; streamed as NDJSON (Ollama's default) or one JSON object;
 Ollama's error body (`{"error": message}`).
 
-`options` maps onto the shared checks: `num_predict` (-1 or absent: the server's default
-limit), `temperature`, `top_p`, `seed`, `stop`. Options that tune what this server does
+`options` maps onto the shared checks: `num_predict` (absent: the server's default limit;
+-1, or more than the context leaves: up to the context, as Ollama stops there),
+`temperature`, `top_p`, `seed`, `stop`. Options that tune what this server does
 not do (`num_ctx`, `num_gpu`, penalties, ...) are ignored, as Ollama ignores the options
 a model does not use.
 """
@@ -128,11 +129,17 @@ def routes(served: Served) -> list[Route]:
         if not isinstance(options, dict):
             raise RequestError("options", "options must be an object")
         limit = options.get("num_predict")
+        if limit == -1:  # Ollama's "no limit": as far as the context goes
+            limit = max(1, served.context - len(ids))
+        elif isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            # Ollama stops at the context rather than refusing a larger num_predict (front
+            # ends send one fixed value whatever the prompt).
+            limit = min(limit, max(1, served.context - len(ids)))
         job = make_job(
             ids,
             served.context,
             served.default_max_tokens,
-            max_tokens=None if limit in (None, -1) else limit,
+            max_tokens=limit,
             max_tokens_name="options.num_predict",
             prompt_name="messages" if key == "message" else "prompt",
             temperature=options.get("temperature"),

@@ -82,6 +82,24 @@ def test_options_stop_seed_temperature(client):
     )
 
 
+def test_num_predict_past_the_context_stops_at_it(tool_model):
+    """Front ends send one num_predict whatever the prompt: Ollama stops at the context
+    rather than refusing it (the OpenAI routes refuse such a max_tokens). The tool model
+    (a 512-token context) answers "The cat sat on mat" after "ANSWER"; 509 prompt tokens
+    leave room for 3."""
+    served = Served(model=tool_model)
+    try:
+        client = ollama.Client(host=served.url)
+        prompt = " ".join(["cat"] * 508 + ["ANSWER"])
+        for num_predict in (1_000_000, -1):
+            options = {"num_predict": num_predict}
+            r = client.generate(model="m", prompt=prompt, raw=True, options=options)
+            assert (r.response, r.done_reason) == ("The cat sat", "length")
+            assert (r.prompt_eval_count, r.eval_count) == (509, 3)
+    finally:
+        served.close()
+
+
 def test_an_empty_prompt_loads_the_model(client):
     r = client.generate(model="m", prompt="")
     assert r.done and r.done_reason == "load" and r.response == ""
