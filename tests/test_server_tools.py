@@ -376,3 +376,17 @@ def test_n_choices_whole_and_streamed():
         assert usage.completion_tokens == 24 and usage.prompt_tokens == 4
     finally:
         served.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("auto", "must be a size (e.g. 1GiB) or 0 (off), got 'auto'"), ("5XB", "'5XB' is not")],
+)
+def test_serve_refuses_a_prompt_cache_that_is_not_a_size(capfd, value, message):
+    from engine.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--prompt-cache", value])
+    _, err = capfd.readouterr()
+    assert e.value.code == 2 and f"argument --prompt-cache: {message}" in err
+    assert err.count("\n") == 1
