@@ -269,5 +269,5 @@ def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
                 p.kill()
                 p.wait()
     assert procs[0].returncode == 2, err
-    assert "expertstream: error: rank 0: the pipeline stopped" in err
+    assert "expertstream generate: error: rank 0: the pipeline stopped" in err
     assert waited < 20
