@@ -100,9 +100,7 @@ class Curve:
         bytes: expert memory at each budget (None without a `Budget`).
         hit_rate: {policy name: [hit rate per budget]}, with "belady" (Belady's MIN); a
             policy's is 1 - expert reads / lookups (its hit rate under demand loading;
-            autopin's pin loads count as the reads they are), as a loaded model counts
-            it: from an empty cache, except at every expert, where the load reads every
-            expert before the first token and no lookup misses (1.0).
+            autopin's pin loads count as the reads they are).
         policy: the session's policy (a key of hit_rate).
         current: the session's slots per layer.
         lookups_per_token: lookups (distinct experts, all layers) per trace token.
@@ -194,15 +192,11 @@ def sweep(
     rates: dict[str, list[float]] = {p: [] for p in [*names, BELADY]}
     lookups = 0
     for c in slots:
-        # Every expert fits: a loaded model reads them all at load (`fill_whole_layers`),
-        # so its hit rate, which counts from the first token, is 1; the replay's would
-        # count those first reads as misses.
-        preloaded = c == e
         for p in names:
             r = replay(store, trace, c, p, autopin_frac or AUTOPIN_FRAC, stop)
-            rates[p].append(1.0 if preloaded else r["fetch_hit_rate"])
+            rates[p].append(r["fetch_hit_rate"])
             lookups = r["lookups"]
-        rates[BELADY].append(1.0 if preloaded else belady(trace, c, stop)["hit_rate"])
+        rates[BELADY].append(belady(trace, c, stop)["hit_rate"])
     return Curve(
         slots=slots,
         bytes=None,

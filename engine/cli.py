@@ -472,9 +472,9 @@ def _advise(args) -> int:
         print(table(curve))
         print(
             f"hit rates replayed: the trace's {trace.num_tokens} tokens one at a time, the "
-            "prompt's included, from an empty cache (1 - expert reads / lookups; Belady's: "
-            "hits / lookups); at every expert 100%, as generate counts it: the load reads "
-            "them all"
+            "prompt's included, from an empty cache, its first reads counted as misses (1 - "
+            "expert reads / lookups; Belady's: hits / lookups); generate counts from the "
+            "first token, after the load: 100% at every expert, which the load reads whole"
         )
         if measured is not None:
             m = measured
