@@ -47,8 +47,8 @@ def _new_store(dest: str, force: bool):
 
 @contextlib.contextmanager
 def _convert_progress(line: str):
-    """A convert's `progress(done_bytes, total_bytes)` on stderr: a bar where stderr is a
-    terminal, else `line` once, with the experts' size (a log gets no bar redrawn in
+    """A convert's `progress(done_bytes, total_bytes)` on stderr: `line` once, with the
+    experts' size, then a bar where stderr is a terminal (a log gets no bar redrawn in
     it). Both wait for the first report, so that an error before it prints alone."""
     from tqdm import tqdm
 
@@ -58,13 +58,13 @@ def _convert_progress(line: str):
 
     def progress(done, total):
         nonlocal bar, said
+        if not said:
+            print(f"{line} ({human_bytes(total)} of experts)", file=sys.stderr, flush=True)
+            said = True
         if not sys.stderr.isatty():
-            if not said:
-                print(f"{line} ({human_bytes(total)} of experts)", file=sys.stderr, flush=True)
-                said = True
             return
         if bar is None:
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=line, file=sys.stderr)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
         bar.total = total
         bar.n = done
         bar.refresh()
@@ -97,7 +97,7 @@ def _load(model: str | Path | None, config):
     from engine.resources import default_model_path
 
     model = model or default_model_path()
-    line = f"converting {model} to an expert store (once per model)"
+    line = f"converting {model} to an expert store, once per model"
     with _convert_progress(line) as progress:
         store = resolve_store(model, progress)
     m = store.manifest
