@@ -433,6 +433,8 @@ def _advise(args) -> int:
                 f"(top-{m.top_k}), but the trace is {trace.num_layers} x "
                 f"{trace.num_experts} (top-{trace.top_k})"
             )
+    records = [spec.record_bytes for spec in store.manifest.layers] if store else []
+    check_real_slots(config, trace.top_k, records)  # as generate refuses them
     # The budget the advice starts from: the flags', else the one the trace was recorded
     # at (the real slots per layer it carries), else every expert.
     if config.expert_slots is not None:

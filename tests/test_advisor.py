@@ -194,6 +194,9 @@ def test_advise_starts_from_the_budget_the_trace_was_recorded_at(recorded, tmp_p
     # the flag wins; a trace without the budget (an older file) starts from every expert
     assert cli.main(["advise", "--trace", str(path), "--expert-slots", "5", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["curve"]["current"] == 5
+    assert cli.main(["advise", "--trace", str(path), "--expert-slots", "1"]) == 2  # as generate
+    want = "expertstream advise: error: --expert-slots 1: must be >= 2, the experts each token"
+    assert capsys.readouterr().err.startswith(want)
     dataclasses.replace(recorded, real_slots=None).save(old := tmp_path / "old.npz")
     assert load_trace(old).real_slots is None
     assert cli.main(["advise", "--trace", str(old), "--json"]) == 0
