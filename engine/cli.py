@@ -22,6 +22,7 @@ from engine.flags import (
     temperature,
     top_p,
 )
+from engine.memory import human_bytes
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -51,8 +52,6 @@ def _convert_progress(line: str):
     experts' size, then a bar where stderr is a terminal (a log gets no bar redrawn in
     it). Both wait for the first report, so that an error before it prints alone."""
     from tqdm import tqdm
-
-    from engine.memory import human_bytes
 
     bar, said = None, False
 
@@ -92,7 +91,6 @@ def _load(model: str | Path | None, config):
     (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
     model whose experts and dense weights exceed the memory available is streamed with
     --expert-memory auto instead, said on stderr, rather than refused."""
-    from engine.memory import human_bytes
     from engine.model import auto_if_too_large, load, resolve_store
     from engine.resources import default_model_path
 
@@ -219,11 +217,11 @@ def _generate_with(sm, prompt, args) -> int:
     s = result.stats()
     print(
         f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {_figure(s['hit_rate'], '.1%')}  "
-        f"read {s['bytes_read'] / 1e6:.1f} MB  side hits {s['side_hits']}  "
+        f"read {human_bytes(s['bytes_read'])}  side hits {s['side_hits']}  "
         f"prefetch used/issued {s['prefetch_used']}/{s['prefetch_issued']}\n"
         f"prefill {_figure(s['prefill_tps'])} tok/s ({s['prompt_tokens']} tokens)  "
         f"decode {_figure(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
-        f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+        f"peak memory {human_bytes(s['peak_memory_bytes'])}",
         file=sys.stderr,
     )
     return 0
@@ -286,13 +284,13 @@ def _generate_pipeline(args) -> int:
     for r, s in enumerate(ranks):
         print(
             f"rank {r} ({layer_range(range(*s['layers']))}): hits {s['hits']}  "
-            f"misses {s['misses']}  read {s['bytes_read'] / 1e6:.1f} MB  "
-            f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+            f"misses {s['misses']}  read {human_bytes(s['bytes_read'])}  "
+            f"peak memory {human_bytes(s['peak_memory_bytes'])}",
             file=sys.stderr,
         )
     print(
         f"all ranks: hit rate {_figure(stats['hit_rate'], '.1%')}  "
-        f"read {stats['bytes_read'] / 1e6:.1f} MB  prefill {_figure(stats['prefill_tps'])} tok/s  "
+        f"read {human_bytes(stats['bytes_read'])}  prefill {_figure(stats['prefill_tps'])} tok/s  "
         f"decode {_figure(stats['decode_tps'])} tok/s "
         f"({stats['generated_tokens']} tokens)",
         file=sys.stderr,
@@ -374,7 +372,7 @@ def _cache(args) -> int:
         return 0
     print(f"{'store':<48} {'model':<12} {'size':>10}  last use")
     for st in stores:
-        size = f"{st.size_bytes / 1e6:.1f} MB"
+        size = human_bytes(st.size_bytes)
         print(f"{st.path.name:<48} {st.model_type:<12} {size:>10}  {age(st.last_used)}")
     print(f"in {store_cache_dir()}; `expertstream cache rm STORE` deletes one")
     return 0
@@ -482,7 +480,7 @@ def _advise(args) -> int:
             m = measured
             print(
                 f"measured at {current} slots: decode {m.decode_tps:.1f} tok/s over "
-                f"{m.decode_tokens} tokens, reads {m.read_Bps / 1e6:.0f} MB/s; hit rate "
+                f"{m.decode_tokens} tokens, reads {human_bytes(m.read_Bps)}/s; hit rate "
                 f"{_figure(m.decode_hit_rate, '.1%')} over the decode, {m.hit_rate:.1%} with "
                 "the prefill (a forward of many prompt tokens looks up each of their "
                 "distinct experts once, into a cold cache); side hits count as hits; tok/s at "

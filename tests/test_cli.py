@@ -2,6 +2,7 @@
 flag), its help, and the store cache (`expertstream cache`)."""
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -382,6 +383,9 @@ def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
     code, out, err = run(capfd, "generate", "--max-tokens", "3")
     assert code == 0 and out.startswith("Once upon a time") and out.endswith("\n")
     assert err.startswith("--\nhits "), err
+    # bytes as every figure shows them (engine.memory.human_bytes): every expert was read
+    # at load, none during the reply
+    assert "  read 0 B  " in err and re.search(r"peak memory \d+\.\d MB\n", err), err
     # `expertstream generate --json | head -c 1`: the reader is gone before the reply.
     p = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "generate", "--json", "--max-tokens", "2"],
