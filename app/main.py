@@ -9,8 +9,12 @@ still being generated, and exits (with QT_QPA_PLATFORM=offscreen it needs no dis
 """
 
 import argparse
+import ctypes
 import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 from engine.config import ConfigError, StreamConfig
 from engine.flags import (
@@ -35,6 +39,17 @@ NO_DISPLAY = """expertstream-gui: no display found (DISPLAY and WAYLAND_DISPLAY 
   or use the command line:
       expertstream generate --prompt "Once upon a time"
 """
+
+
+NO_XCB = """expertstream-gui: Qt's X11 platform (xcb) needs libraries this system lacks: {names}
+  On Debian/Ubuntu: sudo apt-get install {packages}
+  Or run without a window:
+      QT_QPA_PLATFORM=offscreen expertstream-gui --screenshot out.png --prompt "Once upon a time"
+"""
+
+# Loaded by Qt's xcb plugin at run time (not a link dependency that ldd lists): without it
+# Qt 6.5+ aborts the process.
+XCB_CURSOR = "libxcb-cursor.so.0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +96,53 @@ def has_display(environ=None) -> bool:
     if not sys.platform.startswith("linux"):
         return True
     return any(env.get(k) for k in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
+def uses_xcb(environ=None) -> bool:
+    """Whether Qt will open its window through the xcb (X11) platform plugin: on Linux,
+    QT_QPA_PLATFORM names it, or is unset outside a Wayland session."""
+    env = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux"):
+        return False
+    platform = env.get("QT_QPA_PLATFORM", "")
+    return platform.startswith("xcb") or (not platform and not env.get("WAYLAND_DISPLAY"))
+
+
+def not_found(ldd_output: str) -> list[str]:
+    """The sonames `ldd` reports as "not found", in order, each once."""
+    names = re.findall(r"^\s*(\S+) => not found", ldd_output, re.M)
+    return list(dict.fromkeys(names))
+
+
+def missing_xcb_libraries() -> list[str]:
+    """The shared libraries (sonames) that Qt's xcb platform plugin needs and this
+    system cannot load: what `ldd` of the plugin finds missing, and `XCB_CURSOR`. Qt
+    aborts the process when one is missing, naming at most one; this is checked before.
+    [] where the plugin is not found (Qt then says so itself) or `ldd` cannot run."""
+    from PySide6.QtCore import QLibraryInfo
+
+    plugins = Path(QLibraryInfo.path(QLibraryInfo.LibraryPath.PluginsPath))
+    plugin = plugins / "platforms" / "libqxcb.so"
+    if not plugin.is_file():
+        return []
+    try:
+        ldd = subprocess.run(["ldd", str(plugin)], capture_output=True, text=True, timeout=30)
+        missing = not_found(ldd.stdout)
+    except (OSError, subprocess.TimeoutExpired):
+        missing = []
+    try:
+        ctypes.CDLL(XCB_CURSOR)
+    except OSError:
+        missing.append(XCB_CURSOR)
+    return missing
+
+
+def debian_package(soname: str) -> str:
+    """The Debian/Ubuntu package of a library by its soname, as Debian names them:
+    "libxcb-cursor.so.0" -> "libxcb-cursor0", "libxkbcommon-x11.so.0" ->
+    "libxkbcommon-x11-0", "libEGL.so.1" -> "libegl1"."""
+    name, _, version = soname.lower().partition(".so.")
+    return f"{name}-{version}" if name[-1:].isdigit() else f"{name}{version}"
 
 
 def _screenshot(window, args, app) -> None:
@@ -172,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not has_display():
         print(NO_DISPLAY, file=sys.stderr, end="")
+        return 2
+    if uses_xcb() and (missing := missing_xcb_libraries()):
+        packages = " ".join(debian_package(name) for name in missing)
+        print(NO_XCB.format(names=", ".join(missing), packages=packages), file=sys.stderr, end="")
         return 2
 
     import shiboken6

@@ -15,7 +15,10 @@ def record_crc32(data: bytes) -> int:
     zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper threads and joined with crc32_combine. Returns an int in [0, 2**32).
     """
 
-CRC32_IMPLEMENTATION: str = 'libdeflate'
+def crc32_implementation() -> str:
+    """
+    Which library computes record checksums: "libdeflate" where the build found it, else "zlib" (the same values; libdeflate is several times faster).
+    """
 
 DTYPE_NAMES: tuple = ...
 

@@ -45,7 +45,7 @@ ROW_PUBLISHED = _ext.ROW_PUBLISHED
 # real slots (expert_memory) or side rows (`layer_rows`) than the widest.
 NO_ROW = 255
 # Which library checks record checksums: "libdeflate" where the build found it, else "zlib".
-CRC32_IMPLEMENTATION = _ext.CRC32_IMPLEMENTATION
+CRC32_IMPLEMENTATION = _ext.crc32_implementation()
 # What ExpertCache.plan returns: how a layer call gets its pool rows.
 PLAN_TABLE = _ext.PLAN_TABLE
 PLAN_STREAM = _ext.PLAN_STREAM

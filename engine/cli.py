@@ -12,14 +12,17 @@ from engine.config import ConfigError
 from engine.flags import (
     Parser,
     add_cache_flags,
+    check_real_slots,
     config_error_message,
     port,
     positive_int,
     prompt_text,
+    seed,
     stream_config,
     temperature,
     top_p,
 )
+from engine.memory import human_bytes
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -44,25 +47,23 @@ def _new_store(dest: str, force: bool):
 
 
 @contextlib.contextmanager
-def _progress_bar(terminal_only: bool = False):
-    """A convert's `progress(done, total)` drawing a bar on stderr (`terminal_only`: only
-    when stderr is a terminal); the bar is made at the first report, so that an error
-    before it prints alone."""
+def _convert_progress(line: str):
+    """A convert's `progress(done_bytes, total_bytes)` on stderr: `line` once, with the
+    experts' size, then a bar where stderr is a terminal (a log gets no bar redrawn in
+    it). Both wait for the first report, so that an error before it prints alone."""
     from tqdm import tqdm
 
-    bar = None
+    bar, said = None, False
 
     def progress(done, total):
-        nonlocal bar
+        nonlocal bar, said
+        if not said:
+            print(f"{line} ({human_bytes(total)} of experts)", file=sys.stderr, flush=True)
+            said = True
+        if not sys.stderr.isatty():
+            return
         if bar is None:
-            bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                desc="experts",
-                file=sys.stderr,
-                disable=None if terminal_only else False,  # None: off unless a terminal
-            )
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
         bar.total = total
         bar.n = done
         bar.refresh()
@@ -77,23 +78,28 @@ def _progress_bar(terminal_only: bool = False):
 def _convert(args) -> int:
     from engine.convert import convert
 
-    with _progress_bar() as progress, _new_store(args.store_dir, args.force):
+    line = f"converting {args.model_dir} to {args.store_dir}"
+    with _convert_progress(line) as progress, _new_store(args.store_dir, args.force):
         path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
     print(f"wrote {path}")
     return 0
 
 
 def _load(model: str | Path | None, config):
-    """`engine.model.load` for one process: a model directory's first-use convert draws
-    a bar on a terminal, and without --expert-slots or --expert-memory (every expert), a
+    """`engine.model.load` for one process: a model directory's first-use convert says
+    so on stderr (`_convert_progress`), real regions below top-k are refused
+    (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
     model whose experts and dense weights exceed the memory available is streamed with
     --expert-memory auto instead, said on stderr, rather than refused."""
-    from engine.memory import human_bytes
     from engine.model import auto_if_too_large, load, resolve_store
     from engine.resources import default_model_path
 
-    with _progress_bar(terminal_only=True) as progress:
-        store = resolve_store(model or default_model_path(), progress)
+    model = model or default_model_path()
+    line = f"converting {model} to an expert store, once per model"
+    with _convert_progress(line) as progress:
+        store = resolve_store(model, progress)
+    m = store.manifest
+    check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
     if config.expert_slots is None and config.expert_memory is None:
         config, sizes = auto_if_too_large(store, config)
         if sizes is not None:
@@ -147,7 +153,18 @@ def _figure(value: float | None, spec: str = ".1f") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _echoes(sm, args) -> bool:
+    """Whether the prompt is printed before the reply: where the reply continues it as
+    text (without --chat, or --chat on a model without a chat template), not where it
+    answers it."""
+    from engine.chat import has_chat_template
+
+    return not args.json and not (args.chat and has_chat_template(sm.tokenizer))
+
+
 def _generate(args) -> int:
+    import mlx.core as mx
+
     from engine.chat import has_chat_template
     from engine.generate import check_context, prompt_tokens
 
@@ -158,12 +175,16 @@ def _generate(args) -> int:
         return _generate_pipeline(args)
     sm = _load(args.model, stream_config(args))
     if args.chat and not has_chat_template(sm.tokenizer):
+        dropped = " (without --system)" if args.system is not None else ""
         print(
-            "note: the model has no chat template: --chat continues the prompt as plain text",
+            "note: the model has no chat template: --chat continues the prompt as plain "
+            f"text{dropped}",
             file=sys.stderr,
         )
     prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
     check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
+    if args.seed is not None:
+        mx.random.seed(args.seed)
     if args.record_trace:
         from engine.trace import record
 
@@ -182,7 +203,7 @@ def _generate_with(sm, prompt, args) -> int:
         result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p)
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats()}))
         return 0
-    if not args.chat:
+    if _echoes(sm, args):
         print(args.prompt, end="", flush=True)
     result = generate(
         sm,
@@ -196,11 +217,11 @@ def _generate_with(sm, prompt, args) -> int:
     s = result.stats()
     print(
         f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {_figure(s['hit_rate'], '.1%')}  "
-        f"read {s['bytes_read'] / 1e6:.1f} MB  side hits {s['side_hits']}  "
+        f"read {human_bytes(s['bytes_read'])}  side hits {s['side_hits']}  "
         f"prefetch used/issued {s['prefetch_used']}/{s['prefetch_issued']}\n"
         f"prefill {_figure(s['prefill_tps'])} tok/s ({s['prompt_tokens']} tokens)  "
         f"decode {_figure(s['decode_tps'])} tok/s ({s['generated_tokens']} tokens)  "
-        f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+        f"peak memory {human_bytes(s['peak_memory_bytes'])}",
         file=sys.stderr,
     )
     return 0
@@ -218,7 +239,10 @@ def _generate_pipeline(args) -> int:
 
     group = pipeline.init_group()
     rank = group.rank()
-    sm = load_stage(args.model, stream_config(args), group)
+    config = stream_config(args)
+    sm = load_stage(args.model, config, group)
+    m = sm.store.manifest  # the same on every rank: each refuses alike
+    check_real_slots(config, m.top_k, [s.record_bytes for s in m.layers if sm.stage.holds(s.layer)])
     prompt, error = None, None
     if rank == 0:  # rank 0 tokenizes; the others take its ids
         try:
@@ -229,9 +253,10 @@ def _generate_pipeline(args) -> int:
     pipeline.agree(error, group)
     # One seed for every rank: each samples from the same logits, and the first stage
     # embeds the token it sampled itself.
-    prompt, seed = pipeline.gather_json([prompt, int.from_bytes(os.urandom(4))], group)[0]
-    mx.random.seed(seed)
-    if rank == 0 and not args.json and not args.chat:
+    chosen = int.from_bytes(os.urandom(4)) if args.seed is None else args.seed
+    prompt, chosen = pipeline.gather_json([prompt, chosen], group)[0]
+    mx.random.seed(chosen)
+    if rank == 0 and _echoes(sm, args):
         print(args.prompt, end="", flush=True)
     show = rank == 0 and not args.json
     try:
@@ -259,13 +284,13 @@ def _generate_pipeline(args) -> int:
     for r, s in enumerate(ranks):
         print(
             f"rank {r} ({layer_range(range(*s['layers']))}): hits {s['hits']}  "
-            f"misses {s['misses']}  read {s['bytes_read'] / 1e6:.1f} MB  "
-            f"peak memory {s['peak_memory_bytes'] / 1e6:.1f} MB",
+            f"misses {s['misses']}  read {human_bytes(s['bytes_read'])}  "
+            f"peak memory {human_bytes(s['peak_memory_bytes'])}",
             file=sys.stderr,
         )
     print(
         f"all ranks: hit rate {_figure(stats['hit_rate'], '.1%')}  "
-        f"read {stats['bytes_read'] / 1e6:.1f} MB  prefill {_figure(stats['prefill_tps'])} tok/s  "
+        f"read {human_bytes(stats['bytes_read'])}  prefill {_figure(stats['prefill_tps'])} tok/s  "
         f"decode {_figure(stats['decode_tps'])} tok/s "
         f"({stats['generated_tokens']} tokens)",
         file=sys.stderr,
@@ -350,7 +375,7 @@ def _cache(args) -> int:
         return 0
     print(f"{'store':<48} {'model':<12} {'size':>10}  last use")
     for st in stores:
-        size = f"{st.size_bytes / 1e6:.1f} MB"
+        size = human_bytes(st.size_bytes)
         print(f"{st.path.name:<48} {st.model_type:<12} {size:>10}  {age(st.last_used)}")
     print(f"in {store_cache_dir()}; `expertstream cache rm STORE` deletes one")
     return 0
@@ -363,7 +388,7 @@ def _bench(argv: list[str]) -> int:
     root = Path(__file__).resolve().parents[1]
     if not ((root / "pyproject.toml").is_file() and (root / "bench" / "__main__.py").is_file()):
         print(
-            "expertstream: error: the benchmarks are not installed with the package; run "
+            "expertstream bench: error: the benchmarks are not installed with the package; run "
             "`expertstream bench` from a source checkout (git clone, then "
             "pip install -e '.[bench]')",
             file=sys.stderr,
@@ -409,19 +434,29 @@ def _advise(args) -> int:
                 f"(top-{m.top_k}), but the trace is {trace.num_layers} x "
                 f"{trace.num_experts} (top-{trace.top_k})"
             )
-    current = config.expert_slots or trace.num_experts
+    records = [spec.record_bytes for spec in store.manifest.layers] if store else []
+    check_real_slots(config, trace.top_k, records)  # as generate refuses them
+    # The budget the advice starts from: the flags', else the one the trace was recorded
+    # at (the real slots per layer it carries), else every expert.
+    if config.expert_slots is not None:
+        current, source = config.expert_slots, "--expert-slots"
+    elif trace.real_slots is not None and config.expert_memory is None:
+        current, source = round(float(trace.real_slots.mean())), "as recorded"
+    else:
+        current, source = trace.num_experts, "every expert"
     if config.expert_memory is not None and store is not None:
         from engine.cache import real_slots
 
         slots = slots or real_slots(store, config)  # per layer, by record size
-        current = round(sum(slots) / len(slots))  # replayed as their mean
+        current, source = round(sum(slots) / len(slots)), "--expert-memory"  # as their mean
     if not trace.top_k <= current <= trace.num_experts:
         raise ValueError(
             f"--expert-slots {current}: must be in [{trace.top_k}, {trace.num_experts}]"
         )
     policy = policy_of(config.policy, config.decay_every, config.autopin_frac)
     print(
-        f"replaying {trace.num_tokens} tokens ({trace.name}) under {policy}, LRU and Belady's MIN",
+        f"replaying {trace.num_tokens} tokens ({trace.name}) under {policy}, LRU and Belady's "
+        f"MIN; now: {current} slots per layer ({source})",
         file=sys.stderr,
     )
     curve = sweep(
@@ -440,13 +475,15 @@ def _advise(args) -> int:
         print(table(curve))
         print(
             f"hit rates replayed: the trace's {trace.num_tokens} tokens one at a time, the "
-            "prompt's included (1 - expert reads / lookups; Belady's: hits / lookups)"
+            "prompt's included, from an empty cache, its first reads counted as misses (1 - "
+            "expert reads / lookups; Belady's: hits / lookups); generate counts from the "
+            "first token, after the load: 100% at every expert, which the load reads whole"
         )
         if measured is not None:
             m = measured
             print(
                 f"measured at {current} slots: decode {m.decode_tps:.1f} tok/s over "
-                f"{m.decode_tokens} tokens, reads {m.read_Bps / 1e6:.0f} MB/s; hit rate "
+                f"{m.decode_tokens} tokens, reads {human_bytes(m.read_Bps)}/s; hit rate "
                 f"{_figure(m.decode_hit_rate, '.1%')} over the decode, {m.hit_rate:.1%} with "
                 "the prefill (a forward of many prompt tokens looks up each of their "
                 "distinct experts once, into a cold cache); side hits count as hits; tok/s at "
@@ -531,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="mlx-lm MoE model directory (config.json, *.safetensors)")
     p.add_argument("store_dir", help="where to write the expert store (a new directory)")
     p.add_argument("--force", action="store_true", help="replace an existing store")
-    p.set_defaults(func=_convert)
+    p.set_defaults(func=_convert, command_parser=p)
 
     p = sub.add_parser(
         "copy-stage",
@@ -547,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the stage, e.g. 1/2: rank 1 of a 2-rank pipeline (mlx.launch's rank order)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing store")
-    p.set_defaults(func=_copy_stage)
+    p.set_defaults(func=_copy_stage, command_parser=p)
 
     p = sub.add_parser(
         "generate", help="generate text with streamed experts", formatter_class=_HelpFormatter
@@ -568,7 +605,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="nucleus sampling: keep the most likely tokens up to this probability (1: all)",
     )
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument(
+        "--seed",
+        type=seed,
+        help="random seed of the sampling (with --temp > 0: the same seed, the same reply; "
+        "default: a new one each run)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template: the reply answers the prompt, which is not "
+        "printed before it (without a template the prompt is continued and printed, as "
+        "without --chat)",
+    )
     p.add_argument("--system", help="system prompt of --chat (models with a chat template)")
     p.add_argument(
         "--json",
@@ -584,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the routed expert ids of every MoE layer call (engine.trace)",
     )
     add_cache_flags(p)
-    p.set_defaults(func=_generate)
+    p.set_defaults(func=_generate, command_parser=p)
 
     p = sub.add_parser(
         "serve",
@@ -642,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_pipeline_flag(p, "rank 0 serves, the other ranks follow it")
     add_cache_flags(p)
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=_serve, command_parser=p)
 
     p = sub.add_parser(
         "advise",
@@ -671,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
-    p.set_defaults(func=_advise)
+    p.set_defaults(func=_advise, command_parser=p)
 
     p = sub.add_parser(
         "cache",
@@ -680,10 +729,12 @@ def build_parser() -> argparse.ArgumentParser:
     actions = p.add_subparsers(
         dest="action", required=True, metavar="{list,rm}", help="list the stores, or rm some"
     )
-    actions.add_parser("list", help="list the stores, their models, sizes and last use")
+    listing = actions.add_parser("list", help="list the stores, their models, sizes and last use")
+    listing.set_defaults(command_parser=listing)
     rm = actions.add_parser("rm", help="remove stores")
     rm.add_argument("stores", nargs="+", metavar="STORE", help="stores to remove (names as listed)")
-    p.set_defaults(func=_cache)
+    rm.set_defaults(command_parser=rm)
+    p.set_defaults(func=_cache, command_parser=p)
 
     # Listed for --help only: main() hands `bench ...` to `python -m bench` unparsed.
     sub.add_parser(
@@ -696,11 +747,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `expertstream` console script; returns the exit code."""
+    """Entry point of the `expertstream` console script; returns the exit code. Every
+    refusal is one line on stderr, "expertstream SUBCOMMAND: error: ...", argparse's
+    ending with where that subcommand's help is."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse would blame the top-level parser and point to its help
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    prog = args.command_parser.prog
     try:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe raises here, not at the interpreter's exit
@@ -713,14 +769,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl+C: how a server is stopped, and a reply cut short
         return 130  # 128 + SIGINT, as a shell reports it
     except (ValueError, OSError, KeyError) as e:
-        print(f"expertstream: error: {_error_text(e, args)}", file=sys.stderr)
+        print(f"{prog}: error: {_error_text(e, args)}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         from engine.pipeline import PipelineError  # imports MLX: only when one is raised
 
         if not isinstance(e, PipelineError):
             raise
-        print(f"expertstream: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

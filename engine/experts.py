@@ -22,7 +22,8 @@ from engine.safe_io import ModelFileError
 # The projections of each streamed module kind, in record order.
 KINDS = {"SwitchGLU": ("gate_proj", "up_proj", "down_proj"), "SwitchMLP": ("fc1", "fc2")}
 
-# Config keys of the number of experts each token is routed to, as mlx-lm's families name it.
+# ModelArgs fields (and config keys) of the experts each token is routed to, as mlx-lm's
+# families name them.
 TOP_K_KEYS = (
     "num_experts_per_tok",
     "num_experts_per_token",
@@ -197,22 +198,31 @@ def find_experts(model: nn.Module, where: str | Path = "the model") -> list[Expe
 
 
 def top_k(config: dict, num_experts: int, where: str | Path) -> int:
-    """Experts per token: the first of `TOP_K_KEYS` in the config or its text sub-config.
+    """Experts per token, as mlx-lm's model takes it: the first of `TOP_K_KEYS` on the
+    family's `ModelArgs` built from `config` (so a field the config leaves out has
+    ModelArgs' default), else on its text sub-config (`_SUB_CONFIGS`: mlx-lm's args
+    object, or the config's dict where mlx-lm keeps a dict). A value of None or 0 there
+    (ModelArgs' "not set") counts as absent.
 
     Raises:
-        NotMoEError: no such key, or its value is not an int in [1, num_experts].
+        UnsupportedModelError: see `model_classes`.
+        NotMoEError: no such value, or it is not an int in [1, num_experts].
     """
-    for cfg in (config, *(config.get(k) for k in _SUB_CONFIGS)):
-        if not isinstance(cfg, dict):
+    _, args_class = model_classes(config, where)
+    args = args_class.from_dict(config)
+    subs = (getattr(args, k, None) or config.get(k) for k in _SUB_CONFIGS)
+    for source in (args, *subs):
+        if source is None:
             continue
         for key in TOP_K_KEYS:
-            if key in cfg:
-                k = cfg[key]
-                if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
-                    raise NotMoEError(
-                        f"{where}: {key!r} is {k!r} (expected an int in [1, {num_experts}])"
-                    )
-                return k
+            k = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+            if k is None or k == 0:
+                continue
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+                raise NotMoEError(
+                    f"{where}: {key!r} is {k!r} (expected an int in [1, {num_experts}])"
+                )
+            return k
     raise NotMoEError(f"{where}: no experts-per-token entry (looked for {', '.join(TOP_K_KEYS)})")
 
 

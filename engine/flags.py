@@ -6,15 +6,16 @@ variables (`ENV_FIELDS`, read here and nowhere else), then the flags given. The 
 flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
 `describe` words a `ConfigError` in a front end's names (`config_error_message`: the
 flag's or the environment variable's). The argparse types of the flags front ends share
-(`positive_int` for --max-tokens, `prompt_text`, `temperature`, `top_p`, `port`) refuse
-bad values while parsing, and `Parser` says so in one line.
+(`positive_int` for --max-tokens, `prompt_text`, `temperature`, `top_p`, `port`, `seed`)
+refuse bad values while parsing, and `Parser` says so in one line. `check_real_slots` is
+the one rule for a real region below top-k, whichever flag sized it.
 """
 
 import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import (
@@ -25,6 +26,7 @@ from engine.config import (
     check_sampling,
     parse_memory,
 )
+from engine.memory import human_bytes
 
 # The seed's environment variables and the StreamConfig field each one sets.
 ENV_FIELDS = {
@@ -78,6 +80,18 @@ def port(text: str) -> int:
         value = -1
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An argparse type: an MLX random seed, an integer in [0, 2**64 - 1] (the range the
+    server's `seed` takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64 - 1], got {text!r}")
     return value
 
 
@@ -166,7 +180,7 @@ _SIZES = {"expert_slots": "expert_memory", "expert_memory": "expert_slots"}
 # How a default of None reads in --help.
 _NONE_MEANS = {
     "expert_slots": "all experts",
-    "expert_memory": "--expert-slots",
+    "expert_memory": "not given: --expert-slots sizes them",
     "cutoff": "half the MoE layers",
     "scratch_slots": "top-k",
     "reader_threads": "min(8, 2 x CPUs), at least top-k - 1",
@@ -305,6 +319,33 @@ def _refuse_idle_prefetch(values: Mapping, args: argparse.Namespace) -> None:
         raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
     if getattr(args, "sync", None) is True and values.get("prefetch") is False:
         raise ValueError(_SYNC_WITHOUT_PREFETCH)
+
+
+def check_real_slots(config: StreamConfig, top_k: int, records: Sequence[int]) -> None:
+    """Refuses real regions below `top_k` experts per MoE layer, however they are sized:
+    a token's `top_k` experts of a layer must fit its real region together, or every
+    call reads some of them again. `records`: the record bytes of each MoE layer the
+    budget covers. An "auto" budget is checked where it is resolved
+    (`engine.cache.real_slots`).
+
+    Raises:
+        ConfigError: expert_slots < top_k, or an expert_memory in bytes below `top_k`
+            records of every layer (the message gives both sizes).
+    """
+    if config.expert_slots is not None and config.expert_slots < top_k:
+        raise ConfigError(
+            "expert_slots",
+            config.expert_slots,
+            f"must be >= {top_k}, the experts each token is routed to per MoE layer (top-k)",
+        )
+    need = top_k * sum(records)
+    if isinstance(config.expert_memory, int) and config.expert_memory < need:
+        raise ConfigError(
+            "expert_memory",
+            config.expert_memory,
+            f"{human_bytes(config.expert_memory)} is below the {human_bytes(need)} that "
+            f"top-k = {top_k} experts per MoE layer take ({len(records)} layers)",
+        )
 
 
 def with_defaults(defaults: Mapping, given: Mapping) -> dict:

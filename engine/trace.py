@@ -17,8 +17,11 @@ The `.npz` format: `ids` int16 (T, L, k), `segments` int64 (starts of generate c
 `prefill` uint8 (T,) (1 for tokens of a forward of several tokens: the prompt, except its
 last token, which mlx-lm feeds alone), `num_experts` int; optionally the router's top-m
 per (token, layer): `router_ids` int16 (T, L, m) and `router_probs` float32 (T, L, m)
-(softmax over all experts, best first; m = `ROUTER_TOP`, at most the expert count). A
-recorded trace also holds the one forward mlx-lm runs ahead of the last token it returns.
+(softmax over all experts, best first; m = `ROUTER_TOP`, at most the expert count); and
+`real_slots` int64 (L,), the real slots per MoE layer of the cache that recorded it (the
+budget it was recorded at; absent from traces written before it and from generated
+ones). A recorded trace also holds the one forward mlx-lm runs ahead of the last token it
+returns.
 """
 
 import json
@@ -47,6 +50,9 @@ class Trace:
         router_ids, router_probs: (tokens, moe_layers, m) int32 expert ids and float32
             router probabilities (softmax over all experts) of the router's top m, best
             first; None when the trace has no router scores.
+        real_slots: (moe_layers,) int64 real slots per MoE layer of the cache it was
+            recorded with (`StreamedModel.real_slots`, the last one where a rebuild
+            changed them); None where unknown (generated, or an older file).
     """
 
     name: str
@@ -56,6 +62,7 @@ class Trace:
     prefill: np.ndarray | None = None
     router_ids: np.ndarray | None = None
     router_probs: np.ndarray | None = None
+    real_slots: np.ndarray | None = None
 
     def __post_init__(self):
         if self.ids.ndim != 3:
@@ -82,6 +89,13 @@ class Trace:
             r = self.router_ids
             if r.size and (r.min() < 0 or r.max() >= self.num_experts):
                 raise ValueError(f"trace {self.name}: router ids outside [0, {self.num_experts})")
+        if self.real_slots is not None:
+            r = self.real_slots
+            if r.shape != (self.num_layers,) or r.min() < 1 or r.max() > self.num_experts:
+                raise ValueError(
+                    f"trace {self.name}: real_slots {r.tolist()} are not one count in "
+                    f"[1, {self.num_experts}] per MoE layer ({self.num_layers})"
+                )
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +126,7 @@ class Trace:
             self.prefill[:n],
             self.router_ids[:n] if has_router else None,
             self.router_probs[:n] if has_router else None,
+            self.real_slots,
         )
 
     def router_dense(self, token: int) -> np.ndarray:
@@ -138,19 +153,21 @@ class Trace:
             OSError: the file cannot be written.
         """
         path = path if hasattr(path, "write") else Path(path)
-        router = {}
+        optional = {}
         if self.router_ids is not None:
-            router = {
+            optional = {
                 "router_ids": self.router_ids.astype(np.int16),
                 "router_probs": self.router_probs.astype(np.float32),
             }
+        if self.real_slots is not None:
+            optional["real_slots"] = self.real_slots.astype(np.int64)
         np.savez_compressed(
             path,
             ids=self.ids.astype(np.int16),
             segments=self.segments,
             prefill=self.prefill,
             num_experts=np.int64(self.num_experts),
-            **router,
+            **optional,
         )
         return path
 
@@ -207,6 +224,7 @@ def _read_npz(path: Path) -> Trace:
             z["prefill"].astype(np.uint8),
             z["router_ids"].astype(np.int32) if has_router else None,
             z["router_probs"].astype(np.float32) if has_router else None,
+            z["real_slots"].astype(np.int64) if "real_slots" in z else None,
         )
 
 
@@ -317,6 +335,7 @@ class TraceRecorder:
                 raise ValueError(f"cannot continue a {self.shape} trace on a {shape} model")
             self.close()
         self.shape = shape
+        self._real_slots = np.asarray(sm.real_slots, np.int64)
         self._router_top = min(ROUTER_TOP, m.num_experts)
         self._thread = threading.get_ident()
         self._sm = sm
@@ -432,7 +451,8 @@ class TraceRecorder:
         with self._lock:
             blocks = list(self._blocks)
         if not blocks:
-            return Trace(name, np.zeros((0, n_layers, k), np.int32), num_experts)
+            ids = np.zeros((0, n_layers, k), np.int32)
+            return Trace(name, ids, num_experts, real_slots=self._real_slots)
         sizes = [len(b[0]) for b in blocks]
         starts = np.cumsum([0, *sizes[:-1]])
         segments = {0} | {int(s) for s, b in zip(starts, blocks, strict=True) if b[3]}
@@ -445,6 +465,7 @@ class TraceRecorder:
             np.concatenate([np.full(n, n > 1, np.uint8) for n in sizes]),
             np.concatenate([b[1] for b in blocks]).astype(np.int32) if scored else None,
             np.concatenate([b[2] for b in blocks]) if scored else None,
+            self._real_slots,
         )
 
 

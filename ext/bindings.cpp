@@ -434,9 +434,13 @@ NB_MODULE(_ext, m) {
       "zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's "
       "checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper "
       "threads and joined with crc32_combine. Returns an int in [0, 2**32).");
-  // Which library computes record checksums: "libdeflate" where the build found it, else
-  // "zlib" (same values; libdeflate is several times faster).
-  m.attr("CRC32_IMPLEMENTATION") = es::crc32_implementation();
+  // A function, not a constant: a constant's value would be written into the generated
+  // stub, which must be the same whichever library the build found.
+  m.def(
+      "crc32_implementation",
+      &es::crc32_implementation,
+      "Which library computes record checksums: \"libdeflate\" where the build found it, "
+      "else \"zlib\" (the same values; libdeflate is several times faster).");
 
   nb::list dtype_names;
   for (const auto& [name, dtype] : dtype_table()) dtype_names.append(name);

@@ -3,6 +3,7 @@ trace), Belady's MIN bounds every policy it plots, the routing recorder costs th
 no path change and gives the ids the synchronous path sees, and `expertstream advise`,
 `serve --record-trace` and the app's Advisor panel work end to end."""
 
+import dataclasses
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from engine.advisor import (  # noqa: E402
     sweep,
 )
 from engine.config import StreamConfig  # noqa: E402
+from engine.generate import generate, prompt_tokens  # noqa: E402
 from engine.model import load  # noqa: E402
 from engine.resources import default_model_path  # noqa: E402
 from engine.trace import load_trace, local_trace, record  # noqa: E402
@@ -163,6 +165,44 @@ def test_recorder_sees_what_the_sync_path_sees_and_changes_nothing(model_dirs):
     assert tail.num_tokens == 10 and tail.segments.tolist() == [0]
     bounded.close()
     assert sm.predictor.recorder is None
+
+
+def test_advise_says_how_its_hit_rate_differs_from_generates(root, tmp_path, capsys):
+    """`generate` with every expert reads them at load and counts 100%; the replay of its
+    trace at every expert counts those first reads as misses, and `advise` says so."""
+    sm = load(None, StreamConfig())  # the embedded model
+    with record(sm) as rec:
+        result = generate(sm, prompt_tokens(sm, "Once upon a time", False), 16)
+    trace = rec.trace()
+    assert result.stats()["hit_rate"] == 1.0
+    curve = sweep(trace, root, "lru", slots=[trace.num_experts])
+    assert curve.hit_rate["lru"][0] < 1.0  # the first reads, from an empty cache
+    assert cli.main(["advise", "--trace", str(trace.save(tmp_path / "all.npz"))]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "from an empty cache, its first reads counted as misses" in text
+    assert "generate counts from the first token, after the load: 100% at every expert" in text
+
+
+def test_advise_starts_from_the_budget_the_trace_was_recorded_at(recorded, tmp_path, capsys):
+    assert recorded.real_slots.tolist() == [3, 3, 3, 3]  # recorded at expert_slots=3
+    path = recorded.save(tmp_path / "run.npz")
+    assert load_trace(path).real_slots.tolist() == [3, 3, 3, 3]
+    assert cli.main(["advise", "--trace", str(path), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["curve"]["current"] == 3
+    assert "now: 3 slots per layer (as recorded)" in out.err
+    # the flag wins; a trace without the budget (an older file) starts from every expert
+    assert cli.main(["advise", "--trace", str(path), "--expert-slots", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["curve"]["current"] == 5
+    assert cli.main(["advise", "--trace", str(path), "--expert-slots", "1"]) == 2  # as generate
+    want = "expertstream advise: error: --expert-slots 1: must be >= 2, the experts each token"
+    assert capsys.readouterr().err.startswith(want)
+    dataclasses.replace(recorded, real_slots=None).save(old := tmp_path / "old.npz")
+    assert load_trace(old).real_slots is None
+    assert cli.main(["advise", "--trace", str(old), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["curve"]["current"] == 8
+    with pytest.raises(ValueError, match=r"real_slots \[3, 9\] are not one count in \[1, 8\]"):
+        dataclasses.replace(recorded, real_slots=np.array([3, 9]))
 
 
 def test_advise_cli(recorded, tmp_path, capsys):

@@ -6,6 +6,7 @@ mid-reply leave the greedy tokens unchanged; pool rebuilds asked for mid-reply w
 the reply's end; errors are shown and the conversation is kept.
 """
 
+import ctypes
 import json
 import os
 import shutil
@@ -20,9 +21,10 @@ import pytest  # noqa: E402
 from PySide6.QtCore import QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
+import app.main  # noqa: E402
 from app.controls import summary  # noqa: E402
 from app.conversation import ASSISTANT, USER, Conversation  # noqa: E402
-from app.main import has_display  # noqa: E402
+from app.main import debian_package, has_display, not_found, uses_xcb  # noqa: E402
 from app.main import main as app_main  # noqa: E402
 from app.monitor import (  # noqa: E402
     ABSENT,
@@ -508,6 +510,42 @@ def test_without_a_display_it_says_how_to_run_headless():
     )
     assert out.returncode == 2
     assert "QT_QPA_PLATFORM=offscreen" in out.stderr and "expertstream generate" in out.stderr
+
+
+LDD = """\tlinux-vdso.so.1 (0x00007ffd)
+\tlibQt6XcbQpa.so.6 => /x/PySide6/Qt/lib/libQt6XcbQpa.so.6 (0x00007f3a)
+\tlibxcb-icccm.so.4 => not found
+\tlibxcb-keysyms.so.1 => not found
+\tlibxcb-icccm.so.4 => not found
+"""
+
+
+def test_missing_xcb_libraries_are_named_with_their_packages(monkeypatch, capsys):
+    assert not_found(LDD) == ["libxcb-icccm.so.4", "libxcb-keysyms.so.1"]
+    names = ["libxcb-cursor.so.0", "libxkbcommon-x11.so.0", "libEGL.so.1"]
+    assert [debian_package(n) for n in names] == ["libxcb-cursor0", "libxkbcommon-x11-0", "libegl1"]
+    # xcb is Qt's platform where it is asked for, or on Linux outside a Wayland session
+    linux = sys.platform.startswith("linux")
+    assert uses_xcb({"DISPLAY": ":0"}) == linux
+    assert uses_xcb({"DISPLAY": ":0", "QT_QPA_PLATFORM": "xcb"}) == linux
+    assert not uses_xcb({"DISPLAY": ":0", "QT_QPA_PLATFORM": "offscreen"})
+    assert not uses_xcb({"DISPLAY": ":0", "WAYLAND_DISPLAY": "wayland-0"})
+    # what it reports missing cannot be loaded here, truly
+    for name in app.main.missing_xcb_libraries():
+        with pytest.raises(OSError):
+            ctypes.CDLL(name)
+
+    # said before Qt starts (which aborts the process, naming at most one of them)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.delenv("QT_QPA_PLATFORM")
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.setattr(app.main, "missing_xcb_libraries", lambda: names[:2])
+    assert app_main([]) == 2
+    err = capsys.readouterr().err
+    assert "needs libraries this system lacks: libxcb-cursor.so.0, libxkbcommon-x11.so.0\n" in err
+    assert "sudo apt-get install libxcb-cursor0 libxkbcommon-x11-0\n" in err
+    assert "QT_QPA_PLATFORM=offscreen expertstream-gui --screenshot" in err
 
 
 def test_screenshot_is_taken_mid_reply(tmp_path):

@@ -203,7 +203,7 @@ def test_model_dir_config_is_not_json(tmp_path):
 def test_missing_tokenizer_cli(capsys, store_dir):
     code, err = cli(capsys, "generate", "--model", str(store_dir), "--prompt", "The cat")
     assert code == 2
-    assert f"expertstream: error: {store_dir} has no tokenizer files" in err
+    assert f"expertstream generate: error: {store_dir} has no tokenizer files" in err
     assert "Traceback" not in err
 
 

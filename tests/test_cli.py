@@ -2,6 +2,7 @@
 flag), its help, and the store cache (`expertstream cache`)."""
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ from engine.resources import default_model_path
 from engine.store_cache import store_cache_dir
 from engine.trace import load_trace, local_trace
 
-from factories import write_tokenizer
+from factories import CHAT_TEMPLATE, write_tokenizer
 
 
 def run(capfd, *argv) -> tuple[int, str, str]:
@@ -69,8 +70,11 @@ def test_echoed_prompt_and_reply_keep_their_space(capfd):
         (["--expert-memory=-5MiB"], "argument --expert-memory: must be > 0, got '-5MiB'"),
         (
             ["--expert-memory", "1KiB"],
-            "error: --expert-memory 1KiB: 0.0 MiB is below the 1.9 MiB that top-k = 4 experts",
+            "error: --expert-memory 1KiB: 1.0 kB is below the 2.0 MB that top-k = 4 experts",
         ),
+        # one rule for both ways of sizing the real regions: at least top-k experts
+        (["--expert-slots", "3"], "--expert-slots 3: must be >= 4, the experts each token is"),
+        (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**64 - 1], got '-1'"),
         # the embedded model has 32 experts per MoE layer
         (["--expert-slots", "33"], "--expert-slots 33: must be <= 32, the model's experts"),
         (["--side-slots", "1000"], "--side-slots 1000: must be <= 32, the model's experts"),
@@ -213,11 +217,73 @@ def test_error_from_the_environment_names_the_variable(capfd, monkeypatch):
     assert code == 2 and "environment variable EXPERT_SLOTS=0: must be >= 1" in err
 
 
-def test_chat_prints_no_prompt_echo(capfd):
+def test_the_prompt_is_printed_where_the_reply_continues_it(capfd, model_dirs, tmp_path):
+    # the embedded model has no chat template: --chat continues the text, as plain mode
+    for chat in ([], ["--chat"]):
+        code, out, err = run(
+            capfd, "generate", *chat, "--prompt", "Once upon a", "--max-tokens", "2"
+        )
+        assert code == 0 and out.startswith("Once upon a time"), (chat, out)
+    # a chat template: the reply answers the prompt, which is not printed
+    model = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "chat"))
+    write_tokenizer(model, CHAT_TEMPLATE)
     code, out, err = run(
-        capfd, "generate", "--chat", "--prompt", "Once upon a", "--max-tokens", "2"
+        capfd,
+        "generate",
+        "--model",
+        str(model),
+        "--chat",
+        "--prompt",
+        "The cat",
+        "--max-tokens",
+        "2",
     )
-    assert code == 0 and not out.startswith("Once upon a")
+    assert code == 0 and not out.startswith("The cat") and "no chat template" not in err, out
+
+
+def test_chat_without_a_template_says_it_drops_the_system_prompt(capfd):
+    argv = ["generate", "--chat", "--max-tokens", "1", "--system", "Be brief."]
+    note = "note: the model has no chat template: --chat continues the prompt as plain text"
+    code, _, err = run(capfd, *argv)
+    assert code == 0 and f"{note} (without --system)\n" in err, err
+    code, _, err = run(capfd, *argv[:-2])
+    assert code == 0 and f"{note}\n" in err, err
+
+
+def test_a_seed_repeats_a_sampled_reply(capfd):
+    def reply(*seed):
+        argv = ["generate", "--temp", "1.5", "--max-tokens", "12", "--json", *seed]
+        code, out, _ = run(capfd, *argv)
+        assert code == 0
+        return json.loads(out)["tokens"]
+
+    assert reply("--seed", "7") == reply("--seed", "7") != reply("--seed", "8")
+
+
+def test_refusals_name_the_subcommand_and_its_help(capfd):
+    code, out, err = run(capfd, "generate", "--foo")
+    assert code == 2 and err == (
+        "expertstream generate: error: unrecognized arguments: --foo "
+        "(see expertstream generate --help)\n"
+    )
+    code, out, err = run(capfd, "cache", "rm", "../etc")
+    assert code == 2 and err.startswith("expertstream cache rm: error: '../etc' is not a store")
+    code, out, err = run(capfd, "generate", "--expert-slots", "33")
+    assert code == 2 and err.startswith("expertstream generate: error: --expert-slots 33: "), err
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_first_use_conversion_says_so(capfd, monkeypatch, model_dirs, tmp_path, terminal):
+    model = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "model"))
+    write_tokenizer(model, f"{{# {tmp_path} #}}")  # content of its own: a store of its own
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    code, _, err = run(capfd, "generate", "--model", str(model), "--max-tokens", "1")
+    line = f"converting {model} to an expert store, once per model ("
+    assert code == 0 and err.startswith(line) and " kB of experts)\n" in err, err
+    # on a terminal a bar follows, redrawn; else that line is all
+    assert ("experts: 100%" in err and "\r" in err) == terminal, err
+    code, _, err = run(capfd, "generate", "--model", str(model), "--max-tokens", "1")
+    assert code == 0 and "converting" not in err  # converted once
 
 
 def test_help_shows_defaults_and_explains_every_argument():
@@ -230,6 +296,7 @@ def test_help_shows_defaults_and_explains_every_argument():
         "(1: all) (default: 1.0)",
         "real-region slots per MoE layer (default: all experts)",
         "background reader threads (default: min(8, 2 x CPUs), at least top-k - 1)",
+        "instead of --expert-slots (default: not given: --expert-slots sizes them)",
     ):
         assert text in " ".join(generate.split()), text
     for name, p in sub.items():
@@ -242,26 +309,30 @@ def test_convert_errors_are_one_line_naming_the_flag(capfd, tmp_path, qwen_store
     a_file.write_text("x")
     code, _, err = run(capfd, "convert", str(a_file), str(tmp_path / "store"))
     assert code == 2 and err.count("\n") == 1 and "experts:" not in err
-    assert err == f"expertstream: error: {a_file}: is a file, not an mlx-lm model directory\n"
+    assert err == (
+        f"expertstream convert: error: {a_file}: is a file, not an mlx-lm model directory\n"
+    )
 
     dest = tmp_path / "exists"
     dest.mkdir()
     code, _, err = run(capfd, "convert", str(model_dirs("qwen3_moe")), str(dest))
-    assert code == 2 and err == f"expertstream: error: {dest} already exists: --force replaces it\n"
+    want = f"{dest} already exists: --force replaces it"
+    assert code == 2 and err == f"expertstream convert: error: {want}\n"
 
     # A store is no model directory, though it has a config.json: said before the rest.
     code, _, err = run(capfd, "convert", str(qwen_store.path), str(dest))
     assert err == (
-        f"expertstream: error: {qwen_store.path} is already an expert store; use it directly "
-        "with --model\n"
+        f"expertstream convert: error: {qwen_store.path} is already an expert store; use it "
+        "directly with --model\n"
     )
     # OS errors without their "[Errno N]": the path and what is wrong with it.
     code, _, err = run(capfd, "convert", str(tmp_path / "none"), str(tmp_path / "out"))
-    assert err == f"expertstream: error: {tmp_path / 'none'}: model directory does not exist\n"
+    want = f"{tmp_path / 'none'}: model directory does not exist"
+    assert err == f"expertstream convert: error: {want}\n"
     (empty := tmp_path / "empty").mkdir()
     code, _, err = run(capfd, "convert", str(empty), str(tmp_path / "out"))
     want = f"{empty / 'config.json'}: missing; not an mlx-lm model directory"
-    assert code == 2 and err == f"expertstream: error: {want}\n"
+    assert code == 2 and err == f"expertstream convert: error: {want}\n"
 
 
 def test_copies_of_a_model_share_a_store_and_cache_lists_it(capfd, model_dirs, tmp_path):
@@ -312,6 +383,9 @@ def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
     code, out, err = run(capfd, "generate", "--max-tokens", "3")
     assert code == 0 and out.startswith("Once upon a time") and out.endswith("\n")
     assert err.startswith("--\nhits "), err
+    # bytes as every figure shows them (engine.memory.human_bytes): every expert was read
+    # at load, none during the reply
+    assert "  read 0 B  " in err and re.search(r"peak memory \d+\.\d MB\n", err), err
     # `expertstream generate --json | head -c 1`: the reader is gone before the reply.
     p = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "generate", "--json", "--max-tokens", "2"],

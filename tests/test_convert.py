@@ -318,9 +318,9 @@ def write_config(model_dir, config):
             "not a valid olmoe config.*num_experts",
         ),
         (
-            {k: v for k, v in make_config("mixtral").items() if k != "num_experts_per_tok"},
-            NotMoEError,
-            "no experts-per-token entry",
+            {k: v for k, v in make_config("qwen3_moe").items() if k != "num_experts_per_tok"},
+            ValueError,
+            "not a valid qwen3_moe config.*num_experts_per_tok",  # mlx-lm has no default
         ),
         (make_config("mixtral") | {"num_experts_per_tok": 9}, NotMoEError, "expected an int in"),
     ],
@@ -328,6 +328,23 @@ def write_config(model_dir, config):
 def test_unsupported_or_not_moe(tmp_path, config, error, message):
     with pytest.raises(error, match=message):
         convert(write_config(tmp_path / "m", config), tmp_path / "s")
+
+
+def test_a_field_mlx_lm_defaults_may_be_left_out(model_dirs, tmp_path):
+    """mixtral's ModelArgs has num_experts_per_tok = 2: a config without it is the model
+    mlx-lm runs with 2 experts per token, and so is its store."""
+    from engine.model import load
+
+    from test_equality import assert_same, greedy_logits
+
+    model = shutil.copytree(model_dirs("mixtral"), tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    assert config.pop("num_experts_per_tok") == 2
+    (model / "config.json").write_text(json.dumps(config))
+    sm = load(model)
+    assert sm.store.manifest.top_k == 2
+    reference, _ = load_model(model)
+    assert_same(greedy_logits(reference), greedy_logits(sm.model))
     assert not (tmp_path / "s").exists()
 
 

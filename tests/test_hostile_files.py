@@ -82,7 +82,7 @@ def cli_error(capsys, *argv) -> str:
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("expertstream: error: "), err
+    assert len(lines) == 1 and lines[0].startswith(f"expertstream {argv[0]}: error: "), err
     return lines[0]
 
 
@@ -366,4 +366,4 @@ def test_app_and_server_show_one_line(store_dir, capsys):
     assert main(["serve", "--model", str(store_dir), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()  # "loading ...", then the error
     assert err[0].startswith("loading ") and len(err) == 2 and want in err[1], err
-    assert err[1].startswith("expertstream: error: ")
+    assert err[1].startswith("expertstream serve: error: ")

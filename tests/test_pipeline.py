@@ -269,5 +269,32 @@ def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
                 p.kill()
                 p.wait()
     assert procs[0].returncode == 2, err
-    assert "expertstream: error: rank 0: the pipeline stopped" in err
+    assert "expertstream generate: error: rank 0: the pipeline stopped" in err
     assert waited < 20
+
+
+def test_every_rank_refuses_slots_below_top_k(stores, tmp_path):
+    """The one rule of `expertstream generate` (engine.flags.check_real_slots) holds
+    with --pipeline: every rank refuses, in one line."""
+    _, store = stores["qwen3"]
+    base = free_ports(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    argv = ["generate", "--pipeline", "--model", str(store), "--expert-slots", "1"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", *argv],
+            env=os.environ | {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and out == "", (out, err)
+        assert err == (
+            "expertstream generate: error: --expert-slots 1: must be >= 2, the experts each "
+            "token is routed to per MoE layer (top-k)\n"
+        ), err
