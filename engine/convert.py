@@ -28,7 +28,7 @@ from .experts import (
     top_k,
 )
 from .experts import quantization as quantization_of
-from .safe_io import check_regular, contained, read_json_object, regular_files
+from .safe_io import check_regular, contained, fsync_path, read_json_object, regular_files
 from .safetensors_header import read_header
 from .store import (
     CONFIG_FILE,
@@ -39,7 +39,7 @@ from .store import (
     is_store,
     layout_segments,
 )
-from .store_writer import StoreWriter, fsync_path
+from .store_writer import StoreWriter
 from .validate import check_against_weights, check_config
 
 # Other weight formats (pickle-based and others): never opened nor copied into a store;

@@ -36,7 +36,7 @@ from engine.experts import (
 from engine.experts import quantization as quantization_of
 from engine.pipeline import Stage
 from engine.predictor import Predictor, prefetch_targets
-from engine.safe_io import contained, read_json_object
+from engine.safe_io import contained, read_json_object, remove_leftovers
 from engine.store import (
     DTYPES,
     MANIFEST_FILE,
@@ -49,7 +49,6 @@ from engine.store import (
 
 # store_cache_dir stays importable from here (the benchmarks use it).
 from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
-from engine.store_writer import remove_leftovers
 from engine.streamed_layer import StreamedExperts
 from engine.validate import check_against_weights, check_config
 
