@@ -16,7 +16,13 @@ from engine.convert import convert
 from engine.experts import NotMoEError, UnsupportedModelError, find_experts
 from engine.store import DTYPES, ExpertStore, Manifest
 
-from factories import MODEL_TYPES, make_config, make_mixed_quant_model, make_random_model
+from factories import (
+    MODEL_TYPES,
+    make_config,
+    make_mixed_quant_model,
+    make_random_model,
+    write_tokenizer,
+)
 
 CASES = [(t, q) for t in MODEL_TYPES for q in (True, False)]
 IDS = [f"{t}-{'q4' if q else 'f32'}" for t, q in CASES]
@@ -409,8 +415,7 @@ def test_interrupted_forced_convert_keeps_old_store(tmp_path, monkeypatch):
 
 def test_progress_and_aux_files(tmp_path):
     model_dir = make_random_model(tmp_path / "m", "qwen2_moe")
-    (model_dir / "tokenizer.json").write_text('{"version": "1.0"}')
-    (model_dir / "tokenizer_config.json").write_text("{}")
+    write_tokenizer(model_dir)
     (model_dir / "generation_config.json").write_text("{}")
     (model_dir / "modeling_custom.py").write_text("raise SystemExit")
     (model_dir / "subdir").mkdir()

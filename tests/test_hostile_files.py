@@ -11,10 +11,12 @@ of a model directory.
 
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -367,3 +369,124 @@ def test_app_and_server_show_one_line(store_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()  # "loading ...", then the error
     assert err[0].startswith("loading ") and len(err) == 2 and want in err[1], err
     assert err[1].startswith("expertstream: error: ")
+
+
+# ---- convert checks what loading will (issue 29, items 1, 4 and 5) ---------------------
+
+
+def _patch_weights(fn):
+    def patch(directory: Path) -> None:
+        path = directory / "model.safetensors"
+        weights = dict(mx.load(str(path)))
+        fn(weights)
+        mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+    return patch
+
+
+def _trailing_one(key):
+    def fn(weights):
+        weights[key] = weights[key][..., None]
+
+    return fn
+
+
+def _set(key, value):
+    def fn(weights):
+        weights[key] = mx.full(weights[key].shape, value, weights[key].dtype)
+
+    return fn
+
+
+def _drop_lm_head(weights):
+    for key in [k for k in weights if k.startswith("lm_head.")]:
+        del weights[key]
+
+
+EXPERTS = "model.layers.0.mlp.switch_mlp"
+Q4 = {"group_size": 32, "bits": 4}
+INCONSISTENT = {
+    "expert width": (
+        {"moe_intermediate_size": 64},
+        rf"model\.safetensors: experts of {EXPERTS}: segment gate_proj\.weight is uint32 "
+        r"\[32, 8\] but the model of config\.json needs uint32 \[64, 8\]",
+    ),
+    "head_dim": (
+        {"head_dim": 32},
+        r"model\.safetensors: model\.layers\.0\.self_attn\.k_norm\.weight is float32 \[16\] "
+        r"but the model of .*config\.json needs a float \[32\]",
+    ),
+    "expert quantization override": (
+        {"quantization": Q4 | {f"{EXPERTS}.gate_proj": {"group_size": 32, "bits": 8}}},
+        r"segment gate_proj\.weight is uint32 \[32, 8\] but the model of config\.json "
+        r"needs uint32 \[32, 16\]",
+    ),
+    "dense quantization override": (
+        {"quantization": Q4 | {"model.layers.0.self_attn.q_proj": {"group_size": 64, "bits": 4}}},
+        r"model\.layers\.0\.self_attn\.q_proj\.biases is float32 \[64, 2\] but the model of "
+        r".*config\.json needs a float \[64, 1\]",
+    ),
+    "override the quantizer refuses": (
+        {"quantization": Q4 | {"model.layers.0.self_attn.q_proj": {"group_size": 48, "bits": 4}}},
+        r"config\.json: the quantization of model\.layers\.0\.self_attn\.q_proj does not fit "
+        r"its shape \(ValueError: \[quantize\] .* group size 48",
+    ),
+    "untied checkpoint, no lm_head": (
+        _patch_weights(_drop_lm_head),
+        r"model: the weights have no lm_head\.weight that the model of .*config\.json needs "
+        r"\(tie_word_embeddings is false",
+    ),
+    "trailing dimension of 1, dense": (
+        _patch_weights(_trailing_one("model.layers.0.self_attn.q_norm.weight")),
+        r"model\.safetensors: model\.layers\.0\.self_attn\.q_norm\.weight is float32 \[16, 1\] "
+        r"but the model of .*config\.json needs a float \[16\]",
+    ),
+    "trailing dimension of 1, experts": (
+        _patch_weights(_trailing_one(f"{EXPERTS}.gate_proj.scales")),
+        r"segment gate_proj\.scales is float32 \[32, 2, 1\] but the model of config\.json "
+        r"needs a float \[32, 1\]",
+    ),
+    "rope_scaling": ({"rope_scaling": 5}, r"config\.json: rope_scaling is 5, expected an object"),
+    "eos_token_id": ({"eos_token_id": "x"}, r'config\.json: eos_token_id is "x", expected a token'),
+    "architectures": ({"architectures": 5}, r"config\.json: architectures is 5, expected a list"),
+    "NaN in expert scales": (
+        _patch_weights(_set("model.layers.1.mlp.switch_mlp.up_proj.scales", float("nan"))),
+        r"model\.safetensors: model\.layers\.1\.mlp\.switch_mlp\.up_proj\.scales holds NaN or "
+        "infinity",
+    ),
+    "infinity in a dense weight": (
+        _patch_weights(_set("model.norm.weight", float("inf"))),
+        r"model\.safetensors: model\.norm\.weight holds NaN or infinity",
+    ),
+    "tokenizer.json of junk": (
+        lambda d: (d / "tokenizer.json").write_text("junk " * 10_000_000),
+        r"model: cannot load the tokenizer \(.*\)$",
+    ),
+    "tokenizer_config.json of the wrong type": (
+        lambda d: (d / "tokenizer_config.json").write_text('{"tokenizer_class": 5}'),
+        r"model: cannot load the tokenizer \(AttributeError: ",
+    ),
+    "generation_config.json eos_token_id": (
+        lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [1, "x"]}'),
+        r'generation_config\.json: eos_token_id is \[1, "x"\], expected a token id',
+    ),
+}
+
+
+@pytest.mark.parametrize(("patch", "message"), INCONSISTENT.values(), ids=list(INCONSISTENT))
+def test_convert_refuses_what_load_would(model_dir, tmp_path, capsys, patch, message):
+    """Each input that converted before and was then refused by load (or generated empty
+    replies) is refused by convert in one bounded line naming the file, and nothing is
+    left behind; the command line prints that line."""
+    patch_config(model_dir, patch) if isinstance(patch, dict) else patch(model_dir)
+    with pytest.raises(ModelFileError, match=message) as refused:
+        convert(model_dir, tmp_path / "store")
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert main(["convert", str(model_dir), str(tmp_path / "store")]) == 2
+    # the progress bar's lines aside (NaN is found as each layer is written)
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.strip() and not x.startswith("experts:")]
+    assert len(lines) == 1 and lines[0].startswith("expertstream: error: "), lines
+    assert len(lines[0]) < 600 and re.search(message, lines[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
