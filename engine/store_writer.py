@@ -32,6 +32,9 @@ from engine.store import (
     stride_for,
 )
 
+# Rounds of `_install` lost to other writers of the same store before it gives up.
+_INSTALL_TRIES = 100
+
 
 class StoreWriter:
     """Writes one store to `store_dir`.
@@ -227,19 +230,52 @@ def manifest_text(obj, depth: int = 0) -> str:
 
 
 def _install(tmp: Path, store_dir: Path, force: bool) -> None:
-    """Rename the complete `tmp` to `store_dir`, replacing an old store only
-    when `force` (the old one is moved aside first and restored on failure)."""
-    if not (store_dir.exists() or store_dir.is_symlink()):
-        os.rename(tmp, store_dir)
-    elif not force:
-        raise FileExistsError(errno.EEXIST, "appeared while the store was written", str(store_dir))
-    else:
+    """Rename the complete `tmp` to `store_dir`, replacing an old store only when `force`
+    (the old one is moved aside first and put back if the rename fails otherwise).
+
+    Another writer of the same store may install its own between any two steps (two
+    `convert --force` at once): without `force` that is the FileExistsError of a store
+    that appeared; with it, the store there is replaced again, the last writer winning,
+    and both report success (each store was whole when it was installed).
+
+    Raises:
+        FileExistsError: `store_dir` exists, or appeared, and not `force`.
+        OSError: a rename failed for another reason, or other writers replaced the
+            store `_INSTALL_TRIES` times in a row.
+    """
+    raced = (errno.ENOTEMPTY, errno.EEXIST)  # a store arrived at store_dir meanwhile
+    appeared = FileExistsError(errno.EEXIST, "appeared while the store was written", str(store_dir))
+    for _ in range(_INSTALL_TRIES):
+        if not (store_dir.exists() or store_dir.is_symlink()):
+            try:
+                os.rename(tmp, store_dir)
+            except OSError as e:
+                if e.errno not in raced:
+                    raise
+                if not force:
+                    raise appeared from None
+                continue
+            break
+        if not force:
+            raise appeared
         old = store_dir.parent / f".{store_dir.name}.old-{os.getpid()}"
-        os.rename(store_dir, old)
+        try:
+            os.rename(store_dir, old)
+        except FileNotFoundError:  # another writer moved it aside first
+            continue
         try:
             os.rename(tmp, store_dir)
+        except OSError as e:
+            if e.errno not in raced:
+                os.rename(old, store_dir)
+                raise
+            shutil.rmtree(old, ignore_errors=True)  # older than the store now there
+            continue
         except BaseException:
             os.rename(old, store_dir)
             raise
         shutil.rmtree(old, ignore_errors=True)
+        break
+    else:
+        raise OSError(errno.EBUSY, "other writers kept replacing it meanwhile", str(store_dir))
     fsync_dir(store_dir.parent)

@@ -3,8 +3,10 @@
 import errno
 import gc
 import json
+import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -457,3 +459,34 @@ def test_memory_stays_bounded_by_one_layer(tmp_path):
     expert_bytes = sum(s.record_bytes for s in store.manifest.layers) * store.manifest.num_experts
     layer_bytes = expert_bytes // len(store.manifest.layers)
     assert mx.get_peak_memory() < 3 * layer_bytes < expert_bytes / 2
+
+
+@pytest.mark.parametrize("when", ["between the renames", "before the first rename"])
+def test_two_forced_converts_racing_both_succeed(tmp_path, monkeypatch, when):
+    """Another `convert --force` of the same store installs its own at the worst instant
+    (issue 29, item 4: the loser reported "Directory not empty" or "No such file"): this
+    one still installs its store, whole, and leaves nothing behind."""
+    model_dir = make_random_model(tmp_path / "m", "qwen3_moe")
+    other = convert(model_dir, tmp_path / "other")
+    out = tmp_path / "out"
+    out.mkdir()
+    store = convert(model_dir, out / "store")
+    real_rename = os.rename
+    raced = []
+
+    def rename(src, dst):
+        src, dst = Path(src), Path(dst)
+        if not raced and when == "between the renames" and dst == store:
+            shutil.copytree(other, store)  # the other writer's store arrives first
+            raced.append(src)
+        if not raced and when == "before the first rename" and src == store:
+            real_rename(store, out / ".store.old-1")  # the other writer moves it aside
+            shutil.rmtree(out / ".store.old-1")
+            raced.append(src)
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(store_writer.os, "rename", rename)
+    assert convert(model_dir, store, force=True) == store
+    assert raced
+    assert ExpertStore(store).verify() > 0
+    assert sorted(p.name for p in out.iterdir()) == ["store"]

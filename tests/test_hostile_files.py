@@ -490,3 +490,11 @@ def test_convert_refuses_what_load_would(model_dir, tmp_path, capsys, patch, mes
     assert len(lines) == 1 and lines[0].startswith("expertstream: error: "), lines
     assert len(lines[0]) < 600 and re.search(message, lines[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_chat_without_a_tokenizer_is_one_line(qwen_store, tmp_path, capsys):
+    """--chat on a store without tokenizer files: the one error naming the store and the
+    fix, without the note about a missing chat template (issue 29, item 4)."""
+    store = Path(shutil.copytree(qwen_store.path, tmp_path / "store"))
+    line = cli_error(capsys, "generate", "--model", str(store), "--chat", "--prompt", "The cat")
+    assert f"{store} has no tokenizer files" in line and "copy its files into the store" in line
