@@ -114,7 +114,11 @@ def read_bytes(
         OSError: it cannot be opened or read.
     """
     with os.fdopen(open_regular(path, error), "rb") as f:
-        data = f.read(limit + 1)
+        # a buffer of the file's size, not of the limit: a small file costs little memory
+        want = min(limit, os.fstat(f.fileno()).st_size) + 1
+        data = f.read(want)
+        if len(data) == want <= limit:  # longer than fstat said (growing, or procfs)
+            data += f.read(limit + 1 - len(data))
     if len(data) > limit:
         raise error(f"{path}: more than {limit} bytes, too large for a file of its kind")
     return data

@@ -498,3 +498,50 @@ def test_chat_without_a_tokenizer_is_one_line(qwen_store, tmp_path, capsys):
     store = Path(shutil.copytree(qwen_store.path, tmp_path / "store"))
     line = cli_error(capsys, "generate", "--model", str(store), "--chat", "--prompt", "The cat")
     assert f"{store} has no tokenizer files" in line and "copy its files into the store" in line
+
+
+# ---- refused before the work: pools larger than the memory left (issue 29, item 3) ------
+
+POOL_HEADROOM = 30 << 20  # what the child may still map past its start (RLIMIT_AS)
+
+
+def test_pools_beyond_the_address_space_limit_are_refused_first(model_dirs, tmp_path):
+    """A process under `ulimit -v` whose pools (75 MB here) cannot fit in what the limit
+    leaves (30 MiB) is refused by the planned-bytes check, naming the sizes, before any
+    pool is allocated: no system figure shows such a limit, so the pools were allocated
+    until the native allocation failed (and a config read allocated its 64 MiB bound)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model_dir = model_dirs(
+        "qwen3_moe",
+        hidden=256,
+        moe_intermediate=512,
+        num_layers=2,
+        num_experts=16,
+        quantized=False,
+    )
+    store = convert(model_dir, tmp_path / "store")
+    code = f"""
+        import resource
+        from engine.config import StreamConfig
+        from engine.model import load
+        status = open("/proc/self/status").read().split("VmSize:")[1]
+        vm = int(status.split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {POOL_HEADROOM}, resource.RLIM_INFINITY))
+        try:
+            load({str(store)!r}, StreamConfig())
+        except ValueError as e:
+            print(type(e).__name__, e)
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"PoolMemoryError {store}: the expert pools need 75.5 MB"), out
+    assert "of memory is available" in out.stdout
