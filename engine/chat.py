@@ -11,6 +11,9 @@ messages have no place in a plain continuation and are left out.
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.template_bounds import render_bounded
+from engine.validate import brief
+
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 ROLES = (SYSTEM, USER, ASSISTANT)
 
@@ -55,7 +58,8 @@ def chat_ids(tokenizer, messages: Sequence[dict], vocab_size: int | None = None)
 
     Raises:
         ValueError: no tokenizer, a role outside `ROLES`, the template refuses the
-            conversation (its own message), nothing to encode, or an id outside the
+            conversation (its own message, or a size or time bound of
+            `engine.template_bounds`), nothing to encode, or an id outside the
             vocabulary.
     """
     if tokenizer is None:
@@ -65,11 +69,13 @@ def chat_ids(tokenizer, messages: Sequence[dict], vocab_size: int | None = None)
             raise ValueError(f"messages[{i}].role {m.get('role')!r} is not one of {ROLES}")
     if has_chat_template(tokenizer):
         try:
-            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        except Exception as e:  # jinja2's TemplateError and the template's raise_exception
+            ids = render_bounded(
+                lambda: tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            )
+        except Exception as e:  # jinja2's TemplateError, raise_exception, the bounds' errors
             raise ValueError(
                 f"{template_source(tokenizer)}: the chat template refuses the conversation "
-                f"({type(e).__name__}: {e})"
+                f"({brief(e)})"
             ) from e
     else:
         ids = encode(tokenizer, plain_text(messages))

@@ -303,6 +303,75 @@ def test_chat_template_file_is_named(store_dir, capsys):
     assert f"{store_dir / 'chat_template.jinja'}: the chat template refuses" in line
 
 
+HUGE_TEMPLATES = [
+    "{{ 'x' * 10**10 }}",
+    "{{ ['x'] * 10**10 }}",
+    "{{ 'x'.ljust(10**10) }}",
+    "{{ 'x'|center(10**10) }}",
+    "{{ messages|tojson(indent=10**10) }}",
+    "{{ 7 ** (10**9) }}",
+    "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}",
+]
+TEMPLATE_HEADROOM = 512 << 20  # what the child may still map past its start (RLIMIT_AS)
+
+
+def test_huge_chat_templates_are_refused_within_a_bounded_memory(tmp_path):
+    """Templates building a string, list or number of gigabytes (issue 29, item 3: the
+    first grew a process to about 10 GB) are refused by name before they compute it, in
+    a process that may map no more than 512 MiB past its start."""
+    import subprocess
+    import sys
+    import textwrap
+
+    write_tokenizer(tmp_path)
+    code = f"""
+        import json, resource
+        from mlx_lm.utils import load_tokenizer
+        from engine.chat import chat_ids
+        tok = load_tokenizer({str(tmp_path)!r}, {{"trust_remote_code": False}})
+        status = open("/proc/self/status").read().split("VmSize:")[1]
+        vm = int(status.split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {TEMPLATE_HEADROOM}, resource.RLIM_INFINITY))
+        for template in json.loads({json.dumps(HUGE_TEMPLATES)!r}):
+            tok._tokenizer.chat_template = template
+            try:
+                chat_ids(tok, [{{"role": "user", "content": "The cat"}}])
+                print("rendered")
+            except (ValueError, MemoryError) as e:
+                print(type(e).__name__, str(e).replace("\\n", " "))
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(HUGE_TEMPLATES), out.stdout + out.stderr[-3000:]
+    for template, line in zip(HUGE_TEMPLATES, lines, strict=True):
+        assert line.startswith("ValueError ") and "TemplateLimitError: " in line, (template, line)
+        assert "above the chat template bound" in line and len(line) < 400
+
+
+def test_endless_chat_template_is_stopped(store_dir, capsys, monkeypatch):
+    """A template that loops for ever (here 10**10 rounds) is stopped at the time bound
+    and refused in one line naming the file."""
+    import time
+
+    from engine import template_bounds
+
+    monkeypatch.setattr(template_bounds, "TEMPLATE_SECONDS", 0.5)
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    write_tokenizer(store_dir, chat_template=loop)
+    start = time.monotonic()
+    line = cli_error(capsys, "generate", "--model", str(store_dir), "--chat", "--prompt", "The cat")
+    assert time.monotonic() - start < 30
+    assert f"{store_dir / 'tokenizer_config.json'}: the chat template refuses" in line
+    assert "TemplateLimitError: rendering took more than 0.5 s" in line
+
+
 # ---- links out of the model directory --------------------------------------------------
 
 
