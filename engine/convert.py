@@ -123,10 +123,10 @@ def convert(
     model_classes(config, where)
     _check_destination(model_dir, store_dir, force)
     files = _weight_files(model_dir)
-    origin = {}  # weight name -> the file holding it, for messages
+    headers = {f: read_header(f) for f in files}
+    origin = {k: f for f, tensors in headers.items() for k in tensors}  # for messages
     if files:  # without weights, the model's own errors come first, then the missing files
-        origin = {k: f for f in files for k in read_header(f)}
-        tensors = {k: t for f in files for k, t in read_header(f).items()}
+        tensors = {k: t for tensors in headers.values() for k, t in tensors.items()}
         check_against_weights(config, tensors, str(where), ", ".join(f.name for f in files))
 
     model = instantiate(config, where)
@@ -307,7 +307,7 @@ def _check_dense(
     }
     where = model_dir / CONFIG_FILE
     # in file order, a module's weight before its scales and biases
-    for key in sorted(dense, key=lambda k: (str(origin.get(k, "")), k.endswith(".weight") < 1, k)):
+    for key in sorted(dense, key=lambda k: (str(origin.get(k, "")), not k.endswith(".weight"), k)):
         a = dense[key]
         file = origin.get(key, model_dir)
         if key not in params:
@@ -340,7 +340,7 @@ def _check_dense(
 
 
 def _check_experts(
-    plan: "_LayerPlan", expert: ExpertModule, origin: dict[str, Path], model_dir: Path
+    plan: _LayerPlan, expert: ExpertModule, origin: dict[str, Path], model_dir: Path
 ) -> None:
     """The records planned for one layer are the parameters of its expert module, as
     loading will require (`engine.experts.segment_mismatch`).
@@ -350,8 +350,8 @@ def _check_experts(
     """
     problem = segment_mismatch(expert, plan.segments, plan.quantization)
     if problem is not None:
-        key = f"{plan.module}.{problem.split()[1]}" if problem.startswith("segment") else ""
-        file = origin.get(key, model_dir)
+        keys = (f"{plan.module}.{k}" for k in plan.arrays)
+        file = next((origin[k] for k in keys if k in origin), model_dir)  # else sanitized
         raise ModelFileError(
             f"{file}: experts of {plan.module}: {problem} per expert (config.json's sizes or "
             "quantization do not match the weights)"
