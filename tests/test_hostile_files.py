@@ -614,3 +614,20 @@ def test_pools_beyond_the_address_space_limit_are_refused_first(model_dirs, tmp_
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(f"PoolMemoryError {store}: the expert pools need 75.5 MB"), out
     assert "of memory is available" in out.stdout
+
+
+def test_a_quantization_mlx_refuses_is_named_at_load(store_dir, capsys):
+    """A store's config.json asking for a group size MLX's quantizer refuses for a module:
+    one line naming the file and the module, not MLX's own message alone."""
+    patch_config(
+        store_dir,
+        {"quantization": Q4 | {"model.layers.0.self_attn.q_proj": {"group_size": 48, "bits": 4}}},
+    )
+    want = (
+        rf"{store_dir}/config\.json: the quantization of model\.layers\.0\.self_attn\.q_proj "
+        r"does not fit its shape \(ValueError: \[quantize\] .*group size 48"
+    )
+    with pytest.raises(StoreError, match=want):
+        load(store_dir, SLOTS)
+    line = cli_error(capsys, "generate", "--model", str(store_dir), "--prompt", "The cat")
+    assert re.search(want, line)
