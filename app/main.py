@@ -25,6 +25,7 @@ from engine.flags import (
     positive_int,
     prompt_text,
 )
+from engine.safe_io import atomic_write
 
 # What the app fills in when a flag is not given (app.worker.app_defaults), as --help says.
 APP_DEFAULTS = {
@@ -145,6 +146,25 @@ def debian_package(soname: str) -> str:
     return f"{name}-{version}" if name[-1:].isdigit() else f"{name}{version}"
 
 
+def _save_png(pixmap, path: str) -> str | None:
+    """Writes the QPixmap `pixmap` as a PNG to `path` atomically
+    (`engine.safe_io.atomic_write`: a run killed mid-write leaves the old file or the new
+    one). Returns None, or why it could not be written."""
+    from PySide6.QtCore import QBuffer, QByteArray, QIODevice
+
+    data = QByteArray()
+    buffer = QBuffer(data)
+    buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+    if not pixmap.save(buffer, "PNG"):
+        return "the window could not be encoded as PNG"
+    try:
+        with atomic_write(path) as f:
+            f.write(data.data())
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _screenshot(window, args, app) -> None:
     """Sends --prompt once the model is loaded, grabs the window at the --shot-at-th
     token (or at the reply's end if it is shorter), then stops and quits."""
@@ -163,10 +183,12 @@ def _screenshot(window, args, app) -> None:
         window.chat.flush()
         window.poll()
         app.processEvents()  # pending layout updates, e.g. of the advisor's new text
-        saved = window.grab().save(args.screenshot)
+        problem = _save_png(window.grab(), args.screenshot)
         state["grabbing"] = False
-        if not saved:
-            print(f"expertstream-gui: could not write {args.screenshot}", file=sys.stderr)
+        if problem:
+            print(
+                f"expertstream-gui: could not write {args.screenshot}: {problem}", file=sys.stderr
+            )
             app.exit(1)
             return
         state["saved"] = True

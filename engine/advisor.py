@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine.memory import human_bytes
 from engine.replay import AUTOPIN_FRAC, POLICIES, belady, replay, trace_store
+from engine.safe_io import atomic_write
 from engine.trace import Trace
 
 BELADY = "belady"
@@ -324,11 +325,12 @@ def free_memory_bytes() -> int | None:
 def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
     """Plots hit rate (and the estimated tokens/s, when there is one) vs budget, the
     current and suggested budgets marked and the advice as the title, into the PNG
-    `path` (matplotlib, the `bench` extra, imported here only).
+    `path` (matplotlib, the `bench` extra, imported here only), written atomically
+    (`engine.safe_io.atomic_write`).
 
     Raises:
         ValueError: matplotlib is not installed.
-        OSError: the file cannot be written.
+        OSError: the file cannot be written (an older file there is kept).
     """
     try:
         import matplotlib
@@ -374,7 +376,8 @@ def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     try:
-        fig.savefig(path, dpi=110)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=110)
     finally:
         plt.close(fig)
     return path

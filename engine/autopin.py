@@ -17,11 +17,10 @@ updates between replies.
 
 import json
 import math
-import os
 from pathlib import Path
 
 from engine.cache import SLOT_PINNED, snapshot
-from engine.safe_io import read_json_object
+from engine.safe_io import atomic_write, read_json_object
 
 PIN_FILE = "autopin.json"
 MAX_PIN_BYTES = 16 << 20  # a pin set of 4096 layers x 256 experts is ~5 MB
@@ -69,20 +68,15 @@ def repin(cache, k: int) -> list[list[int]]:
 
 
 def save(path: str | Path, pins: list[list[int]], num_experts: int) -> None:
-    """Writes the pin set to `path` (JSON): into a temporary sibling, flushed to the disk,
-    then renamed over `path`, so a reader (or a run killed at any instant) finds the old
-    file or the new one, never a part of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"num_experts": num_experts, "pins": pins}))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Writes the pin set to `path` (JSON) atomically (`engine.safe_io.atomic_write`), so
+    a reader (or a run killed at any instant) finds the old file or the new one, never a
+    part of one.
+
+    Raises:
+        OSError: the file cannot be written (the old one is kept).
+    """
+    with atomic_write(path) as f:
+        f.write(json.dumps({"num_experts": num_experts, "pins": pins}).encode())
 
 
 def load(path: str | Path, num_experts: int, num_layers: int, k: int) -> list[list[int]]:

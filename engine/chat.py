@@ -17,6 +17,9 @@ writes a call (`has_tool_calling`, its `tool_parser`).
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.template_bounds import render_bounded
+from engine.validate import brief
+
 USER, ASSISTANT, SYSTEM, TOOL = "user", "assistant", "system", "tool"
 ROLES = (SYSTEM, USER, ASSISTANT, TOOL)
 
@@ -79,8 +82,9 @@ def chat_ids(
 
     Raises:
         ValueError: no tokenizer, a role outside `ROLES`, tools for a model that cannot
-            call them, the template refuses the conversation (its own message), nothing
-            to encode, or an id outside the vocabulary.
+            call them, the template refuses the conversation (its own message, or a size
+            or time bound of `engine.template_bounds`), nothing to encode, or an id
+            outside the vocabulary.
     """
     if tokenizer is None:
         raise ValueError("this model has no tokenizer files: chat needs one")
@@ -96,11 +100,15 @@ def chat_ids(
     if has_chat_template(tokenizer):
         extra = {"tools": list(tools)} if tools else {}
         try:
-            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)
-        except Exception as e:  # jinja2's TemplateError and the template's raise_exception
+            ids = render_bounded(
+                lambda: tokenizer.apply_chat_template(
+                    list(messages), add_generation_prompt=True, **extra
+                )
+            )
+        except Exception as e:  # jinja2's TemplateError, raise_exception, the bounds' errors
             raise ValueError(
                 f"{template_source(tokenizer)}: the chat template refuses the conversation "
-                f"({type(e).__name__}: {e})"
+                f"({brief(e)})"
             ) from e
     else:
         ids = encode(tokenizer, plain_text(messages))

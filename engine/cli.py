@@ -174,7 +174,7 @@ def _generate(args) -> int:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
         return _generate_pipeline(args)
     sm = _load(args.model, stream_config(args))
-    if args.chat and not has_chat_template(sm.tokenizer):
+    if args.chat and sm.tokenizer is not None and not has_chat_template(sm.tokenizer):
         dropped = " (without --system)" if args.system is not None else ""
         print(
             "note: the model has no chat template: --chat continues the prompt as plain "

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import infer_quant_config
+from mlx_lm.utils import _takes_global_scale, infer_quant_config
 
 from .experts import (
     ExpertModule,
@@ -25,10 +25,18 @@ from .experts import (
     instantiate,
     model_classes,
     num_hidden_layers,
+    segment_mismatch,
     top_k,
 )
 from .experts import quantization as quantization_of
-from .safe_io import check_regular, contained, read_json_object, regular_files
+from .safe_io import (
+    ModelFileError,
+    check_regular,
+    contained,
+    fsync_path,
+    read_json_object,
+    regular_files,
+)
 from .safetensors_header import read_header
 from .store import (
     CONFIG_FILE,
@@ -39,8 +47,9 @@ from .store import (
     is_store,
     layout_segments,
 )
-from .store_writer import StoreWriter, fsync_path
-from .validate import check_against_weights, check_config
+from .store_writer import StoreWriter
+from .tokenizer import load_dir_tokenizer
+from .validate import brief, check_against_weights, check_config
 
 # Other weight formats (pickle-based and others): never opened nor copied into a store;
 # named in the error when a model directory has no safetensors.
@@ -114,8 +123,10 @@ def convert(
     model_classes(config, where)
     _check_destination(model_dir, store_dir, force)
     files = _weight_files(model_dir)
+    headers = {f: read_header(f) for f in files}
+    origin = {k: f for f, tensors in headers.items() for k in tensors}  # for messages
     if files:  # without weights, the model's own errors come first, then the missing files
-        tensors = {k: t for f in files for k, t in read_header(f).items()}
+        tensors = {k: t for tensors in headers.values() for k, t in tensors.items()}
         check_against_weights(config, tensors, str(where), ", ".join(f.name for f in files))
 
     model = instantiate(config, where)
@@ -128,11 +139,16 @@ def convert(
     if "lm_head" not in model:
         for key in [k for k in weights if k.startswith("lm_head.")]:
             del weights[key]
-    _check_dense(model, weights, model_dir)
+    for plan, expert in zip(plans, experts, strict=True):
+        _check_experts(plan, expert, origin, model_dir)
+    quantize_dense(model, config, weights, where)
+    _check_dense(model, weights, [e.path for e in experts], origin, model_dir)
 
     try:
         with StoreWriter(store_dir, num_experts) as writer:
-            _write_store(writer, model_dir, plans, weights, progress)
+            _copy_aux_files(model_dir, writer.path)
+            load_dir_tokenizer(writer.path, where=model_dir)
+            _write_store(writer, plans, weights, origin, progress)
             writer.finish(config["model_type"], k, layers, force)
     except BaseException as e:
         renamed = _naming_store(e, model_dir, store_dir)
@@ -219,23 +235,126 @@ def _load_weights(files: list[Path], model: nn.Module, model_dir: Path) -> dict[
     return weights
 
 
-def _check_dense(model: nn.Module, dense: dict[str, mx.array], model_dir: Path) -> None:
-    """Every weight left after the experts were taken out is a parameter of the model (or
-    the scales/biases of a quantized one), as mlx-lm's strict loading will require.
+def quantize_dense(
+    model: nn.Module,
+    config: dict,
+    weights: dict[str, mx.array],
+    where: Path,
+    error: type[Exception] = ModelFileError,
+) -> None:
+    """Quantizes the modules of `model` exactly as mlx-lm's load_model does for a
+    checkpoint with a `quantization` entry (or a `quantization_config` that stands for
+    one) and the weights `weights`: per-module overrides first, else inferred from the
+    saved scales; modules without saved scales stay unquantized. Lazy: nothing is
+    computed.
 
     Raises:
-        ValueError: naming the first weight that is not (e.g. per-expert tensors that the
-            family's `sanitize` did not stack).
+        error: naming `where` (the config), the module and MLX's reason when its quantizer
+            refuses a module's shape (e.g. a group size that does not divide it).
     """
-    names = {k for k, _ in tree_flatten(model.parameters())}
-    quantized = ("scales", "biases", "global_scale")
-    for key in dense:
-        base, _, param = key.rpartition(".")
-        if key in names or (param in quantized and f"{base}.weight" in names):
-            continue
-        raise ValueError(
-            f"{model_dir}: weight {key!r} is not a parameter of this {model.model_type} model "
-            "after mlx-lm's sanitize (per-expert weights it does not stack?)"
+    quantization = quantization_of(config, where)
+    if quantization is None:
+        return
+    current = []  # the module being quantized: MLX's error does not name it
+
+    def predicate(path, module):
+        current[:] = [path]
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        params = infer_quant_config(path, module, weights)
+        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+            params["global_scale"] = True
+        return params
+
+    try:
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=predicate,
+        )
+    except ValueError as e:
+        module = current[0] if current else "a module"
+        raise error(
+            f"{where}: the quantization of {module} does not fit its shape ({brief(e)})"
+        ) from None
+
+
+def _check_dense(
+    model: nn.Module,
+    dense: dict[str, mx.array],
+    expert_paths: list[str],
+    origin: dict[str, Path],
+    model_dir: Path,
+) -> None:
+    """The weights left after the experts were taken out are exactly the parameters of the
+    (quantized, `quantize_dense`) model outside its expert modules, each of the shape the
+    model has and an integer dtype where the model's is (packed quantized weights), as
+    mlx-lm's strict loading will require.
+
+    Raises:
+        ModelFileError: naming the file and the first weight that is not a parameter (e.g.
+            per-expert tensors that the family's `sanitize` did not stack), is missing, or
+            has another shape or kind of dtype than the model built from config.json.
+    """
+    params = {
+        k: v
+        for k, v in tree_flatten(model.parameters())
+        if not any(k.startswith(f"{p}.") for p in expert_paths)
+    }
+    where = model_dir / CONFIG_FILE
+    # in file order, a module's weight before its scales and biases
+    for key in sorted(dense, key=lambda k: (str(origin.get(k, "")), not k.endswith(".weight"), k)):
+        a = dense[key]
+        file = origin.get(key, model_dir)
+        if key not in params:
+            raise ModelFileError(
+                f"{file}: weight {key!r} is not a parameter of this {model.model_type} model "
+                "after mlx-lm's sanitize (per-expert weights it does not stack, or a "
+                f"config.json of another model: {where})"
+            )
+        want = params[key]
+        integer = not mx.issubdtype(want.dtype, mx.floating)
+        if a.shape != want.shape or integer != (not mx.issubdtype(a.dtype, mx.floating)):
+            raise ModelFileError(
+                f"{file}: {key} is {dtype_name(a.dtype)} {list(a.shape)} but the model of "
+                f"{where} needs {dtype_name(want.dtype) if integer else 'a float'} "
+                f"{list(want.shape)} (config.json's sizes or quantization do not match "
+                "the weights)"
+            )
+    missing = [k for k in params if k not in dense]
+    if missing:
+        raise ModelFileError(
+            f"{model_dir}: the weights have no {missing[0]}"
+            + (f" (nor {len(missing) - 1} other parameters)" if len(missing) > 1 else "")
+            + f" that the model of {where} needs"
+            + (
+                " (tie_word_embeddings is false: the checkpoint's embeddings are tied?)"
+                if missing[0].startswith("lm_head.")
+                else " (a config.json of another model?)"
+            )
+        )
+
+
+def _check_experts(
+    plan: _LayerPlan, expert: ExpertModule, origin: dict[str, Path], model_dir: Path
+) -> None:
+    """The records planned for one layer are the parameters of its expert module, as
+    loading will require (`engine.experts.segment_mismatch`).
+
+    Raises:
+        ModelFileError: naming the file, the weight and what config.json needs instead.
+    """
+    problem = segment_mismatch(expert, plan.segments, plan.quantization)
+    if problem is not None:
+        keys = (f"{plan.module}.{k}" for k in plan.arrays)
+        file = next((origin[k] for k in keys if k in origin), model_dir)  # else sanitized
+        raise ModelFileError(
+            f"{file}: experts of {plan.module}: {problem} per expert (config.json's sizes or "
+            "quantization do not match the weights)"
         )
 
 
@@ -330,21 +449,27 @@ def _quantization(
 
 def _write_store(
     writer: StoreWriter,
-    model_dir: Path,
     plans: list[_LayerPlan],
     dense: dict[str, mx.array],
+    origin: dict[str, Path],
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    """Writes the dense weights, every planned layer's blob (one layer's experts
-    evaluated at a time) and the auxiliary files; `progress(done, total)` counts
-    record bytes, once before the first layer and after each."""
+    """Writes the dense weights and every planned layer's blob (one layer's experts
+    evaluated at a time), each checked to hold finite floats only; `progress(done,
+    total)` counts record bytes, once before the first layer and after each.
+
+    Raises:
+        ModelFileError: a weight holds NaN or infinity (naming its file).
+    """
     num_experts = writer.num_experts
+    _check_finite(dense, origin)
     writer.write_dense(dense)
     total = sum(p.record_bytes for p in plans) * num_experts
     done = 0
     if progress is not None:
         progress(done, total)
     for plan in plans:
+        _check_finite({f"{plan.module}.{k}": a for k, a in plan.arrays.items()}, origin)
         parts = _record_parts(plan.arrays, num_experts)
         plan.arrays.clear()
         records = ([p[e] for p in parts] for e in range(num_experts))
@@ -353,7 +478,24 @@ def _write_store(
         done += plan.record_bytes * num_experts
         if progress is not None:
             progress(done, total)
-    _copy_aux_files(model_dir, writer.path)
+
+
+def _check_finite(weights: dict[str, mx.array], origin: dict[str, Path]) -> None:
+    """Refuses float weights (scales and biases included) holding NaN or infinity, which
+    generate nothing but empty replies. Evaluates `weights` (they are written next).
+
+    Raises:
+        ModelFileError: naming the file and the first such weight.
+    """
+    floats = {k: a for k, a in weights.items() if mx.issubdtype(a.dtype, mx.floating)}
+    finite = {k: mx.isfinite(a).all() for k, a in floats.items()}
+    mx.eval(list(finite.values()))
+    for key, ok in finite.items():
+        if not ok.item():
+            raise ModelFileError(
+                f"{origin.get(key, 'the weights')}: {key} holds NaN or infinity (a damaged "
+                "checkpoint?)"
+            )
 
 
 def _record_parts(arrays: dict[str, mx.array], num_experts: int) -> list[np.ndarray]:

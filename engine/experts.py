@@ -18,6 +18,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes
 
 from engine.safe_io import ModelFileError
+from engine.store import DTYPES
 
 # The projections of each streamed module kind, in record order.
 KINDS = {"SwitchGLU": ("gate_proj", "up_proj", "down_proj"), "SwitchMLP": ("fc1", "fc2")}
@@ -334,3 +335,64 @@ def replace(model: nn.Module, path: str, new: nn.Module) -> None:
     """Put `new` at module path `path` of `model` (where an expert module was)."""
     *parents, name = path.split(".")
     setattr(_resolve(model, parents), name, new)
+
+
+def expected_segments(expert: ExpertModule, quantization: dict, keys: set[str]) -> dict:
+    """{segment key: (dtype name or None for any float, per-expert shape)} that the
+    model's own (unevaluated) expert module needs, quantized as `quantization` says
+    (projection -> {"group_size", "bits", "mode"} or None; an nvfp4 projection may hold
+    one float32 tensor scale per expert, as the segment `keys` show). Shapes come from
+    lazy arrays: nothing is computed.
+
+    Raises:
+        ValueError: MLX's quantizer refuses the projection's shape (e.g. a group size
+            that does not divide it).
+    """
+    want = {}
+    for proj in expert.projections:
+        linear = expert.module[proj]
+        _, rows, cols = linear.weight.shape
+        q = quantization.get(proj)
+        if q is None:
+            want[f"{proj}.weight"] = (None, (rows, cols))
+        else:
+            parts = mx.quantize(
+                mx.zeros((rows, cols)), group_size=q["group_size"], bits=q["bits"], mode=q["mode"]
+            )
+            for name, a in zip(("weight", "scales", "biases"), parts, strict=False):
+                dtype = "uint32" if name == "weight" else None
+                if a.dtype == mx.uint8:  # mxfp4, mxfp8, nvfp4 scales
+                    dtype = "uint8"
+                want[f"{proj}.{name}"] = (dtype, tuple(a.shape))
+            if q["mode"] == "nvfp4" and f"{proj}.global_scale" in keys:
+                want[f"{proj}.global_scale"] = ("float32", ())
+        if "bias" in linear:
+            want[f"{proj}.bias"] = (None, (rows,))
+    return want
+
+
+def segment_mismatch(expert: ExpertModule, segments, quantization: dict) -> str | None:
+    """What keeps one layer's expert records (`segments`: `engine.store.Segment`s, keys
+    `<proj>.<param>`, per-expert shapes) quantized as `quantization` says from being the
+    parameters of `expert` (`expected_segments`), in a phrase naming the segment; None
+    when they are."""
+    try:
+        want = expected_segments(expert, quantization, {s.key for s in segments})
+    except ValueError as e:
+        return f"quantization {quantization} does not fit the model ({' '.join(str(e).split())})"
+    got = {s.key: s for s in segments}
+    for key in [*got, *(k for k in want if k not in got)]:
+        if key not in want:
+            return f"segment {key} is not a parameter of the model"
+        if key not in got:
+            return f"segment {key} of the model is missing"
+        dtype, shape = want[key]
+        seg = got[key]
+        ok_dtype = seg.dtype == dtype if dtype else mx.issubdtype(DTYPES[seg.dtype], mx.floating)
+        if tuple(seg.shape) != shape or not ok_dtype:
+            need = f"{dtype or 'a float'} {list(shape)}"
+            return (
+                f"segment {key} is {seg.dtype} {list(seg.shape)} but the model of "
+                f"config.json needs {need}"
+            )
+    return None

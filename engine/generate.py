@@ -67,8 +67,8 @@ def prompt_tokens(
     tok = sm.tokenizer
     if tok is None:
         raise ValueError(
-            f"{sm.store.path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-            "text generation needs the model's tokenizer"
+            f"{sm.store.path} has no tokenizer files (tokenizer.json / tokenizer_config.json): "
+            "text generation needs the model's tokenizer; copy its files into the store"
         )
     vocab = sm.store.config.get("vocab_size")
     if chat:

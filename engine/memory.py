@@ -1,8 +1,10 @@
 """How much memory this process may still take, to refuse a pool before allocating it.
 
-`available_bytes` is the smaller of the system's available memory (Linux `MemAvailable`,
-elsewhere the physical memory) and the headroom of every memory cgroup (v1 or v2) that
-holds this process: its limit minus its usage, plus the page cache it could reclaim.
+`available_bytes` is the smallest of the system's available memory (Linux `MemAvailable`,
+elsewhere the physical memory), the headroom of every memory cgroup (v1 or v2) that
+holds this process (its limit minus its usage, plus the page cache it could reclaim), and
+the headroom of this process's own limits (`ulimit -v` / `-d`: RLIMIT_AS less the address
+space it maps, RLIMIT_DATA less its data segment), which no system figure shows.
 `human_bytes` is how every byte figure is shown.
 """
 
@@ -85,10 +87,40 @@ def _system_available() -> int | None:
         return None
 
 
+def _status_bytes(key: str) -> int | None:
+    """A `kB` figure of /proc/self/status (e.g. VmSize), in bytes; None where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _rlimit_headroom() -> int | None:
+    """What this process's RLIMIT_AS and RLIMIT_DATA still allow it to map, or None when
+    it has neither limit (or its use of them cannot be read)."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    best = None
+    for limit, used_key in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
+        soft = resource.getrlimit(limit)[0]
+        used = _status_bytes(used_key)
+        if soft == resource.RLIM_INFINITY or used is None:
+            continue
+        best = max(0, soft - used) if best is None else min(best, max(0, soft - used))
+    return best
+
+
 def available_bytes() -> int | None:
-    """Bytes this process can still allocate without swapping or meeting a cgroup limit,
-    or None where nothing can be learnt."""
-    figures = [v for v in (_system_available(), _cgroup_headroom()) if v is not None]
+    """Bytes this process can still allocate without swapping, meeting a cgroup limit or
+    its own address-space / data limits, or None where nothing can be learnt."""
+    figures = [
+        v for v in (_system_available(), _cgroup_headroom(), _rlimit_headroom()) if v is not None
+    ]
     return min(figures) if figures else None
 
 

@@ -17,12 +17,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _takes_global_scale, infer_quant_config, load_config, load_tokenizer
 
 from engine import autopin, pipeline
 from engine import cache as cache_mod
 from engine.config import StreamConfig
-from engine.convert import convert
+from engine.convert import convert, quantize_dense
 from engine.experts import (
     ExpertModule,
     find_experts,
@@ -31,14 +30,13 @@ from engine.experts import (
     num_hidden_layers,
     replace,
     router_logits,
+    segment_mismatch,
     top_k,
 )
-from engine.experts import quantization as quantization_of
 from engine.pipeline import Stage
 from engine.predictor import Predictor, prefetch_targets
-from engine.safe_io import contained, read_json_object
+from engine.safe_io import contained, read_json_object, remove_leftovers
 from engine.store import (
-    DTYPES,
     MANIFEST_FILE,
     VERSION,
     ExpertStore,
@@ -49,8 +47,8 @@ from engine.store import (
 
 # store_cache_dir stays importable from here (the benchmarks use it).
 from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
-from engine.store_writer import remove_leftovers
 from engine.streamed_layer import StreamedExperts
+from engine.tokenizer import load_dir_tokenizer
 from engine.validate import check_against_weights, check_config
 
 
@@ -158,62 +156,6 @@ class StreamedModel:
         self.cache.sync = bool(on)
 
 
-def _quantize_dense(model: nn.Module, config: dict, weights: dict) -> None:
-    """Quantizes the dense modules exactly as mlx-lm's load_model does for a checkpoint
-    with a `quantization` entry (or a `quantization_config` that stands for one): per-module
-    overrides first, else inferred from the saved scales; modules without saved scales
-    stay unquantized."""
-    quantization = quantization_of(config, "config.json")
-    if quantization is None:
-        return
-
-    def predicate(path, module):
-        if path in quantization:
-            return quantization[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        params = infer_quant_config(path, module, weights)
-        if f"{path}.global_scale" in weights and _takes_global_scale(module):
-            params["global_scale"] = True
-        return params
-
-    nn.quantize(
-        model,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
-
-
-def _expected_segments(expert: ExpertModule, quantization: dict, keys: set[str]) -> dict:
-    """{segment key: (dtype name or None for any float, per-expert shape)} that the
-    model's own (unevaluated) expert module needs, quantized as `quantization` says (an
-    nvfp4 projection may hold one float32 tensor scale per expert, as `keys` shows).
-    Shapes come from lazy arrays: nothing is computed."""
-    want = {}
-    for proj in expert.projections:
-        linear = expert.module[proj]
-        _, rows, cols = linear.weight.shape
-        q = quantization.get(proj)
-        if q is None:
-            want[f"{proj}.weight"] = (None, (rows, cols))
-        else:
-            parts = mx.quantize(
-                mx.zeros((rows, cols)), group_size=q["group_size"], bits=q["bits"], mode=q["mode"]
-            )
-            for name, a in zip(("weight", "scales", "biases"), parts, strict=False):
-                dtype = "uint32" if name == "weight" else None
-                if a.dtype == mx.uint8:  # mxfp4, mxfp8, nvfp4 scales
-                    dtype = "uint8"
-                want[f"{proj}.{name}"] = (dtype, tuple(a.shape))
-            if q["mode"] == "nvfp4" and f"{proj}.global_scale" in keys:
-                want[f"{proj}.global_scale"] = ("float32", ())
-        if "bias" in linear:
-            want[f"{proj}.bias"] = (None, (rows,))
-    return want
-
-
 def _check_store_matches_model(
     store: ExpertStore,
     cfg: dict,
@@ -259,28 +201,12 @@ def _check_store_matches_model(
 
 
 def _check_layer_segments(where: Path, spec: LayerSpec, expert: ExpertModule) -> None:
-    ctx = f"{where}: layers[{spec.moe_index}] ({spec.file})"
-    try:
-        want = _expected_segments(expert, spec.quantization, {s.key for s in spec.segments})
-    except ValueError as e:
+    problem = segment_mismatch(expert, spec.segments, spec.quantization)
+    if problem is not None:
         raise StoreError(
-            f"{ctx}: quantization {spec.quantization} does not fit the model ({e})"
-        ) from None
-    got = {s.key: s for s in spec.segments}
-    for key in [*got, *(k for k in want if k not in got)]:
-        if key not in want:
-            raise StoreError(f"{ctx}: segment {key} is not a parameter of the model")
-        if key not in got:
-            raise StoreError(f"{ctx}: segment {key} of the model is missing")
-        dtype, shape = want[key]
-        seg = got[key]
-        ok_dtype = seg.dtype == dtype if dtype else mx.issubdtype(DTYPES[seg.dtype], mx.floating)
-        if tuple(seg.shape) != shape or not ok_dtype:
-            need = f"{dtype or 'a float'} {list(shape)}"
-            raise StoreError(
-                f"{ctx}: segment {key} is {seg.dtype} {list(seg.shape)} but the model of "
-                f"config.json needs {need} (a store of a different model?)"
-            )
+            f"{where}: layers[{spec.moe_index}] ({spec.file}): {problem} (a store of a "
+            "different model?)"
+        )
 
 
 def _check_backend(store: ExpertStore) -> None:
@@ -313,29 +239,13 @@ def _check_backend(store: ExpertStore) -> None:
 
 
 def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
-    """mlx-lm's tokenizer of the store, or None when it has no tokenizer files. Code in
-    the store is never run (trust_remote_code=False: an `auto_map` is refused). Its
-    end-of-sequence ids are mlx-lm's: `eos_token_id` (an int or a list) of
-    generation_config.json when it has one, else of config.json, plus the tokenizer's own.
+    """mlx-lm's tokenizer of the store, or None when it has no tokenizer files
+    (`engine.tokenizer.load_dir_tokenizer`).
 
     Raises:
         StoreError: the tokenizer files cannot be loaded, or hold no vocabulary.
     """
-    path = store.path
-    if not ((path / "tokenizer_config.json").exists() or (path / "tokenizer.json").exists()):
-        return None
-    try:
-        eos = load_config(path).get("eos_token_id")  # generation_config.json merged in
-        tokenizer = load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos)
-        empty = not tokenizer.encode("The", add_special_tokens=False)
-    except Exception as e:  # transformers and tokenizers raise many kinds
-        raise StoreError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
-    if empty:
-        raise StoreError(
-            f"{path}: the tokenizer has no vocabulary (tokenizer_config.json without "
-            "tokenizer.json or its vocabulary files?)"
-        )
-    return tokenizer
+    return load_dir_tokenizer(store.path, error=StoreError)
 
 
 def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
@@ -427,7 +337,7 @@ def load(
         weights = model.sanitize(weights)
     if stage is not None:
         weights = pipeline.stage_weights(weights, stage, pipeline.renumbers(model))
-    _quantize_dense(model, cfg, weights)
+    quantize_dense(model, cfg, weights, where, StoreError)
     model.eval()
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -10,12 +10,23 @@ error naming the file). Files handed to other readers are checked first: with
 native cache's blobs; `engine.store` checks every entry of a store this way before the
 tokenizer reads any). Symbolic links of a model directory are followed only to targets
 inside it (`contained`, `regular_files`).
+
+Every file the product writes (stores, traces, pin sets, plots, screenshots) is written
+beside its target and renamed over it once complete and flushed (`atomic_write`; the
+store writer does the same for whole directories), so a reader, or a run killed at any
+instant, finds the old file or the new one, never a part of one; what a killed writer
+leaves (`.NAME.tmp-PID`) is removed by the next writer of that name (`remove_leftovers`).
 """
 
 import json
 import os
+import re
+import shutil
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 # Sizes no legitimate file of its kind reaches (the largest real ones are far smaller:
 # configs of a few KB, manifests under a few MB, tokenizer.json files of tens of MB);
@@ -103,7 +114,11 @@ def read_bytes(
         OSError: it cannot be opened or read.
     """
     with os.fdopen(open_regular(path, error), "rb") as f:
-        data = f.read(limit + 1)
+        # a buffer of the file's size, not of the limit: a small file costs little memory
+        want = min(limit, os.fstat(f.fileno()).st_size) + 1
+        data = f.read(want)
+        if len(data) == want <= limit:  # longer than fstat said (growing, or procfs)
+            data += f.read(limit + 1 - len(data))
     if len(data) > limit:
         raise error(f"{path}: more than {limit} bytes, too large for a file of its kind")
     return data
@@ -200,3 +215,99 @@ def regular_files(directory: Path) -> list[Path]:
         except OSError:
             continue
     return out
+
+
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def remove_leftovers(directory: Path, name: str | None = None) -> list[Path]:
+    """Cleans up after runs killed while writing into `directory` (a store being
+    written, a store being replaced, a pin file being saved): `.NAME.tmp-PID` entries of
+    processes that are gone are removed, and `.NAME.old-PID` (a replaced store) is put
+    back as NAME when its replacement never arrived (the run died between the two
+    renames), else removed. Only leftovers of `name` when given. Best effort: a
+    directory that cannot be changed is left as it is.
+
+    Returns:
+        The entries removed or put back.
+    """
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    done = []
+    for entry in entries:
+        m = _LEFTOVER.fullmatch(entry.name)
+        if m is None or (name is not None and m["name"] != name) or _alive(int(m["pid"])):
+            continue
+        target = directory / m["name"]
+        try:
+            if m["kind"] == "old" and not os.path.lexists(target):
+                os.rename(entry, target)
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:
+            continue
+        done.append(entry)
+    return done
+
+
+def fsync_path(path: Path) -> None:
+    """Flushes the file `path` to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable; a no-op where directories cannot be fsynced."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file to write the whole new content of `path` into: it is a temporary
+    sibling (`.NAME.tmp-PID`), flushed to the disk and renamed over `path` when the `with`
+    block ends without an error, and removed when it raises. A reader, or a run killed at
+    any instant, finds the old `path` or the new one; leftovers of killed writers of
+    `path` are removed first (`remove_leftovers`).
+
+    Raises:
+        OSError: the temporary file cannot be created, written or renamed (the error of
+            the write, e.g. ENOSPC; `path` is then untouched).
+    """
+    path = Path(path)
+    remove_leftovers(path.parent, path.name)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from engine.convert import aux_files
 from engine.pipeline import Stage, stage_of
+from engine.safe_io import fsync_path
 from engine.store import CONFIG_FILE, DENSE_FILE, ExpertStore
-from engine.store_writer import StoreWriter, fsync_path
+from engine.store_writer import StoreWriter
 
 
 def copy_stage(

@@ -6,14 +6,13 @@ the stride), then the manifest; `finish` renames the complete directory into pla
 error, or leaving the `with` block without `finish`, removes the temporary directory, so
 a store directory is either complete or absent. Every file is fsynced before the rename.
 What a run killed mid-write leaves (`.NAME.tmp-PID`, `.NAME.old-PID`) is removed, or put
-back, by the next start (`remove_leftovers`).
+back, by the next start (`engine.safe_io.remove_leftovers`).
 `engine.convert` (checkpoints) and `engine.synthetic` (random weights) both write through it.
 """
 
 import errno
 import json
 import os
-import re
 import shutil
 import zlib
 from collections.abc import Iterable, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.safe_io import fsync_dir, remove_leftovers
 from engine.store import (
     DENSE_FILE,
     MANIFEST_FILE,
@@ -31,6 +31,9 @@ from engine.store import (
     file_crc32,
     stride_for,
 )
+
+# Rounds of `_install` lost to other writers of the same store before it gives up.
+_INSTALL_TRIES = 100
 
 
 class StoreWriter:
@@ -227,88 +230,52 @@ def manifest_text(obj, depth: int = 0) -> str:
 
 
 def _install(tmp: Path, store_dir: Path, force: bool) -> None:
-    """Rename the complete `tmp` to `store_dir`, replacing an old store only
-    when `force` (the old one is moved aside first and restored on failure)."""
-    if not (store_dir.exists() or store_dir.is_symlink()):
-        os.rename(tmp, store_dir)
-    elif not force:
-        raise FileExistsError(errno.EEXIST, "appeared while the store was written", str(store_dir))
-    else:
+    """Rename the complete `tmp` to `store_dir`, replacing an old store only when `force`
+    (the old one is moved aside first and put back if the rename fails otherwise).
+
+    Another writer of the same store may install its own between any two steps (two
+    `convert --force` at once): without `force` that is the FileExistsError of a store
+    that appeared; with it, the store there is replaced again, the last writer winning,
+    and both report success (each store was whole when it was installed).
+
+    Raises:
+        FileExistsError: `store_dir` exists, or appeared, and not `force`.
+        OSError: a rename failed for another reason, or other writers replaced the
+            store `_INSTALL_TRIES` times in a row.
+    """
+    raced = (errno.ENOTEMPTY, errno.EEXIST)  # a store arrived at store_dir meanwhile
+    appeared = FileExistsError(errno.EEXIST, "appeared while the store was written", str(store_dir))
+    for _ in range(_INSTALL_TRIES):
+        if not (store_dir.exists() or store_dir.is_symlink()):
+            try:
+                os.rename(tmp, store_dir)
+            except OSError as e:
+                if e.errno not in raced:
+                    raise
+                if not force:
+                    raise appeared from None
+                continue
+            break
+        if not force:
+            raise appeared
         old = store_dir.parent / f".{store_dir.name}.old-{os.getpid()}"
-        os.rename(store_dir, old)
+        try:
+            os.rename(store_dir, old)
+        except FileNotFoundError:  # another writer moved it aside first
+            continue
         try:
             os.rename(tmp, store_dir)
+        except OSError as e:
+            if e.errno not in raced:
+                os.rename(old, store_dir)
+                raise
+            shutil.rmtree(old, ignore_errors=True)  # older than the store now there
+            continue
         except BaseException:
             os.rename(old, store_dir)
             raise
         shutil.rmtree(old, ignore_errors=True)
+        break
+    else:
+        raise OSError(errno.EBUSY, "other writers kept replacing it meanwhile", str(store_dir))
     fsync_dir(store_dir.parent)
-
-
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
-def remove_leftovers(directory: Path, name: str | None = None) -> list[Path]:
-    """Cleans up after runs killed while writing into `directory` (a store being
-    written, a store being replaced, a pin file being saved): `.NAME.tmp-PID` entries of
-    processes that are gone are removed, and `.NAME.old-PID` (a replaced store) is put
-    back as NAME when its replacement never arrived (the run died between the two
-    renames), else removed. Only leftovers of `name` when given. Best effort: a
-    directory that cannot be changed is left as it is.
-
-    Returns:
-        The entries removed or put back.
-    """
-    try:
-        entries = list(directory.iterdir())
-    except OSError:
-        return []
-    done = []
-    for entry in entries:
-        m = _LEFTOVER.fullmatch(entry.name)
-        if m is None or (name is not None and m["name"] != name) or _alive(int(m["pid"])):
-            continue
-        target = directory / m["name"]
-        try:
-            if m["kind"] == "old" and not os.path.lexists(target):
-                os.rename(entry, target)
-            elif entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        except OSError:
-            continue
-        done.append(entry)
-    return done
-
-
-def fsync_path(path: Path) -> None:
-    """Flushes the file `path` to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename durable; a no-op where directories cannot be fsynced."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

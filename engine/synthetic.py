@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model
 
+from engine.safe_io import fsync_path
 from engine.store import (
     CONFIG_FILE,
     VERSION,
@@ -40,7 +41,7 @@ from engine.store import (
     store_version,
     stride_for,
 )
-from engine.store_writer import StoreWriter, fsync_path
+from engine.store_writer import StoreWriter
 
 # The public config.json of Qwen/Qwen3-30B-A3B (fields mlx-lm reads).
 QWEN3_30B_A3B = {

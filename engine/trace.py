@@ -33,6 +33,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engine.safe_io import atomic_write
+
 ROUTER_TOP = 8  # router probabilities a recorded trace keeps per (token, layer)
 
 
@@ -146,13 +148,14 @@ class Trace:
         return dense.astype(np.float32)
 
     def save(self, path):
-        """Writes the `.npz` form (see the module docstring) to `path` (a file name, or a
-        binary file object); returns it.
+        """Writes the `.npz` form (see the module docstring) to `path` (a file name, given
+        `.npz` when it has another suffix, as numpy does; or a binary file object) and
+        returns it. A file name is written atomically (`engine.safe_io.atomic_write`): a
+        run killed at any instant leaves the old file or the new one.
 
         Raises:
-            OSError: the file cannot be written.
+            OSError: the file cannot be written (an older file there is kept).
         """
-        path = path if hasattr(path, "write") else Path(path)
         optional = {}
         if self.router_ids is not None:
             optional = {
@@ -161,14 +164,21 @@ class Trace:
             }
         if self.real_slots is not None:
             optional["real_slots"] = self.real_slots.astype(np.int64)
-        np.savez_compressed(
-            path,
-            ids=self.ids.astype(np.int16),
-            segments=self.segments,
-            prefill=self.prefill,
-            num_experts=np.int64(self.num_experts),
+        arrays = {
+            "ids": self.ids.astype(np.int16),
+            "segments": self.segments,
+            "prefill": self.prefill,
+            "num_experts": np.int64(self.num_experts),
             **optional,
-        )
+        }
+        if hasattr(path, "write"):
+            np.savez_compressed(path, **arrays)
+            return path
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_name(path.name + ".npz")
+        with atomic_write(path) as f:
+            np.savez_compressed(f, **arrays)
         return path
 
 

@@ -58,6 +58,15 @@ def show(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def brief(error: BaseException | str, limit: int = 300) -> str:
+    """An error (as "Type: message") or a text as one line of at most `limit` characters,
+    for messages that quote another library's error (which may hold a whole file's
+    content, or several lines)."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def check_config(config, where: str, error: type[Exception] = ModelFileError) -> dict:
     """Refuses a config.json whose fields would crash or mislead mlx-lm's model classes.
 
@@ -75,7 +84,9 @@ def check_config(config, where: str, error: type[Exception] = ModelFileError) ->
             `BOOL_FIELDS` value is not a boolean (a float field may be a list, one per
             layer); `num_attention_heads` is not a
             multiple of `num_key_value_heads`; `mlp_only_layers` is not a list of layer
-            indices; `quantization` lacks `group_size`/`bits` or has them out of range.
+            indices; `quantization` lacks `group_size`/`bits` or has them out of range;
+            `architectures` is not a list of strings, `rope_scaling` not an object or
+            `eos_token_id` not a token id or a list of them.
     """
     if not isinstance(config, dict):
         raise error(f"{where}: top level is {type(config).__name__}, not a JSON object")
@@ -117,6 +128,29 @@ def _check_fields(config: dict, where: str, ctx: str, error: type[Exception]) ->
         ok = isinstance(layers, list) and all(type(i) is int and 0 <= i < n for i in layers)
         need(ok, "mlp_only_layers", f"a list of layer indices in [0, {n})")
     _check_quantization(config.get("quantization"), where, error)
+    if "architectures" in config:
+        v = config["architectures"]
+        ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(a, str) for a in v))
+        need(ok or v is None, "architectures", "a list of class names (strings)")
+    if "rope_scaling" in config:
+        need(
+            config["rope_scaling"] is None or isinstance(config["rope_scaling"], dict),
+            "rope_scaling",
+            "an object or null",
+        )
+    if "eos_token_id" in config:
+        need(
+            is_token_ids(config["eos_token_id"]),
+            "eos_token_id",
+            "a token id, a list of token ids, or null",
+        )
+
+
+def is_token_ids(value) -> bool:
+    """True for what mlx-lm and transformers take as `eos_token_id`: null, a non-negative
+    integer or a list of them."""
+    values = value if isinstance(value, list) else [value]
+    return value is None or all(type(v) is int and v >= 0 for v in values)
 
 
 def _check_quantization(q, where: str, error: type[Exception]) -> None:

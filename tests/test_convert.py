@@ -3,8 +3,10 @@
 import errno
 import gc
 import json
+import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +18,13 @@ from engine.convert import convert
 from engine.experts import NotMoEError, UnsupportedModelError, find_experts
 from engine.store import DTYPES, ExpertStore, Manifest
 
-from factories import MODEL_TYPES, make_config, make_mixed_quant_model, make_random_model
+from factories import (
+    MODEL_TYPES,
+    make_config,
+    make_mixed_quant_model,
+    make_random_model,
+    write_tokenizer,
+)
 
 CASES = [(t, q) for t in MODEL_TYPES for q in (True, False)]
 IDS = [f"{t}-{'q4' if q else 'f32'}" for t, q in CASES]
@@ -426,8 +434,7 @@ def test_interrupted_forced_convert_keeps_old_store(tmp_path, monkeypatch):
 
 def test_progress_and_aux_files(tmp_path):
     model_dir = make_random_model(tmp_path / "m", "qwen2_moe")
-    (model_dir / "tokenizer.json").write_text('{"version": "1.0"}')
-    (model_dir / "tokenizer_config.json").write_text("{}")
+    write_tokenizer(model_dir)
     (model_dir / "generation_config.json").write_text("{}")
     (model_dir / "modeling_custom.py").write_text("raise SystemExit")
     (model_dir / "subdir").mkdir()
@@ -469,3 +476,34 @@ def test_memory_stays_bounded_by_one_layer(tmp_path):
     expert_bytes = sum(s.record_bytes for s in store.manifest.layers) * store.manifest.num_experts
     layer_bytes = expert_bytes // len(store.manifest.layers)
     assert mx.get_peak_memory() < 3 * layer_bytes < expert_bytes / 2
+
+
+@pytest.mark.parametrize("when", ["between the renames", "before the first rename"])
+def test_two_forced_converts_racing_both_succeed(tmp_path, monkeypatch, when):
+    """Another `convert --force` of the same store installs its own at the worst instant
+    (issue 29, item 4: the loser reported "Directory not empty" or "No such file"): this
+    one still installs its store, whole, and leaves nothing behind."""
+    model_dir = make_random_model(tmp_path / "m", "qwen3_moe")
+    other = convert(model_dir, tmp_path / "other")
+    out = tmp_path / "out"
+    out.mkdir()
+    store = convert(model_dir, out / "store")
+    real_rename = os.rename
+    raced = []
+
+    def rename(src, dst):
+        src, dst = Path(src), Path(dst)
+        if not raced and when == "between the renames" and dst == store:
+            shutil.copytree(other, store)  # the other writer's store arrives first
+            raced.append(src)
+        if not raced and when == "before the first rename" and src == store:
+            real_rename(store, out / ".store.old-1")  # the other writer moves it aside
+            shutil.rmtree(out / ".store.old-1")
+            raced.append(src)
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(store_writer.os, "rename", rename)
+    assert convert(model_dir, store, force=True) == store
+    assert raced
+    assert ExpertStore(store).verify() > 0
+    assert sorted(p.name for p in out.iterdir()) == ["store"]

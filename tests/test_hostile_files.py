@@ -11,10 +11,12 @@ of a model directory.
 
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -301,6 +303,75 @@ def test_chat_template_file_is_named(store_dir, capsys):
     assert f"{store_dir / 'chat_template.jinja'}: the chat template refuses" in line
 
 
+HUGE_TEMPLATES = [
+    "{{ 'x' * 10**10 }}",
+    "{{ ['x'] * 10**10 }}",
+    "{{ 'x'.ljust(10**10) }}",
+    "{{ 'x'|center(10**10) }}",
+    "{{ messages|tojson(indent=10**10) }}",
+    "{{ 7 ** (10**9) }}",
+    "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}",
+]
+TEMPLATE_HEADROOM = 512 << 20  # what the child may still map past its start (RLIMIT_AS)
+
+
+def test_huge_chat_templates_are_refused_within_a_bounded_memory(tmp_path):
+    """Templates building a string, list or number of gigabytes (issue 29, item 3: the
+    first grew a process to about 10 GB) are refused by name before they compute it, in
+    a process that may map no more than 512 MiB past its start."""
+    import subprocess
+    import sys
+    import textwrap
+
+    write_tokenizer(tmp_path)
+    code = f"""
+        import json, resource
+        from mlx_lm.utils import load_tokenizer
+        from engine.chat import chat_ids
+        tok = load_tokenizer({str(tmp_path)!r}, {{"trust_remote_code": False}})
+        status = open("/proc/self/status").read().split("VmSize:")[1]
+        vm = int(status.split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {TEMPLATE_HEADROOM}, resource.RLIM_INFINITY))
+        for template in json.loads({json.dumps(HUGE_TEMPLATES)!r}):
+            tok._tokenizer.chat_template = template
+            try:
+                chat_ids(tok, [{{"role": "user", "content": "The cat"}}])
+                print("rendered")
+            except (ValueError, MemoryError) as e:
+                print(type(e).__name__, str(e).replace("\\n", " "))
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(HUGE_TEMPLATES), out.stdout + out.stderr[-3000:]
+    for template, line in zip(HUGE_TEMPLATES, lines, strict=True):
+        assert line.startswith("ValueError ") and "TemplateLimitError: " in line, (template, line)
+        assert "above the chat template bound" in line and len(line) < 400
+
+
+def test_endless_chat_template_is_stopped(store_dir, capsys, monkeypatch):
+    """A template that loops for ever (here 10**10 rounds) is stopped at the time bound
+    and refused in one line naming the file."""
+    import time
+
+    from engine import template_bounds
+
+    monkeypatch.setattr(template_bounds, "TEMPLATE_SECONDS", 0.5)
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    write_tokenizer(store_dir, chat_template=loop)
+    start = time.monotonic()
+    line = cli_error(capsys, "generate", "--model", str(store_dir), "--chat", "--prompt", "The cat")
+    assert time.monotonic() - start < 30
+    assert f"{store_dir / 'tokenizer_config.json'}: the chat template refuses" in line
+    assert "TemplateLimitError: rendering took more than 0.5 s" in line
+
+
 # ---- links out of the model directory --------------------------------------------------
 
 
@@ -367,3 +438,196 @@ def test_app_and_server_show_one_line(store_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()  # "loading ...", then the error
     assert err[0].startswith("loading ") and len(err) == 2 and want in err[1], err
     assert err[1].startswith("expertstream serve: error: ")
+
+
+# ---- convert checks what loading will (issue 29, items 1, 4 and 5) ---------------------
+
+
+def _patch_weights(fn):
+    def patch(directory: Path) -> None:
+        path = directory / "model.safetensors"
+        weights = dict(mx.load(str(path)))
+        fn(weights)
+        mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+    return patch
+
+
+def _trailing_one(key):
+    def fn(weights):
+        weights[key] = weights[key][..., None]
+
+    return fn
+
+
+def _set(key, value):
+    def fn(weights):
+        weights[key] = mx.full(weights[key].shape, value, weights[key].dtype)
+
+    return fn
+
+
+def _drop_lm_head(weights):
+    for key in [k for k in weights if k.startswith("lm_head.")]:
+        del weights[key]
+
+
+EXPERTS = "model.layers.0.mlp.switch_mlp"
+Q4 = {"group_size": 32, "bits": 4}
+INCONSISTENT = {
+    "expert width": (
+        {"moe_intermediate_size": 64},
+        rf"model\.safetensors: experts of {EXPERTS}: segment gate_proj\.weight is uint32 "
+        r"\[32, 8\] but the model of config\.json needs uint32 \[64, 8\]",
+    ),
+    "head_dim": (
+        {"head_dim": 32},
+        r"model\.safetensors: model\.layers\.0\.self_attn\.k_norm\.weight is float32 \[16\] "
+        r"but the model of .*config\.json needs a float \[32\]",
+    ),
+    "expert quantization override": (
+        {"quantization": Q4 | {f"{EXPERTS}.gate_proj": {"group_size": 32, "bits": 8}}},
+        r"segment gate_proj\.weight is uint32 \[32, 8\] but the model of config\.json "
+        r"needs uint32 \[32, 16\]",
+    ),
+    "dense quantization override": (
+        {"quantization": Q4 | {"model.layers.0.self_attn.q_proj": {"group_size": 64, "bits": 4}}},
+        r"model\.layers\.0\.self_attn\.q_proj\.biases is float32 \[64, 2\] but the model of "
+        r".*config\.json needs a float \[64, 1\]",
+    ),
+    "override the quantizer refuses": (
+        {"quantization": Q4 | {"model.layers.0.self_attn.q_proj": {"group_size": 48, "bits": 4}}},
+        r"config\.json: the quantization of model\.layers\.0\.self_attn\.q_proj does not fit "
+        r"its shape \(ValueError: \[quantize\] .* group size 48",
+    ),
+    "untied checkpoint, no lm_head": (
+        _patch_weights(_drop_lm_head),
+        r"model: the weights have no lm_head\.weight that the model of .*config\.json needs "
+        r"\(tie_word_embeddings is false",
+    ),
+    "trailing dimension of 1, dense": (
+        _patch_weights(_trailing_one("model.layers.0.self_attn.q_norm.weight")),
+        r"model\.safetensors: model\.layers\.0\.self_attn\.q_norm\.weight is float32 \[16, 1\] "
+        r"but the model of .*config\.json needs a float \[16\]",
+    ),
+    "trailing dimension of 1, experts": (
+        _patch_weights(_trailing_one(f"{EXPERTS}.gate_proj.scales")),
+        r"segment gate_proj\.scales is float32 \[32, 2, 1\] but the model of config\.json "
+        r"needs a float \[32, 1\]",
+    ),
+    "rope_scaling": ({"rope_scaling": 5}, r"config\.json: rope_scaling is 5, expected an object"),
+    "eos_token_id": ({"eos_token_id": "x"}, r'config\.json: eos_token_id is "x", expected a token'),
+    "architectures": ({"architectures": 5}, r"config\.json: architectures is 5, expected a list"),
+    "NaN in expert scales": (
+        _patch_weights(_set("model.layers.1.mlp.switch_mlp.up_proj.scales", float("nan"))),
+        r"model\.safetensors: model\.layers\.1\.mlp\.switch_mlp\.up_proj\.scales holds NaN or "
+        "infinity",
+    ),
+    "infinity in a dense weight": (
+        _patch_weights(_set("model.norm.weight", float("inf"))),
+        r"model\.safetensors: model\.norm\.weight holds NaN or infinity",
+    ),
+    "tokenizer.json of junk": (
+        lambda d: (d / "tokenizer.json").write_text("junk " * 10_000_000),
+        r"model: cannot load the tokenizer \(.*\)$",
+    ),
+    "tokenizer_config.json of the wrong type": (
+        lambda d: (d / "tokenizer_config.json").write_text('{"tokenizer_class": 5}'),
+        r"model: cannot load the tokenizer \(AttributeError: ",
+    ),
+    "generation_config.json eos_token_id": (
+        lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [1, "x"]}'),
+        r'generation_config\.json: eos_token_id is \[1, "x"\], expected a token id',
+    ),
+}
+
+
+@pytest.mark.parametrize(("patch", "message"), INCONSISTENT.values(), ids=list(INCONSISTENT))
+def test_convert_refuses_what_load_would(model_dir, tmp_path, capsys, patch, message):
+    """Each input that converted before and was then refused by load (or generated empty
+    replies) is refused by convert in one bounded line naming the file, and nothing is
+    left behind; the command line prints that line."""
+    patch_config(model_dir, patch) if isinstance(patch, dict) else patch(model_dir)
+    with pytest.raises(ModelFileError, match=message) as refused:
+        convert(model_dir, tmp_path / "store")
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert main(["convert", str(model_dir), str(tmp_path / "store")]) == 2
+    # the progress bar's lines aside (NaN is found as each layer is written)
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.strip() and not x.startswith("experts:")]
+    assert len(lines) == 1 and lines[0].startswith("expertstream convert: error: "), lines
+    assert len(lines[0]) < 600 and re.search(message, lines[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_chat_without_a_tokenizer_is_one_line(qwen_store, tmp_path, capsys):
+    """--chat on a store without tokenizer files: the one error naming the store and the
+    fix, without the note about a missing chat template (issue 29, item 4)."""
+    store = Path(shutil.copytree(qwen_store.path, tmp_path / "store"))
+    line = cli_error(capsys, "generate", "--model", str(store), "--chat", "--prompt", "The cat")
+    assert f"{store} has no tokenizer files" in line and "copy its files into the store" in line
+
+
+# ---- refused before the work: pools larger than the memory left (issue 29, item 3) ------
+
+POOL_HEADROOM = 30 << 20  # what the child may still map past its start (RLIMIT_AS)
+
+
+def test_pools_beyond_the_address_space_limit_are_refused_first(model_dirs, tmp_path):
+    """A process under `ulimit -v` whose pools (75 MB here) cannot fit in what the limit
+    leaves (30 MiB) is refused by the planned-bytes check, naming the sizes, before any
+    pool is allocated: no system figure shows such a limit, so the pools were allocated
+    until the native allocation failed (and a config read allocated its 64 MiB bound)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model_dir = model_dirs(
+        "qwen3_moe",
+        hidden=256,
+        moe_intermediate=512,
+        num_layers=2,
+        num_experts=16,
+        quantized=False,
+    )
+    store = convert(model_dir, tmp_path / "store")
+    code = f"""
+        import resource
+        from engine.config import StreamConfig
+        from engine.model import load
+        status = open("/proc/self/status").read().split("VmSize:")[1]
+        vm = int(status.split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {POOL_HEADROOM}, resource.RLIM_INFINITY))
+        try:
+            load({str(store)!r}, StreamConfig())
+        except ValueError as e:
+            print(type(e).__name__, e)
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"PoolMemoryError {store}: the expert pools need 75.5 MB"), out
+    assert "of memory is available" in out.stdout
+
+
+def test_a_quantization_mlx_refuses_is_named_at_load(store_dir, capsys):
+    """A store's config.json asking for a group size MLX's quantizer refuses for a module:
+    one line naming the file and the module, not MLX's own message alone."""
+    patch_config(
+        store_dir,
+        {"quantization": Q4 | {"model.layers.0.self_attn.q_proj": {"group_size": 48, "bits": 4}}},
+    )
+    want = (
+        rf"{store_dir}/config\.json: the quantization of model\.layers\.0\.self_attn\.q_proj "
+        r"does not fit its shape \(ValueError: \[quantize\] .*group size 48"
+    )
+    with pytest.raises(StoreError, match=want):
+        load(store_dir, SLOTS)
+    line = cli_error(capsys, "generate", "--model", str(store_dir), "--prompt", "The cat")
+    assert re.search(want, line)

@@ -1,7 +1,8 @@
-"""SIGKILL at any instant (issue 16, item 10): a convert (replacing an older store), an
-autopin save, and a generation with prefetch in flight, each killed at a random moment.
-The next start finds the old state or the new one, never a half-written store or pin
-file, and removes (or puts back) what the killed run left.
+"""SIGKILL at any instant (issue 16, item 10; issue 29, item 2): a convert (replacing an
+older store), an autopin save, a trace save and a generation with prefetch in flight,
+each killed at a random moment. The next start finds the old state or the new one, never
+a half-written store, pin file or trace, and removes (or puts back) what the killed run
+left.
 
 Each kill is a child process that repeats its operation until the parent kills it after
 a random delay (seeded; the seed is in the test id), so the kill lands anywhere in it.
@@ -27,11 +28,12 @@ from engine.config import StreamConfig
 from engine.convert import convert
 from engine.generate import generate
 from engine.model import load
+from engine.safe_io import remove_leftovers
 from engine.store import ExpertStore
-from engine.store_writer import remove_leftovers
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 120.0
+TRACE_TOKENS = 100_000  # a save of some 0.1 s: a kill lands mostly inside one
 
 
 def run_and_kill(code: str, seed: int, lo: float, hi: float) -> str:
@@ -181,3 +183,74 @@ def test_generation_with_prefetch_killed_at_any_instant(qwen_store, tmp_path, se
     a = generate(sm, [1, 2, 3], max_tokens=16).tokens
     b = generate(fresh, [1, 2, 3], max_tokens=16).tokens
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_trace_save_killed_at_any_instant(tmp_path, seed):
+    """Re-recording over a good trace, killed mid-save (issue 29, item 2): the file is the
+    old trace or the new one, whole, and the next save removes what the killed one left."""
+    from engine.trace import load_trace, random_trace
+
+    path = tmp_path / "trace.npz"
+    old = random_trace(TRACE_TOKENS, 8, 64, 4, seed=0)
+    old.save(path)
+    progress = run_and_kill(
+        f"""
+        from engine.trace import random_trace
+        new = random_trace({TRACE_TOKENS}, 8, 64, 4, seed=1)
+        print("ready", flush=True)
+        while True:
+            new.save({str(path)!r})
+        """,
+        seed,
+        0.2,
+        1.5,
+    )
+    assert "Traceback" not in progress, progress
+    got = load_trace(path).ids  # a cut .npz raises here
+    new = random_trace(TRACE_TOKENS, 8, 64, 4, seed=1)
+    assert np.array_equal(got, old.ids) or np.array_equal(got, new.ids)
+    old.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.npz"]
+    assert np.array_equal(load_trace(path).ids, old.ids)
+
+
+# ---- files the product writes: atomically (issue 29, item 2) ----------------------------
+
+
+def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):
+    from engine.safe_io import atomic_write
+
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="cut"), atomic_write(path) as f:
+        f.write(b"new, but cut")
+        raise RuntimeError("cut")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+    with atomic_write(path) as f:
+        f.write(b"new")
+    assert path.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_trace_save_over_a_good_trace_that_fails_keeps_it(tmp_path, monkeypatch):
+    """A save that fails mid-way (here: numpy raising as on a full disk) keeps the good
+    trace that was there."""
+    import numpy as np
+
+    from engine.trace import load_trace, random_trace
+
+    path = tmp_path / "trace.npz"
+    good = random_trace(50, 4, 8, 2)
+    good.save(path)
+
+    def full_disk(f, **arrays):
+        f.write(b"PK\x03\x04 a cut zip")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        random_trace(50, 4, 8, 2, seed=1).save(path)
+    assert np.array_equal(load_trace(path).ids, good.ids)
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.npz"]

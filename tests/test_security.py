@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from engine import model as model_mod
+from engine import tokenizer as tokenizer_mod
 from engine.convert import convert
 from engine.model import load
 from engine.store import ExpertStore, StoreError
@@ -195,7 +195,7 @@ def test_load_passes_trust_remote_code_false(store_dir, monkeypatch):
         seen.append(extra)
         return load_tokenizer(path, extra, **kw)
 
-    monkeypatch.setattr(model_mod, "load_tokenizer", spy)
+    monkeypatch.setattr(tokenizer_mod, "load_tokenizer", spy)
     load(store_dir)
     assert seen == [{"trust_remote_code": False}]
 

@@ -20,8 +20,8 @@ from engine import cache as cache_mod
 from engine.cli import main
 from engine.config import ConfigError, StreamConfig
 from engine.convert import convert
-from engine.experts import find_experts, instantiate
-from engine.model import _expected_segments, load
+from engine.experts import expected_segments, find_experts, instantiate
+from engine.model import load
 from engine.safe_io import ModelFileError
 from engine.store import VERSION, ExpertStore, StoreError, layout_segments, stride_for
 from engine.store_cache import store_cache_dir
@@ -42,7 +42,7 @@ def make_wide_store(store_dir: Path, moe_intermediate: int) -> Path:
     experts = find_experts(instantiate(config, "config.json"))
     for raw, expert in zip(manifest["layers"], experts, strict=True):
         keys = {s["key"] for s in raw["segments"]}
-        want = _expected_segments(expert, raw["quantization"], keys)
+        want = expected_segments(expert, raw["quantization"], keys)
         segments = layout_segments(
             (s["key"], s["dtype"], want[s["key"]][1]) for s in raw["segments"]
         )
