@@ -53,6 +53,9 @@ class ChecksumError(ExpertReadError):
 class ExpertReadTimeout(ExpertReadError):
     pass
 
+class ResourceError(OSError):
+    pass
+
 class Router:
     """
     A dense copy of one MoE layer's router for the prefetch prediction:

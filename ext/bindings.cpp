@@ -462,6 +462,7 @@ NB_MODULE(_ext, m) {
   auto read_error = nb::exception<es::ReadError>(m, "ExpertReadError", PyExc_OSError);
   nb::exception<es::ChecksumError>(m, "ChecksumError", read_error);
   nb::exception<es::ReadTimeout>(m, "ExpertReadTimeout", read_error);
+  nb::exception<es::ResourceError>(m, "ResourceError", PyExc_OSError);
 
   nb::class_<RouterHandle>(m, "Router", doc::kRouter)
       .def(

@@ -1,15 +1,35 @@
 #include "reader_pool.h"
 
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+#include "errors.h"
+
 namespace es {
 
 ReaderPool::ReaderPool(int threads) {
   if (threads < 1) threads = 1;
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(false); });
-  workers_.emplace_back([this] { worker(true); });
+  try {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker(false); });
+    workers_.emplace_back([this] { worker(true); });
+  } catch (const std::system_error& e) {
+    // No destructor runs for a constructor that throws: the threads already started are
+    // stopped here, or their std::thread objects would end the process (std::terminate).
+    stop();
+    throw ResourceError("cannot start " + std::to_string(threads + 1) +
+                             " reader threads (" + e.what() +
+                             "): raise the process's thread or memory limit, or give "
+                             "fewer reader threads");
+  }
 }
 
 ReaderPool::~ReaderPool() {
   cancel_prefetches();
+  stop();
+}
+
+void ReaderPool::stop() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
@@ -17,6 +37,7 @@ ReaderPool::~ReaderPool() {
   cv_.notify_all();
   demand_cv_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
 
 void ReaderPool::worker(bool demand_only) {

@@ -20,6 +20,7 @@ class ReaderPool {
   // cancelled=true by cancel_prefetches() if it had not started.
   using PrefetchTask = std::function<void(bool cancelled)>;
 
+  // Throws ResourceError (errors.h; naming the thread count) when the system refuses a thread.
   explicit ReaderPool(int threads);
   ~ReaderPool();
   ReaderPool(const ReaderPool&) = delete;
@@ -38,6 +39,8 @@ class ReaderPool {
 
  private:
   void worker(bool demand_only);
+  // Stops and joins the workers (queued demand tasks run first, see worker()).
+  void stop();
 
   std::mutex mu_;
   std::condition_variable cv_;         // workers taking both kinds

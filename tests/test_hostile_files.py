@@ -555,7 +555,7 @@ def test_convert_refuses_what_load_would(model_dir, tmp_path, capsys, patch, mes
     assert main(["convert", str(model_dir), str(tmp_path / "store")]) == 2
     # the progress bar's lines aside (NaN is found as each layer is written)
     err = capsys.readouterr().err.splitlines()
-    lines = [x for x in err if x.strip() and not x.startswith("experts:")]
+    lines = [x for x in err if x.strip() and not x.startswith(("experts:", "converting "))]
     assert len(lines) == 1 and lines[0].startswith("expertstream convert: error: "), lines
     assert len(lines[0]) < 600 and re.search(message, lines[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
@@ -631,3 +631,36 @@ def test_a_quantization_mlx_refuses_is_named_at_load(store_dir, capsys):
         load(store_dir, SLOTS)
     line = cli_error(capsys, "generate", "--model", str(store_dir), "--prompt", "The cat")
     assert re.search(want, line)
+
+
+def test_reader_threads_the_system_refuses_are_an_os_error(qwen_store):
+    """A process whose address-space limit leaves room for the pools but not for the
+    reader threads' stacks (17 threads of 8 MiB in 60 MiB): the cache's constructor stops
+    the threads it started and raises ResourceError (an OSError) naming the count,
+    instead of ending the process in std::terminate."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = f"""
+        import resource
+        from engine.config import StreamConfig
+        from engine.model import load
+        status = open("/proc/self/status").read().split("VmSize:")[1]
+        vm = int(status.split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (60 << 20), resource.RLIM_INFINITY))
+        try:
+            load({str(qwen_store.path)!r}, StreamConfig(expert_slots=2, reader_threads=16))
+        except OSError as e:
+            print(type(e).__name__, e)
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ResourceError cannot start 17 reader threads ("), out
+    assert "give fewer reader threads" in out.stdout
