@@ -48,6 +48,28 @@ def qwen_store(model_dirs, tmp_path_factory):
     return ExpertStore(convert(model_dirs("qwen3_moe"), dest))
 
 
+@pytest.fixture(scope="module")
+def served():
+    """`test_server.Served`: the server on the embedded model, on a free loopback port,
+    one per test module."""
+    from test_server import Served
+
+    s = Served()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def tool_served(tool_model):
+    """`test_server.Served` on the tool-calling model (`tool_model`), with a prompt cache
+    of 64 MiB, one per test module."""
+    from test_server import Served
+
+    s = Served(model=tool_model, prompt_cache_bytes=64 << 20)
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory):
     """A tiny model that calls a tool (tests/tool_model.py)."""

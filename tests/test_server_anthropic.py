@@ -5,7 +5,7 @@ Anthropic's errors."""
 import anthropic
 import pytest
 
-from test_server import PROMPT, Served, http
+from test_server import PROMPT, http
 from tool_model import ANSWER, CALL
 
 TOOLS = [
@@ -15,20 +15,6 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = Served()
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def tool_served(tool_model):
-    s = Served(model=tool_model, prompt_cache_bytes=64 << 20)
-    yield s
-    s.close()
 
 
 def client_of(served) -> anthropic.Anthropic:

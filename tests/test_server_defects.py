@@ -24,13 +24,6 @@ from engine.server_requests import Job
 from test_server import PROMPT, Served, http, raw_post
 
 
-@pytest.fixture(scope="module")
-def served():
-    s = Served()
-    yield s
-    s.close()
-
-
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, 1e-38])
 def test_tiny_temperatures_are_greedy(temperature):
     """mlx-lm scales log-probabilities by 1 / temperature: past float32's range every one

@@ -20,13 +20,6 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def served():
-    s = Served()
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
 def client(served):
     return ollama.Client(host=served.url)
 

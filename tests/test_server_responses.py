@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from test_server import PROMPT, Served, http
+from test_server import PROMPT, http
 from tool_model import ANSWER, CALL
 
 TOOLS = [
@@ -18,20 +18,6 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = Served()
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def tool_served(tool_model):
-    s = Served(model=tool_model)
-    yield s
-    s.close()
 
 
 def test_text_whole_and_streamed(served):

@@ -33,13 +33,6 @@ ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def tool_served(tool_model):
-    s = Served(model=tool_model, prompt_cache_bytes=64 << 20)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
 def client(tool_served):
     return tool_served.client(max_retries=0)
 
