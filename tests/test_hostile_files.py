@@ -574,14 +574,40 @@ def test_chat_without_a_tokenizer_is_one_line(qwen_store, tmp_path, capsys):
 POOL_HEADROOM = 30 << 20  # what the child may still map past its start (RLIMIT_AS)
 
 
+def load_under_address_limit(store, config: str, headroom: int):
+    """Runs `load(store, <config>)` in a child process whose address space may grow by
+    `headroom` bytes past its size before loading (RLIMIT_AS); the child prints the
+    ValueError or OSError it gets as "Type message". Returns the CompletedProcess."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = f"""
+        import resource
+        from engine.config import StreamConfig
+        from engine.model import load
+        status = open("/proc/self/status").read().split("VmSize:")[1]
+        vm = int(status.split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {headroom}, resource.RLIM_INFINITY))
+        try:
+            load({str(store)!r}, {config})
+        except (ValueError, OSError) as e:
+            print(type(e).__name__, e)
+        """
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
 def test_pools_beyond_the_address_space_limit_are_refused_first(model_dirs, tmp_path):
     """A process under `ulimit -v` whose pools (75 MB here) cannot fit in what the limit
     leaves (30 MiB) is refused by the planned-bytes check, naming the sizes, before any
     pool is allocated: no system figure shows such a limit, so the pools were allocated
     until the native allocation failed (and a config read allocated its 64 MiB bound)."""
-    import subprocess
-    import sys
-    import textwrap
 
     model_dir = model_dirs(
         "qwen3_moe",
@@ -592,25 +618,7 @@ def test_pools_beyond_the_address_space_limit_are_refused_first(model_dirs, tmp_
         quantized=False,
     )
     store = convert(model_dir, tmp_path / "store")
-    code = f"""
-        import resource
-        from engine.config import StreamConfig
-        from engine.model import load
-        status = open("/proc/self/status").read().split("VmSize:")[1]
-        vm = int(status.split()[0]) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (vm + {POOL_HEADROOM}, resource.RLIM_INFINITY))
-        try:
-            load({str(store)!r}, StreamConfig())
-        except ValueError as e:
-            print(type(e).__name__, e)
-        """
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+    out = load_under_address_limit(store, "StreamConfig()", POOL_HEADROOM)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(f"PoolMemoryError {store}: the expert pools need 75.5 MB"), out
     assert "of memory is available" in out.stdout
@@ -638,29 +646,9 @@ def test_reader_threads_the_system_refuses_are_an_os_error(qwen_store):
     reader threads' stacks (17 threads of 8 MiB in 60 MiB): the cache's constructor stops
     the threads it started and raises ResourceError (an OSError) naming the count,
     instead of ending the process in std::terminate."""
-    import subprocess
-    import sys
-    import textwrap
 
-    code = f"""
-        import resource
-        from engine.config import StreamConfig
-        from engine.model import load
-        status = open("/proc/self/status").read().split("VmSize:")[1]
-        vm = int(status.split()[0]) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (vm + (60 << 20), resource.RLIM_INFINITY))
-        try:
-            load({str(qwen_store.path)!r}, StreamConfig(expert_slots=2, reader_threads=16))
-        except OSError as e:
-            print(type(e).__name__, e)
-        """
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+    config = "StreamConfig(expert_slots=2, reader_threads=16)"
+    out = load_under_address_limit(qwen_store.path, config, 60 << 20)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("ResourceError cannot start 17 reader threads ("), out
     assert "give fewer reader threads" in out.stdout

@@ -239,17 +239,16 @@ def test_three_ranks_equal_resident_and_single_process(stores, tmp_path):
         check_equal(out, name, *stores[name], cf)
 
 
-def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
-    """Two ranks started as mlx.launch starts them; rank 1 is killed mid-reply: rank 0
-    stops with an error within seconds (not a hang)."""
-    _, store = stores["qwen3"]
+def start_two_ranks(store, tmp_path, *argv: str) -> list[subprocess.Popen]:
+    """`expertstream generate --pipeline --model store *argv` as ranks 0 and 1, started as
+    mlx.launch starts them (MLX_RANK, a ring hostfile on two free loopback ports)."""
     base = free_ports(2)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
-    argv = ["generate", "--pipeline", "--model", str(store), "--max-tokens", "480"]
-    procs = [
+    return [
         subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", *argv],
+            [sys.executable, "-m", "engine.cli", "generate", "--pipeline", "--model", str(store)]
+            + list(argv),
             env=os.environ | {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -257,6 +256,13 @@ def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
         )
         for r in (0, 1)
     ]
+
+
+def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
+    """Two ranks started as mlx.launch starts them; rank 1 is killed mid-reply: rank 0
+    stops with an error within seconds (not a hang)."""
+    _, store = stores["qwen3"]
+    procs = start_two_ranks(store, tmp_path, "--max-tokens", "480")
     try:
         procs[0].stdout.read(len("Once upon a time") + 1)  # the prompt, then a token
         procs[1].send_signal(signal.SIGKILL)
@@ -277,20 +283,7 @@ def test_every_rank_refuses_slots_below_top_k(stores, tmp_path):
     """The one rule of `expertstream generate` (engine.flags.check_real_slots) holds
     with --pipeline: every rank refuses, in one line."""
     _, store = stores["qwen3"]
-    base = free_ports(2)
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
-    argv = ["generate", "--pipeline", "--model", str(store), "--expert-slots", "1"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", *argv],
-            env=os.environ | {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
+    procs = start_two_ranks(store, tmp_path, "--expert-slots", "1")
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2 and out == "", (out, err)
