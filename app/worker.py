@@ -269,7 +269,7 @@ class Worker(QObject):
                 pool_bytes=pool_bytes(sm.cache),
                 budget=Budget.of(m, config, slots, targets),
                 load_seconds=time.monotonic() - t0,
-                context=store.config.get("max_position_embeddings"),
+                context=store.context_length,
                 note=note,
             )
         )
