@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 
 from app.worker import Reply
 from engine.chat import joiner
+from engine.memory import human_bytes
 
 FLUSH_MS = 50  # longest a received token waits to be shown
 USER_COLOR = "#7cc4ff"
@@ -239,7 +240,7 @@ class ChatPanel(QWidget):
         self.figures.setText(
             f"Last reply{stopped}: {len(reply.tokens)} tokens · prompt {reply.prompt_tokens}{kept}"
             f" · prefill {prefill} tok/s · decode {decode} tok/s"
-            f" · hit rate {hit_rate} · read {c['bytes_read'] / 1e6:.1f} MB"
+            f" · hit rate {hit_rate} · read {human_bytes(c['bytes_read'])}"
         )
 
     def clear(self) -> None:

@@ -29,6 +29,7 @@ from app.controls import LIVE_LABELS, ControlsPanel, summary
 from app.conversation import ASSISTANT, USER, Conversation
 from app.inspector import InspectorPanel
 from app.worker import EngineClient, ModelInfo, Reply
+from engine.memory import human_bytes
 from engine.resources import resources_dir
 
 POLL_HZ = 10.0
@@ -339,7 +340,7 @@ class MainWindow(QMainWindow):
     def _on_progress(self, done: float, total: float) -> None:
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(1000 * done / total) if total else 0)
-        self.progress.setFormat(f"converting %p%  ({done / 1e6:.0f}/{total / 1e6:.0f} MB)")
+        self.progress.setFormat(f"converting %p%  ({human_bytes(done)} / {human_bytes(total)})")
 
     def _on_loaded(self, info: ModelInfo) -> None:
         # What the boxes ask, the side rows' prefetch included (before set_model shows

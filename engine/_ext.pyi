@@ -22,6 +22,10 @@ def crc32_implementation() -> str:
 
 DTYPE_NAMES: tuple = ...
 
+STAT_KEYS: tuple = ...
+
+POLICY_NAMES: tuple = ('predictive', 'lfu', 'lru', 'lfu-da', 's3-fifo')
+
 SLOT_EMPTY: int = 0
 
 SLOT_RESIDENT: int = 1
@@ -37,6 +41,8 @@ ROW_FREE: int = 0
 ROW_IN_FLIGHT: int = 1
 
 ROW_PUBLISHED: int = 2
+
+NO_ROW: int = 255
 
 PLAN_TABLE: int = 0
 
@@ -96,7 +102,7 @@ class ExpertCache:
     snapshot, check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify_checksums: bool = True, uncached_io: bool = True, reader_threads: int = 2, read_timeout_s: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -114,10 +120,10 @@ class ExpertCache:
             decay_every: acquire calls per layer between LFU halvings (0: never).
             side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
             sync: run prefetch fills inline where they are submitted.
-            verify: check each record's crc32 on every read.
-            uncached: bypass the page cache (O_DIRECT / F_NOCACHE).
-            threads: reader threads, >= 1.
-            read_timeout: seconds a demand read or a drain waits without progress, in
+            verify_checksums: check each record's crc32 on every read.
+            uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
+            reader_threads: reader threads, >= 1.
+            read_timeout_s: seconds a demand read or a drain waits without progress, in
                 [0, 86400] (0: forever).
             top_k: experts per token; calls of at most top_k ids teach the predictive policy
                 (0: every call does).
@@ -129,7 +135,7 @@ class ExpertCache:
                 flight, where the kernel has it (see the io_uring property); else on the reader
                 threads. Prefetch fills always use the reader threads.
             io_uring_depth: demand reads in flight through io_uring, one read buffer (a
-                record's stride) each, in [0, 4096] (0: threads + 1).
+                record's stride) each, in [0, 4096] (0: reader_threads + 1).
 
         Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -454,9 +460,8 @@ class ExpertCache:
             dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
             uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
             side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
-            frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
-            prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
-            overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
+            frequencies; stats, a dict of the counters STAT_KEYS names (int; the *_seconds ones
+            float seconds).
 
         Raises:
             IndexError: `layer` out of range.

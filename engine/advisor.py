@@ -11,7 +11,6 @@ estimate (the replay models the real region only: prefetch into the side region 
 replayed).
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -248,8 +247,9 @@ class Advice:
 def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Advice:
     """The smallest budget that reaches `gain` of the best achievable improvement (in
     estimated tokens/s, or in hit rate without one) among the budgets that fit
-    `free_bytes` more memory; when growing gains under 3%, the smallest budget that
-    keeps 97% of the current speed, to give memory back.
+    `free_bytes` more memory (`engine.memory.available_bytes`; None: no bound); when
+    growing gains under 3%, the smallest budget that keeps 97% of the current speed, to
+    give memory back.
     """
     cur = curve.slots.index(curve.current)
     score = curve.tps or curve.hit_rate[curve.policy]
@@ -312,14 +312,6 @@ def table(curve: Curve) -> str:
     widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
     lines = ["  ".join(h.rjust(w) for h, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     return "\n".join(lines)
-
-
-def free_memory_bytes() -> int | None:
-    """Memory the system has available now (Linux and macOS), bytes; None if unknown."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:

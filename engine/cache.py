@@ -1,8 +1,8 @@
 """The typed facade of the native expert cache: opening it, and reading its state as data.
 
 `open_cache` turns an `ExpertStore` and a `StreamConfig` into an `engine._ext.ExpertCache`
-(the pools, real regions, side ledgers and reader pool of DESIGN.md; its methods are
-typed and documented in `engine/_ext.pyi`). `CacheSnapshot` is what the app polls: numpy
+(the pools, real regions, side ledgers and reader pool of docs/architecture.md; its
+methods are typed and documented in `engine/_ext.pyi`). `CacheSnapshot` is what the app polls: numpy
 arrays copied under the cache's lock, safe to read on any thread; `pool_bytes` is the
 memory the pools hold. Everything outside the engine (the app, the benchmarks) uses this
 module, never `engine._ext` itself: the error types and the state codes are here too.
@@ -19,11 +19,12 @@ from engine import _ext
 from engine.config import (
     AUTO_MEMORY_FRACTION,
     ConfigError,
+    PoolMemoryError,
     StreamConfig,
+    check_budget,
     default_reader_threads,
     io_uring_depth,
 )
-from engine.flags import flag_names
 from engine.memory import available_bytes, human_bytes
 from engine.store import ExpertStore, LayerSpec
 
@@ -43,7 +44,7 @@ ROW_IN_FLIGHT = _ext.ROW_IN_FLIGHT
 ROW_PUBLISHED = _ext.ROW_PUBLISHED
 # slot_state / side_state of a snapshot where a layer has no pool row: a layer with fewer
 # real slots (expert_memory) or side rows (`layer_rows`) than the widest.
-NO_ROW = 255
+NO_ROW = _ext.NO_ROW
 # Which library checks record checksums: "libdeflate" where the build found it, else "zlib".
 CRC32_IMPLEMENTATION = _ext.crc32_implementation()
 # What ExpertCache.plan returns: how a layer call gets its pool rows.
@@ -51,65 +52,24 @@ PLAN_TABLE = _ext.PLAN_TABLE
 PLAN_STREAM = _ext.PLAN_STREAM
 PLAN_SYNC = _ext.PLAN_SYNC
 
-STAT_KEYS = (
+# The per-layer counters of a snapshot, in the native cache's order (`CacheSnapshot.stats`).
+STAT_KEYS: tuple[str, ...] = tuple(_ext.STAT_KEYS)
+# The rates derived from the counters (`rates`).
+RATES = ("hit_rate", "prefetch_accuracy")
+# What a reply's or the server's stats report of the cache: counters and rates.
+REPORTED_STATS = (
     "hits",
     "misses",
-    "loads",
+    "hit_rate",
     "bytes_read",
     "side_hits",
     "prefetch_issued",
     "prefetch_used",
     "prefetch_wasted",
-    "prefetch_cancelled",
+    "prefetch_accuracy",
     "evictions",
     "overcap_calls",
-    "read_seconds",
-    "read_errors",
-    "acquire_seconds",
-    "pins_dropped",
-    "promotions",
-    "promotions_declined",
-    "prefetch_late",
-    "io_uring_reads",
 )
-
-
-class PoolMemoryError(ValueError):
-    """The pools a StreamConfig asks for, with the dense weights, do not fit in the memory
-    available; the message says how much was asked for, why (layers x rows x record size),
-    what is left, and which flag to change. `in_words(names)` says the same naming the
-    settings a front end's own way (`engine.flags.describe`); `config` is the
-    StreamConfig refused (None where the native allocation failed)."""
-
-    def __init__(self, message: str, what: str = "", config: StreamConfig | None = None):
-        super().__init__(message)
-        self.what, self.config = what, config
-
-    def in_words(self, names: Mapping[str, str]) -> str:
-        """The message with each StreamConfig field named by `names[field]`."""
-        if self.config is None:
-            return str(self)
-        return f"{self.what}: {_pool_remedy(self.config, names)}"
-
-
-def _pool_remedy(config: StreamConfig, names: Mapping[str, str]) -> str:
-    """What to change of `config` for smaller pools, naming the setting the user gave:
-    its fields by `names[field]`."""
-    slots, memory = names["expert_slots"], names["expert_memory"]
-    if config.expert_slots is not None:
-        fix = f"lower {slots}, or use {memory} auto"
-    elif config.expert_memory == "auto":
-        fix = f"give {memory} a size below auto's ({AUTO_MEMORY_FRACTION:.0%} of that)"
-    elif config.expert_memory is not None:
-        fix = f"lower {memory}, or use {memory} auto"
-    else:
-        fix = f"every expert is cached by default: use {memory} auto, or give {slots}"
-    given = [
-        names.get(f, f)
-        for f, on in (("side_slots", config.side_slots), ("scratch_slots", config.scratch_slots))
-        if on
-    ]
-    return fix + (f" (or lower {' / '.join(given)})" if given else "")
 
 
 def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
@@ -128,17 +88,11 @@ def layer_slots(records: list[int], num_experts: int, top_k: int, budget: int) -
     over go to the layers of smaller records.
 
     Raises:
-        ValueError: `budget` is below top_k records per layer (the message gives that
-            minimum).
+        ValueError: `budget` is below top_k records per layer (`check_budget`).
     """
-    need = top_k * sum(records)
-    if budget < need:
-        raise ValueError(
-            f"{budget / 2**20:.1f} MiB is below the {need / 2**20:.1f} MiB that top-k = "
-            f"{top_k} experts per MoE layer take ({len(records)} layers)"
-        )
+    check_budget(budget, records, top_k)
     slots = [top_k] * len(records)
-    left = budget - need
+    left = budget - top_k * sum(records)
     order = sorted(range(len(records)), key=lambda li: (records[li], li))
     grew = True
     while grew:
@@ -287,7 +241,7 @@ def check_pool_fits(
         f"{human_bytes(need + dense)} together, but {human_bytes(available)} of memory "
         "is available"
     )
-    raise PoolMemoryError(f"{what}: {_pool_remedy(config, flag_names())}", what, config)
+    raise PoolMemoryError(what, config)
 
 
 def open_cache(
@@ -352,10 +306,10 @@ def open_cache(
             decay_every=config.decay_every,
             side_lfu=config.side_lfu,
             sync=config.sync,
-            verify=config.verify_checksums,
-            uncached=config.uncached_io,
-            threads=reader_threads(store, config),
-            read_timeout=config.read_timeout_s,
+            verify_checksums=config.verify_checksums,
+            uncached_io=config.uncached_io,
+            reader_threads=reader_threads(store, config),
+            read_timeout_s=config.read_timeout_s,
             top_k=m.top_k,
             layer_slots=slots,
             layer_side_slots=side,
@@ -365,7 +319,7 @@ def open_cache(
             ),
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
-        raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
+        raise PoolMemoryError(f"{store.path}: {e}", config) from None
     return cache
 
 
@@ -423,24 +377,29 @@ class CacheSnapshot:
     io_uring: bool
 
     def totals(self) -> dict:
-        """Counters summed over layers, plus `hit_rate` (hits / lookups) and
-        `prefetch_accuracy` (used / issued), 0 when undefined."""
+        """Counters summed over layers (`STAT_KEYS`: ints, floats for the *_seconds),
+        plus `rates` (None where undefined) and `inflight`."""
         t = {
             k: float(v.sum()) if k.endswith("_seconds") else int(v.sum())
             for k, v in self.stats.items()
         }
-        lookups = t["hits"] + t["misses"]
-        t["hit_rate"] = t["hits"] / lookups if lookups else 0.0
-        issued = t["prefetch_issued"]
-        t["prefetch_accuracy"] = t["prefetch_used"] / issued if issued else 0.0
-        t["inflight"] = self.inflight
-        return t
+        return t | rates(t) | {"inflight": self.inflight}
 
 
 def ratio(num: float, den: float) -> float | None:
     """num / den, or None (JSON null) where den is 0: a rate of nothing (no lookup, no
     prefetch issued, no time), which a 0.0 would report as measured."""
     return num / den if den else None
+
+
+def rates(counters: Mapping[str, float]) -> dict[str, float | None]:
+    """The `RATES` of cache counters (totals or deltas with `STAT_KEYS`' keys): hit_rate
+    (hits / lookups, side hits counted among hits) and prefetch_accuracy (used /
+    issued), each None where nothing was looked up / prefetched (`ratio`)."""
+    return {
+        "hit_rate": ratio(counters["hits"], counters["hits"] + counters["misses"]),
+        "prefetch_accuracy": ratio(counters["prefetch_used"], counters["prefetch_issued"]),
+    }
 
 
 def pool_bytes(cache: _ext.ExpertCache) -> int:

@@ -8,7 +8,10 @@ environment.
 import dataclasses
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from engine.memory import human_bytes
 
 # Real-region eviction policies of the native cache (ext/real_region.h says what each
 # does); the first is the default.
@@ -74,6 +77,22 @@ class ConfigError(ValueError):
         )
         super().__init__(message)
         self.field, self.value, self.what, self.also = field, value, what, also
+
+
+def check_budget(budget: int, records: Sequence[int], top_k: int) -> None:
+    """Refuses an expert-memory `budget` (bytes, all real regions together) below `top_k`
+    records of every MoE layer (`records`: each layer's record bytes): a token's top_k
+    experts of a layer must fit its real region together.
+
+    Raises:
+        ValueError: naming both sizes, top_k and the layers.
+    """
+    need = top_k * sum(records)
+    if budget < need:
+        raise ValueError(
+            f"{human_bytes(budget)} is below the {human_bytes(need)} that top-k = {top_k} "
+            f"experts per MoE layer take ({len(records)} layers)"
+        )
 
 
 def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
@@ -259,3 +278,40 @@ class StreamConfig:
     def replace(self, **changes) -> "StreamConfig":
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+class PoolMemoryError(ValueError):
+    """The pools `config` asks for, with the dense weights, do not fit in the memory
+    available (`engine.cache.check_pool_fits`), or their allocation failed: `what` says
+    how much was asked for, why (layers x rows x record size) and what is left; the
+    message adds which setting to change, naming StreamConfig fields as ConfigError
+    does. Front ends name them their own way with `in_words`."""
+
+    def __init__(self, what: str, config: StreamConfig):
+        super().__init__(f"{what}: {_pool_remedy(config, {})}")
+        self.what, self.config = what, config
+
+    def in_words(self, names: Mapping[str, str]) -> str:
+        """The message with each StreamConfig field named by `names[field]` (the field
+        itself when absent)."""
+        return f"{self.what}: {_pool_remedy(self.config, names)}"
+
+
+def _pool_remedy(config: StreamConfig, names: Mapping[str, str]) -> str:
+    """What to change of `config` for smaller pools, naming the setting the user gave:
+    its fields by `names[field]` (the field itself when absent)."""
+    slots, memory = (names.get(f, f) for f in ("expert_slots", "expert_memory"))
+    if config.expert_slots is not None:
+        fix = f"lower {slots}, or use {memory} auto"
+    elif config.expert_memory == "auto":
+        fix = f"give {memory} a size below auto's ({AUTO_MEMORY_FRACTION:.0%} of that)"
+    elif config.expert_memory is not None:
+        fix = f"lower {memory}, or use {memory} auto"
+    else:
+        fix = f"every expert is cached by default: use {memory} auto, or give {slots}"
+    given = [
+        names.get(f, f)
+        for f, on in (("side_slots", config.side_slots), ("scratch_slots", config.scratch_slots))
+        if on
+    ]
+    return fix + (f" (or lower {' / '.join(given)})" if given else "")

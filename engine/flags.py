@@ -23,10 +23,10 @@ from engine.config import (
     EVICTION_POLICIES,
     ConfigError,
     StreamConfig,
+    check_budget,
     check_sampling,
     parse_memory,
 )
-from engine.memory import human_bytes
 
 # The seed's environment variables and the StreamConfig field each one sets.
 ENV_FIELDS = {
@@ -338,14 +338,11 @@ def check_real_slots(config: StreamConfig, top_k: int, records: Sequence[int]) -
             config.expert_slots,
             f"must be >= {top_k}, the experts each token is routed to per MoE layer (top-k)",
         )
-    need = top_k * sum(records)
-    if isinstance(config.expert_memory, int) and config.expert_memory < need:
-        raise ConfigError(
-            "expert_memory",
-            config.expert_memory,
-            f"{human_bytes(config.expert_memory)} is below the {human_bytes(need)} that "
-            f"top-k = {top_k} experts per MoE layer take ({len(records)} layers)",
-        )
+    if isinstance(config.expert_memory, int):
+        try:
+            check_budget(config.expert_memory, records, top_k)
+        except ValueError as e:
+            raise ConfigError("expert_memory", config.expert_memory, str(e)) from None
 
 
 def with_defaults(defaults: Mapping, given: Mapping) -> dict:

@@ -1,4 +1,5 @@
-// Python bindings of engine._ext. Binding code only: no I/O or locking lives here.
+// Python bindings of engine._ext. Binding code only: no I/O, locking, validation or
+// format knowledge lives here (the native types check their own arguments).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -7,7 +8,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 #include "checksum.h"
@@ -15,6 +15,7 @@
 #include "expert_cache.h"
 #include "primitives.h"
 #include "router.h"
+#include "segment_dtypes.h"
 #include "slot_state.h"
 
 namespace nb = nanobind;
@@ -22,24 +23,6 @@ using namespace nb::literals;
 namespace mx = mlx::core;
 
 namespace {
-
-// The segment dtypes a pool can hold, by manifest name: the one table, exported to Python
-// as DTYPE_NAMES (engine.store builds its dtype map from it).
-const std::vector<std::pair<std::string, mx::Dtype>>& dtype_table() {
-  static const std::vector<std::pair<std::string, mx::Dtype>> table = {
-      {"bool", mx::bool_},     {"uint8", mx::uint8},     {"uint16", mx::uint16},
-      {"uint32", mx::uint32},  {"uint64", mx::uint64},   {"int8", mx::int8},
-      {"int16", mx::int16},    {"int32", mx::int32},     {"int64", mx::int64},
-      {"float16", mx::float16}, {"bfloat16", mx::bfloat16}, {"float32", mx::float32},
-  };
-  return table;
-}
-
-mx::Dtype dtype_from_name(const std::string& name) {
-  for (const auto& [n, dtype] : dtype_table())
-    if (n == name) return dtype;
-  throw std::invalid_argument("unsupported segment dtype '" + name + "'");
-}
 
 es::LayerSpec layer_from_dict(const nb::dict& d) {
   es::LayerSpec L;
@@ -52,7 +35,7 @@ es::LayerSpec layer_from_dict(const nb::dict& d) {
     nb::dict s = nb::cast<nb::dict>(item);
     es::Segment seg;
     seg.key = nb::cast<std::string>(s["key"]);
-    seg.dtype = dtype_from_name(nb::cast<std::string>(s["dtype"]));
+    seg.dtype = es::segment_dtype(nb::cast<std::string>(s["dtype"]));
     for (auto v : nb::cast<nb::list>(s["shape"])) seg.shape.push_back(nb::cast<int>(v));
     seg.offset = nb::cast<int64_t>(s["offset"]);
     seg.nbytes = nb::cast<int64_t>(s["nbytes"]);
@@ -70,25 +53,12 @@ nb::ndarray<nb::numpy, T> to_numpy(std::vector<T> v, std::vector<size_t> shape) 
 
 nb::dict stats_dict(const es::LayerStats& s) {
   nb::dict d;
-  d["hits"] = s.hits;
-  d["misses"] = s.misses;
-  d["loads"] = s.loads;
-  d["bytes_read"] = s.bytes_read;
-  d["side_hits"] = s.side_hits;
-  d["prefetch_issued"] = s.prefetch_issued;
-  d["prefetch_used"] = s.prefetch_used;
-  d["prefetch_wasted"] = s.prefetch_wasted;
-  d["prefetch_cancelled"] = s.prefetch_cancelled;
-  d["evictions"] = s.evictions;
-  d["overcap_calls"] = s.overcap_calls;
-  d["read_seconds"] = static_cast<double>(s.read_seconds_us) * 1e-6;
-  d["read_errors"] = s.read_errors;
-  d["acquire_seconds"] = static_cast<double>(s.acquire_seconds_us) * 1e-6;
-  d["pins_dropped"] = s.pins_dropped;
-  d["promotions"] = s.promotions;
-  d["promotions_declined"] = s.promotions_declined;
-  d["prefetch_late"] = s.prefetch_late;
-  d["io_uring_reads"] = s.io_uring_reads;
+  for (const auto& f : es::kStatFields) {
+    if (f.micros)
+      d[f.name] = static_cast<double>(s.*f.value) * 1e-6;
+    else
+      d[f.name] = s.*f.value;
+  }
   return d;
 }
 
@@ -130,10 +100,10 @@ Args:
     decay_every: acquire calls per layer between LFU halvings (0: never).
     side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
     sync: run prefetch fills inline where they are submitted.
-    verify: check each record's crc32 on every read.
-    uncached: bypass the page cache (O_DIRECT / F_NOCACHE).
-    threads: reader threads, >= 1.
-    read_timeout: seconds a demand read or a drain waits without progress, in
+    verify_checksums: check each record's crc32 on every read.
+    uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
+    reader_threads: reader threads, >= 1.
+    read_timeout_s: seconds a demand read or a drain waits without progress, in
         [0, 86400] (0: forever).
     top_k: experts per token; calls of at most top_k ids teach the predictive policy
         (0: every call does).
@@ -145,7 +115,7 @@ Args:
         flight, where the kernel has it (see the io_uring property); else on the reader
         threads. Prefetch fills always use the reader threads.
     io_uring_depth: demand reads in flight through io_uring, one read buffer (a
-        record's stride) each, in [0, 4096] (0: threads + 1).
+        record's stride) each, in [0, 4096] (0: reader_threads + 1).
 
 Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -371,9 +341,8 @@ Returns:
     dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
     uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
     side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
-    frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
-    prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
-    overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
+    frequencies; stats, a dict of the counters STAT_KEYS names (int; the *_seconds ones
+    float seconds).
 
 Raises:
     IndexError: `layer` out of range.)";
@@ -418,6 +387,9 @@ using Probs = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// The keyword defaults of ExpertCache(): the native cache's own.
+const es::CacheConfig kDefaults{};
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -443,8 +415,15 @@ NB_MODULE(_ext, m) {
       "else \"zlib\" (the same values; libdeflate is several times faster).");
 
   nb::list dtype_names;
-  for (const auto& [name, dtype] : dtype_table()) dtype_names.append(name);
+  for (const auto& [name, dtype] : es::segment_dtypes()) dtype_names.append(name);
   m.attr("DTYPE_NAMES") = nb::tuple(dtype_names);
+  nb::list stat_keys;
+  for (const auto& f : es::kStatFields) stat_keys.append(f.name);
+  m.attr("STAT_KEYS") = nb::tuple(stat_keys);
+  nb::list policy_names;
+  for (int i = 0; i < es::kNumPolicies; ++i)
+    policy_names.append(es::policy_name(static_cast<es::Policy>(i)));
+  m.attr("POLICY_NAMES") = nb::tuple(policy_names);
   // Snapshot state codes: slot_state (es::SlotState) and side_state (es::RowState).
   m.attr("SLOT_EMPTY") = static_cast<int>(es::SlotState::kEmpty);
   m.attr("SLOT_RESIDENT") = static_cast<int>(es::SlotState::kResident);
@@ -454,6 +433,7 @@ NB_MODULE(_ext, m) {
   m.attr("ROW_FREE") = static_cast<int>(es::RowState::kFree);
   m.attr("ROW_IN_FLIGHT") = static_cast<int>(es::RowState::kInFlight);
   m.attr("ROW_PUBLISHED") = static_cast<int>(es::RowState::kPublished);
+  m.attr("NO_ROW") = static_cast<int>(es::kNoRow);
   // What ExpertCache.plan returns (es::ExpertCache::Plan).
   m.attr("PLAN_TABLE") = static_cast<int>(es::ExpertCache::kPlanTable);
   m.attr("PLAN_STREAM") = static_cast<int>(es::ExpertCache::kPlanStream);
@@ -496,67 +476,61 @@ NB_MODULE(_ext, m) {
       .def(
           "__init__",
           [](Cache* self, nb::list layers, int num_experts, int expert_slots, int side_slots,
-             int scratch_slots,
-             const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
-             bool uncached, int threads, double read_timeout, int top_k,
-             const std::vector<int>& layer_slots, const std::vector<int>& layer_side_slots,
-             bool io_uring, int io_uring_depth) {
+             int scratch_slots, const std::string& policy, int decay_every, bool side_lfu,
+             bool sync, bool verify_checksums, bool uncached_io, int reader_threads,
+             double read_timeout_s, int top_k, const std::vector<int>& layer_slots,
+             const std::vector<int>& layer_side_slots, bool io_uring, int io_uring_depth) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
-            es::CacheConfig c;
-            c.cap = expert_slots;
-            c.layer_caps = layer_slots;
-            c.spec = side_slots;
-            c.layer_specs = layer_side_slots;
-            c.scratch = scratch_slots;
-            c.policy = es::policy_from_name(policy);
-            if (top_k < 0) throw std::invalid_argument("top_k must be >= 0");
-            c.top_k = top_k;
-            c.decay_every = decay_every;
-            c.side_lfu = side_lfu;
-            c.sync = sync;
-            c.verify = verify;
-            c.uncached = uncached;
-            c.threads = threads;
-            c.io_uring = io_uring;
-            if (io_uring_depth < 0 || io_uring_depth > 4096)
-              throw std::invalid_argument("io_uring_depth must be in [0, 4096], got " +
-                                          std::to_string(io_uring_depth));
-            c.io_uring_depth = io_uring_depth;
-            if (!(read_timeout >= 0 && read_timeout <= 86400))
-              throw std::invalid_argument("read_timeout must be in [0, 86400] seconds, got " +
-                                          std::to_string(read_timeout));
-            c.read_timeout_ms = static_cast<int>(std::lround(read_timeout * 1000));
-            if (read_timeout > 0 && c.read_timeout_ms == 0) c.read_timeout_ms = 1;
+            const es::CacheConfig c{.expert_slots = expert_slots,
+                                    .layer_slots = layer_slots,
+                                    .side_slots = side_slots,
+                                    .layer_side_slots = layer_side_slots,
+                                    .scratch_slots = scratch_slots,
+                                    .policy = es::policy_from_name(policy),
+                                    .top_k = top_k,
+                                    .decay_every = decay_every,
+                                    .side_lfu = side_lfu,
+                                    .sync = sync,
+                                    .verify_checksums = verify_checksums,
+                                    .uncached_io = uncached_io,
+                                    .reader_threads = reader_threads,
+                                    .read_timeout_s = read_timeout_s,
+                                    .io_uring = io_uring,
+                                    .io_uring_depth = io_uring_depth};
             new (self) Cache{std::make_shared<es::ExpertCache>(std::move(specs), num_experts, c)};
           },
-          "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = 0, "scratch_slots"_a = 1,
-          "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
-          "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
-          "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
-          "layer_side_slots"_a = std::vector<int>{}, "io_uring"_a = true,
-          "io_uring_depth"_a = 0, doc::kInit)
+          "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = kDefaults.side_slots,
+          "scratch_slots"_a = kDefaults.scratch_slots,
+          "policy"_a = std::string(es::policy_name(kDefaults.policy)),
+          "decay_every"_a = kDefaults.decay_every, "side_lfu"_a = kDefaults.side_lfu,
+          "sync"_a = kDefaults.sync, "verify_checksums"_a = kDefaults.verify_checksums,
+          "uncached_io"_a = kDefaults.uncached_io, "reader_threads"_a = kDefaults.reader_threads,
+          "read_timeout_s"_a = kDefaults.read_timeout_s, "top_k"_a = kDefaults.top_k,
+          "layer_slots"_a = std::vector<int>{}, "layer_side_slots"_a = std::vector<int>{},
+          "io_uring"_a = kDefaults.io_uring, "io_uring_depth"_a = kDefaults.io_uring_depth,
+          doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
                    doc::kNumExperts)
       .def("rows", [](const Cache& c, int li) { return c.impl->rows(li); }, "layer"_a,
            doc::kRows)
-      .def_prop_ro("layer_slots", [](const Cache& c) { return c.impl->caps(); },
+      .def_prop_ro("layer_slots", [](const Cache& c) { return c.impl->layer_slots(); },
                    doc::kLayerSlots)
       .def_prop_ro(
           "expert_slots",
           [](const Cache& c) {
-            const auto& caps = c.impl->caps();
-            return caps.empty() ? 0 : *std::max_element(caps.begin(), caps.end());
+            const auto& slots = c.impl->layer_slots();
+            return slots.empty() ? 0 : *std::max_element(slots.begin(), slots.end());
           },
           doc::kExpertSlots)
-      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
+      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().side_slots; },
                    doc::kSideSlots)
-      .def_prop_ro("layer_side_slots", [](const Cache& c) { return c.impl->specs(); },
+      .def_prop_ro("layer_side_slots", [](const Cache& c) { return c.impl->layer_side_slots(); },
                    doc::kLayerSideSlots)
       .def_prop_ro("io_uring", [](const Cache& c) { return c.impl->io_uring(); }, doc::kIoUring)
-      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
+      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch_slots; },
                    doc::kScratchSlots)
       .def_prop_ro("pool_writes", [](const Cache& c) { return c.impl->pool_writes(); },
                    doc::kPoolWrites)
@@ -685,10 +659,10 @@ NB_MODULE(_ext, m) {
               nb::gil_scoped_release release;
               s = c.impl->snapshot(li);
             }
-            size_t cap = s.slot_expert.size(), side = s.side_expert.size(), e = s.freq.size();
+            size_t slots = s.slot_expert.size(), side = s.side_expert.size(), e = s.freq.size();
             nb::dict d;
-            d["slot_expert"] = to_numpy(std::move(s.slot_expert), {cap});
-            d["slot_state"] = to_numpy(std::move(s.slot_state), {cap});
+            d["slot_expert"] = to_numpy(std::move(s.slot_expert), {slots});
+            d["slot_state"] = to_numpy(std::move(s.slot_state), {slots});
             d["side_expert"] = to_numpy(std::move(s.side_expert), {side});
             d["side_state"] = to_numpy(std::move(s.side_state), {side});
             d["freq"] = to_numpy(std::move(s.freq), {e});

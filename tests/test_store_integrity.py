@@ -21,6 +21,7 @@ from engine.cli import main
 from engine.config import ConfigError, StreamConfig
 from engine.convert import convert
 from engine.experts import expected_segments, find_experts, instantiate
+from engine.flags import flag_names
 from engine.model import load
 from engine.safe_io import ModelFileError
 from engine.store import VERSION, ExpertStore, StoreError, layout_segments, stride_for
@@ -73,14 +74,15 @@ def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypat
         r"the expert pools need 1\.7 GB \(4 MoE layers x 10 rows \(expert_slots \+ 2 x "
         r"side_slots \+ scratch_slots\) x records of up to 37\.7 MB\) "
         r"and the dense weights 62\.4 kB, 1\.7 GB together, but 1\.0 GB of memory is "
-        r"available: every expert is cached by default: use --expert-memory auto, or give "
-        r"--expert-slots$"
+        r"available: every expert is cached by default: use expert_memory auto, or give "
+        r"expert_slots$"
     )
     with pytest.raises(cache_mod.PoolMemoryError, match=message):
         load(store_dir, StreamConfig(reader_threads=2))  # the default depends on the CPUs
     assert main(["generate", "--model", str(store_dir), "--reader-threads", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the expert pools need 1.7 GB" in err[0]
+    assert err[0].endswith("use --expert-memory auto, or give --expert-slots"), err[0]
 
 
 def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypatch):
@@ -112,7 +114,8 @@ def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypa
         monkeypatch.setattr(cache_mod, "available_bytes", lambda n=pools + dense - 1: n)
         with pytest.raises(cache_mod.PoolMemoryError) as e:
             cache_mod.open_cache(store, config)
-        assert str(e.value).endswith(f" of memory is available: {remedy}"), str(e.value)
+        words = e.value.in_words(flag_names())
+        assert words.endswith(f" of memory is available: {remedy}"), words
         assert "the dense weights 62.4 kB" in str(e.value)
         names = {"expert_slots": "expert slots", "expert_memory": "expert memory"}
         assert "--" not in e.value.in_words(names | {"side_slots": "side rows"})
@@ -122,7 +125,10 @@ def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypa
     monkeypatch.setattr(cache_mod, "available_bytes", lambda: 200_000)
     with pytest.raises(cache_mod.PoolMemoryError) as e:
         cache_mod.open_cache(store, StreamConfig(expert_memory="auto", reader_threads=2))
-    assert str(e.value).endswith("give --expert-memory a size below auto's (50% of that)")
+    assert str(e.value).endswith("give expert_memory a size below auto's (50% of that)")
+    assert e.value.in_words(flag_names()).endswith(
+        "give --expert-memory a size below auto's (50% of that)"
+    )
 
 
 def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
