@@ -169,10 +169,7 @@ def held_rows(
 
     A layer that no layer prefetches for (the first, or one without a router) holds its
     2 x side_slots rows as real slots instead, up to every expert: no more memory, and
-    fewer misses where no prediction can help. On the embedded model at 8 of 32 experts
-    with 8 side rows per bank and LFU prefetch, layer 0 then holds 24 real slots: misses
-    fell from 2.66 to 1.20 per decode token and decode from 0.806x to 0.883x of resident
-    (this 2-core CPU, 10 alternated rounds, 2026-11-30).
+    fewer misses where no prediction can help (side rows nobody fills would sit empty).
     """
     side = [side_slots if targets is None or t else 0 for t in targets or real]
     held = [min(n + 2 * (side_slots - s), num_experts) for n, s in zip(real, side, strict=True)]

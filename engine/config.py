@@ -1,7 +1,7 @@
 """The one configuration object of a streamed model.
 
 Every knob of the expert cache lives in `StreamConfig`. Front ends build it from their
-flags and the seed's environment variables with `engine.flags`; nothing else reads the
+flags and environment variables with `engine.flags`; nothing else reads the
 environment.
 """
 
@@ -119,10 +119,9 @@ def io_uring_depth(threads: int, top_k: int, stride: int) -> int:
     """Demand reads in flight through io_uring (`StreamConfig.io_uring`), one buffer of
     `stride` bytes (a record) each: reader threads + 1, raised to max(top_k, 8) while
     those buffers stay within `IO_URING_EXTRA_BYTES`. A token's misses of a layer then go
-    in one submission, and small records get the queue depth the disk needs: raw random
-    O_DIRECT reads here still gain from depth 4 to 8 (0.63 to 0.87 GB/s), and at depth 8
-    the engine read 0.75x of raw with the ring's old threads + 1 = 5 reads in flight,
-    0.94x with 8 (this 2-core VM, 61 KB records, checksums on, 2026-12-01). A record of
+    in one submission, and small records get the queue depth the disk needs: random
+    O_DIRECT reads of records of tens of kB still gain bandwidth from depth 4 to 8, so
+    threads + 1 reads in flight would leave the disk idle part of the time. A record of
     tens of MB keeps the disk's queue busy on its own, and 8 buffers of it would cost
     hundreds of MB: it keeps threads + 1."""
     wanted = min(max(top_k, 8), IO_URING_EXTRA_BYTES // max(stride, 1))
@@ -131,8 +130,8 @@ def io_uring_depth(threads: int, top_k: int, stride: int) -> int:
 
 def default_reader_threads(top_k: int) -> int:
     """Reader threads when `StreamConfig.reader_threads` is None: min(8, 2 x usable CPUs)
-    (reads wait on the disk far more than they compute; uncached random reads ran at
-    1.1-1.4 GB/s with four readers where one got 0.7 here), and never fewer than
+    (reads wait on the disk far more than they compute, and uncached random reads gain
+    bandwidth from several readers in flight), and never fewer than
     top_k - 1, so that one token's misses of a layer are all in flight together (the
     pool adds a demand-only thread). At most 16."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -176,7 +175,7 @@ class StreamConfig:
             (None: top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk).
         reader_threads: background reader threads; None: `default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
-            queue depth on this machine).
+            queue depth).
         verify_checksums: check each record's crc32 on every read.
         uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
         read_timeout_s: a demand read (or a drain of prefetch fills) that sees no read

@@ -1,7 +1,7 @@
 """The flags of every front end (the CLI, the server, the app), defined once.
 
 `add_cache_flags(parser)` adds one argparse group whose help shows each flag's default;
-`stream_config(args)` builds the `StreamConfig`: its defaults, then the seed's environment
+`stream_config(args)` builds the `StreamConfig`: its defaults, then the environment
 variables (`ENV_FIELDS`, read here and nowhere else), then the flags given. The renamed
 flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
 `describe` words a `ConfigError` in a front end's names (`config_error_message`: the
@@ -256,7 +256,7 @@ def _parse(field: str, text: str):
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
-    """The StreamConfig fields set by the seed's environment variables.
+    """The StreamConfig fields set by environment variables (`ENV_FIELDS`).
 
     Returns:
         {field: value} for each variable of `ENV_FIELDS` present in `environ`

@@ -17,7 +17,7 @@
 
 namespace es {
 
-// A test-only fault to inject into reads (issue 6). kNone costs one branch.
+// A test-only fault to inject into reads. kNone costs one branch.
 enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kCorrupt = 3, kDelay = 4 };
 
 class BlobFile {

@@ -43,7 +43,8 @@ void check_layer(int li, int n) {
 }
 
 // A failed allocation, with what was asked for and why (Python: MemoryError). MLX's
-// allocator returns a null buffer instead of throwing, which used to be written through.
+// allocator returns a null buffer instead of throwing, so every allocation is checked
+// (checked_malloc) rather than written through.
 struct PoolAllocError : std::bad_alloc {
   explicit PoolAllocError(std::string m) : msg(std::move(m)) {}
   const char* what() const noexcept override { return msg.c_str(); }

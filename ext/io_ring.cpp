@@ -97,7 +97,7 @@ std::unique_ptr<IoRing> IoRing::create(unsigned buffers, size_t buffer_bytes) {
   r->timespecs_.reset(new int64_t[2 * static_cast<size_t>(p.sq_entries)]());
 
   // One allocation for all buffers, so that with 2 MiB or more it is huge-page backed
-  // (uncached reads into 4 KiB pages ran at a third of the speed here: a page pin each).
+  // (uncached reads into 4 KiB pages pin every page, and run far slower).
   r->buffers_ = buffers;
   r->buffer_bytes_ = (buffer_bytes + 4095) / 4096 * 4096;
   r->base_bytes_ = std::max(r->buffer_bytes_ * buffers, size_t{2} << 20);

@@ -3,8 +3,8 @@
 // The predictor applies the router of a later MoE layer to the current hidden state and
 // prefetches its top experts. Built from MLX ops, that is five ops per MoE layer per token
 // (reshape, router matmul, argpartition, slice, the prefetch itself), each one a task on
-// the stream that evaluates the token: on a 2-core CPU they cost about as much as the
-// reads the prediction hides. Router::top does it inside the one prefetch primitive
+// the stream that evaluates the token: on a CPU of few cores they cost about as much as
+// the reads the prediction hides. Router::top does it inside the one prefetch primitive
 // (ext/primitives.h) instead.
 //
 // The copy is logits = weight @ x + bias with bfloat16 weights (half the bytes of float32;

@@ -1,4 +1,4 @@
-"""Consistent but impossible stores, and bytes changed on disk (issue 16, items 1, 2, 6).
+"""Consistent but impossible stores, and bytes changed on disk.
 
 A store whose config and manifest agree on absurd sizes is refused before anything is
 allocated, with the size asked for and why; a failed native allocation is an error, not a
@@ -60,7 +60,7 @@ def make_wide_store(store_dir: Path, moe_intermediate: int) -> Path:
     return store_dir
 
 
-# ---- pools sized against the memory available (item 1) --------------------------------
+# ---- pools sized against the memory available --------------------------------
 
 
 def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypatch, capsys):
@@ -153,7 +153,7 @@ def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
         cache_mod.open_cache(ExpertStore(store_dir), StreamConfig(side_slots=2**24))
 
 
-# ---- dense weights: checksum and header (item 6) ----------------------------------------
+# ---- dense weights: checksum and header ----------------------------------------
 
 
 def refresh_manifest(store_dir: Path, crc: bool = True) -> None:
