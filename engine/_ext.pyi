@@ -15,6 +15,15 @@ def record_crc32(data: bytes) -> int:
     zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper threads and joined with crc32_combine. Returns an int in [0, 2**32).
     """
 
+def io_uring_depth(reader_threads: int, top_k: int, stride: int) -> int:
+    """
+    Demand reads in flight through io_uring for a cache of
+    `reader_threads` reader threads, `top_k` experts per token and records of `stride` bytes
+    (one read buffer each): reader_threads + 1, raised to max(top_k, 8) while the buffers stay
+    within 64 MiB, so that a token's misses of a layer go in one submission and small records
+    get the queue depth the disk needs. What ExpertCache uses when its io_uring_depth is 0.
+    """
+
 def crc32_implementation() -> str:
     """
     Which library computes record checksums: "libdeflate" where the build found it, else "zlib" (the same values; libdeflate is several times faster).
@@ -135,7 +144,7 @@ class ExpertCache:
                 flight, where the kernel has it (see the io_uring property); else on the reader
                 threads. Prefetch fills always use the reader threads.
             io_uring_depth: demand reads in flight through io_uring, one read buffer (a
-                record's stride) each, in [0, 4096] (0: reader_threads + 1).
+                record's stride) each, in [0, 4096] (0: `io_uring_depth`'s).
 
         Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 

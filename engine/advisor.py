@@ -30,8 +30,9 @@ class Budget:
 
     Attributes:
         slots_per_layer: the current expert_slots.
-        pool_bytes: expert memory now: every MoE layer's pool (real slots, side rows
-            and scratch rows), bytes.
+        pool_bytes: expert memory now: the records of every MoE layer's pool (real
+            slots, side rows and scratch rows), bytes, as `engine.cache.pool_bytes`
+            counts them (not the tables and read buffers `planned_pool_bytes` adds).
         slot_bytes: bytes one more slot per layer costs (the sum of the layers' record
             sizes).
         record_bytes: bytes read per miss (mean record size over layers).
@@ -49,17 +50,16 @@ class Budget:
         differ (expert_memory), the largest standing for slots_per_layer; `targets`:
         whether each layer is a prefetch target (default: every router found), the
         others holding their side rows as slots (`engine.cache.held_rows`)."""
-        from engine.cache import held_rows
+        from engine.cache import pool_rows
         from engine.predictor import prefetch_targets
 
         n = len(manifest.layers)
         slots = layer_slots or [config.expert_slots or manifest.num_experts] * n
         targets = prefetch_targets([True] * n) if targets is None else targets
-        held, side = held_rows(slots, config.side_slots, manifest.num_experts, targets)
-        scratch = config.scratch_slots or manifest.top_k
+        rows = pool_rows(slots, config, manifest.num_experts, manifest.top_k, targets)
         records = [spec.record_bytes for spec in manifest.layers]
         row = sum(records)  # a pool row holds one record per layer
-        pool = sum((h + 2 * s + scratch) * r for h, s, r in zip(held, side, records, strict=True))
+        pool = sum(k * r for k, r in zip(rows, records, strict=True))
         return cls(max(slots), pool, row, round(row / len(records)))
 
     def bytes_at(self, slots: int) -> int:

@@ -22,8 +22,6 @@ from engine.config import (
     PoolMemoryError,
     StreamConfig,
     check_budget,
-    default_reader_threads,
-    io_uring_depth,
 )
 from engine.memory import available_bytes, human_bytes
 from engine.store import ExpertStore, LayerSpec
@@ -51,6 +49,9 @@ CRC32_IMPLEMENTATION = _ext.crc32_implementation()
 PLAN_TABLE = _ext.PLAN_TABLE
 PLAN_STREAM = _ext.PLAN_STREAM
 PLAN_SYNC = _ext.PLAN_SYNC
+# Demand reads in flight through io_uring for (reader threads, top_k, record stride): the
+# native cache's rule, documented there.
+io_uring_depth = _ext.io_uring_depth
 
 # The per-layer counters of a snapshot, in the native cache's order (`CacheSnapshot.stats`).
 STAT_KEYS: tuple[str, ...] = tuple(_ext.STAT_KEYS)
@@ -70,6 +71,16 @@ REPORTED_STATS = (
     "evictions",
     "overcap_calls",
 )
+
+
+def default_reader_threads(top_k: int) -> int:
+    """Reader threads when `StreamConfig.reader_threads` is None: min(8, 2 x usable CPUs)
+    (reads wait on the disk far more than they compute, and uncached random reads gain
+    bandwidth from several readers in flight), and never fewer than
+    top_k - 1, so that one token's misses of a layer are all in flight together (the
+    pool adds a demand-only thread). At most 16."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(16, max(min(8, 2 * (cpus or 1)), top_k - 1))
 
 
 def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
@@ -176,6 +187,26 @@ def held_rows(
     return held, side
 
 
+def pool_rows(
+    real: Sequence[int],
+    config: StreamConfig,
+    num_experts: int,
+    top_k: int,
+    targets: Sequence[bool] | None = None,
+) -> list[int]:
+    """Pool rows of MoE layers of `real[i]` real slots under `config` (`targets` as
+    `held_rows`): each layer's held real slots + 2 x its side rows + scratch_slots
+    (`scratch_rows`). A row holds one record of its layer."""
+    held, side = held_rows(real, config.side_slots, num_experts, targets)
+    scratch = scratch_rows(config, top_k)
+    return [n + 2 * s + scratch for n, s in zip(held, side, strict=True)]
+
+
+def scratch_rows(config: StreamConfig, top_k: int) -> int:
+    """Scratch rows per MoE layer under `config`: scratch_slots, or top_k by default."""
+    return config.scratch_slots or top_k
+
+
 def planned_pool_bytes(
     store: ExpertStore,
     config: StreamConfig,
@@ -184,16 +215,15 @@ def planned_pool_bytes(
     real: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """(bytes, rows of the largest layer) the native cache will allocate for the MoE
-    layers `specs` of `store` (default: all) under `config`: every layer's pool of its
-    real slots + 2 x its side rows (`layer_rows`, `targets` and `real` as there) +
-    scratch_slots records, plus one read buffer (a record's stride) per reader thread,
-    and with `io_uring` one per demand read in flight (`io_uring_depth`; at least 2 MiB
-    together)."""
+    layers `specs` of `store` (default: all) under `config`: every layer's pool
+    (`pool_rows`; `targets` as there, `real` as `layer_rows`) and its expert table, plus
+    one read buffer (a record's stride) per reader thread, and with `io_uring` one per
+    demand read in flight (`io_uring_depth`; at least 2 MiB together). More than
+    `pool_bytes` of the opened cache, which counts the pools' records only."""
     m = store.manifest
     specs = m.layers if specs is None else specs
-    scratch = config.scratch_slots or m.top_k
-    held, side = layer_rows(store, config, specs, targets, real)
-    rows = [n + 2 * s + scratch for n, s in zip(held, side, strict=True)]
+    real = real_slots(store, config, specs) if real is None else real
+    rows = pool_rows(real, config, m.num_experts, m.top_k, targets)
     total = sum(
         n * spec.record_bytes + 4 * m.num_experts for n, spec in zip(rows, specs, strict=True)
     )
@@ -298,7 +328,7 @@ def open_cache(
             # a pipeline stage of dense layers only has no MoE layer to size by
             expert_slots=max(slots) if slots else (config.expert_slots or m.num_experts),
             side_slots=config.side_slots,
-            scratch_slots=config.scratch_slots or m.top_k,
+            scratch_slots=scratch_rows(config, m.top_k),
             policy=config.policy,
             decay_every=config.decay_every,
             side_lfu=config.side_lfu,

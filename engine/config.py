@@ -7,7 +7,6 @@ environment.
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -110,34 +109,6 @@ def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
         raise ConfigError("top_p", top_p, "must be in (0, 1]")
 
 
-# Bytes of record buffers the ring may hold in all where io_uring_depth raises it past
-# reader threads + 1 (a bound on the total, not on what is added).
-IO_URING_EXTRA_BYTES = 64 << 20
-
-
-def io_uring_depth(threads: int, top_k: int, stride: int) -> int:
-    """Demand reads in flight through io_uring (`StreamConfig.io_uring`), one buffer of
-    `stride` bytes (a record) each: reader threads + 1, raised to max(top_k, 8) while
-    those buffers stay within `IO_URING_EXTRA_BYTES`. A token's misses of a layer then go
-    in one submission, and small records get the queue depth the disk needs: random
-    O_DIRECT reads of records of tens of kB still gain bandwidth from depth 4 to 8, so
-    threads + 1 reads in flight would leave the disk idle part of the time. A record of
-    tens of MB keeps the disk's queue busy on its own, and 8 buffers of it would cost
-    hundreds of MB: it keeps threads + 1."""
-    wanted = min(max(top_k, 8), IO_URING_EXTRA_BYTES // max(stride, 1))
-    return max(threads + 1, wanted)
-
-
-def default_reader_threads(top_k: int) -> int:
-    """Reader threads when `StreamConfig.reader_threads` is None: min(8, 2 x usable CPUs)
-    (reads wait on the disk far more than they compute, and uncached random reads gain
-    bandwidth from several readers in flight), and never fewer than
-    top_k - 1, so that one token's misses of a layer are all in flight together (the
-    pool adds a demand-only thread). At most 16."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(16, max(min(8, 2 * (cpus or 1)), top_k - 1))
-
-
 @dataclass(frozen=True)
 class StreamConfig:
     """How experts are cached and prefetched.
@@ -173,7 +144,7 @@ class StreamConfig:
         scratch_slots: experts per over-capacity chunk: a call whose misses exceed the
             evictable slots streams them through this many scratch rows, chunk by chunk
             (None: top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk).
-        reader_threads: background reader threads; None: `default_reader_threads`
+        reader_threads: background reader threads; None: `engine.cache.default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
             queue depth).
         verify_checksums: check each record's crc32 on every read.
@@ -185,7 +156,7 @@ class StreamConfig:
             the submitting thread.
         io_uring: demand reads through io_uring on the thread that waits for them (one
             system call per batch of misses, no hand-off to a reader thread),
-            `io_uring_depth` in flight, used where the kernel has it (Linux 5.11+, not
+            `engine.cache.io_uring_depth` in flight, used where the kernel has it (Linux 5.11+, not
             disabled); else, and for prefetch fills, the reader threads read.
     """
 

@@ -115,7 +115,7 @@ Args:
         flight, where the kernel has it (see the io_uring property); else on the reader
         threads. Prefetch fills always use the reader threads.
     io_uring_depth: demand reads in flight through io_uring, one read buffer (a
-        record's stride) each, in [0, 4096] (0: reader_threads + 1).
+        record's stride) each, in [0, 4096] (0: `io_uring_depth`'s).
 
 Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -123,6 +123,12 @@ Raises:
     ValueError: a count or option out of range, an unknown dtype, segments that do not
         fit the record.
     ExpertReadError: a blob file cannot be opened or has the wrong size.)";
+
+const char* kIoUringDepth = R"(Demand reads in flight through io_uring for a cache of
+`reader_threads` reader threads, `top_k` experts per token and records of `stride` bytes
+(one read buffer each): reader_threads + 1, raised to max(top_k, 8) while the buffers stay
+within 64 MiB, so that a token's misses of a layer go in one submission and small records
+get the queue depth the disk needs. What ExpertCache uses when its io_uring_depth is 0.)";
 
 const char* kNumLayers = "MoE layers (pools).";
 const char* kNumExperts = "Experts per MoE layer (records per blob).";
@@ -406,6 +412,8 @@ NB_MODULE(_ext, m) {
       "zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's "
       "checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper "
       "threads and joined with crc32_combine. Returns an int in [0, 2**32).");
+  m.def("io_uring_depth", &es::io_uring_depth, "reader_threads"_a, "top_k"_a, "stride"_a,
+        doc::kIoUringDepth);
   // A function, not a constant: a constant's value would be written into the generated
   // stub, which must be the same whichever library the build found.
   m.def(

@@ -100,6 +100,12 @@ struct ExpertCache::FillTicket {
   std::atomic<bool> reading{false};  // a reader thread took the fill (it is not queued)
 };
 
+int io_uring_depth(int reader_threads, int top_k, int64_t stride) {
+  const int64_t wanted =
+      std::min<int64_t>(std::max(top_k, 8), kIoUringExtraBytes / std::max<int64_t>(stride, 1));
+  return static_cast<int>(std::max<int64_t>(std::max(reader_threads, 1) + 1, wanted));
+}
+
 ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config)
     : layers_(std::move(layers)),
       num_experts_(num_experts),
@@ -184,8 +190,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
   if (config_.io_uring && !layers_.empty()) {
     int64_t stride = 0;
     for (const auto& L : layers_) stride = std::max(stride, L.stride);
-    const int depth = config_.io_uring_depth > 0 ? config_.io_uring_depth
-                                                 : std::max(config_.reader_threads, 1) + 1;
+    const int depth = config_.io_uring_depth > 0
+                          ? config_.io_uring_depth
+                          : io_uring_depth(config_.reader_threads, config_.top_k, stride);
     ring_ = RingReader::create(static_cast<unsigned>(depth), static_cast<size_t>(stride),
                                &writer_);
   }

@@ -77,14 +77,26 @@ struct CacheConfig {
   // Longest wait without a read finishing, in [0, kMaxReadTimeoutS] seconds (0: no limit).
   double read_timeout_s = 30.0;
   // Demand reads through io_uring on the calling thread (ext/ring_reader.h), io_uring_depth
-  // in flight (0: reader_threads + 1; at most kMaxIoUringDepth), where the kernel has it;
-  // else (and when the ring is busy with another thread's call) on the reader pool.
+  // in flight (0: es::io_uring_depth's; at most kMaxIoUringDepth), where the kernel has
+  // it; else (and when the ring is busy with another thread's call) on the reader pool.
   // Prefetch fills always use the pool.
   bool io_uring = true;
   int io_uring_depth = 0;
 };
 inline constexpr double kMaxReadTimeoutS = 86400;
 inline constexpr int kMaxIoUringDepth = 4096;
+// Bytes of read buffers the ring may hold in all where io_uring_depth raises its depth
+// past reader_threads + 1 (a bound on the total, not on what is added).
+inline constexpr int64_t kIoUringExtraBytes = int64_t{64} << 20;
+
+// Demand reads in flight through io_uring, one buffer of `stride` bytes (a record) each:
+// reader_threads + 1, raised to max(top_k, 8) while those buffers stay within
+// kIoUringExtraBytes. A token's misses of a layer then go in one submission, and small
+// records get the queue depth the disk needs: random O_DIRECT reads of records of tens of
+// kB still gain bandwidth from depth 4 to 8, so reader_threads + 1 reads in flight would
+// leave the disk idle part of the time. A record of tens of MB keeps the disk's queue busy
+// on its own, and 8 buffers of it would cost hundreds of MB: it keeps reader_threads + 1.
+int io_uring_depth(int reader_threads, int top_k, int64_t stride);
 
 // Counters of one layer. Lookups count distinct experts per acquire call.
 struct LayerStats {

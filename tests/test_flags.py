@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from engine.config import StreamConfig, default_reader_threads
+from engine.cache import default_reader_threads
+from engine.config import StreamConfig
 from engine.flags import FLAGS, add_cache_flags, config_overrides, stream_config
 
 
