@@ -6,6 +6,7 @@ whole reply into a `GenerationResult` with the stats the CLI and the app report.
 """
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -176,6 +177,8 @@ class GenerationResult:
         finish_reason: "stop" (end-of-sequence token), "length" (max_tokens) or None
             (stopped).
         cached_tokens: prompt tokens taken from a kept KV cache (not prefilled).
+        seconds: wall time of the reply, seconds: from the call of `generate` until the
+            last forward has ended and pins are settled.
     """
 
     text: str
@@ -188,6 +191,7 @@ class GenerationResult:
     stopped: bool = False
     finish_reason: str | None = None
     cached_tokens: int = 0
+    seconds: float = 0.0
 
     def stats(self) -> dict:
         """The stats object of `expertstream generate --json`: this reply's figures (the
@@ -237,6 +241,7 @@ def generate(
     Raises:
         ValueError: from `stream_generate`, before any forward.
     """
+    t0 = time.monotonic()
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
@@ -282,6 +287,7 @@ def generate(
         stopped=stopped,
         finish_reason=None if stopped or last is None else last.finish_reason,
         cached_tokens=cached_tokens,
+        seconds=time.monotonic() - t0,
     )
 
 
