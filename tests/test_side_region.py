@@ -303,3 +303,16 @@ def test_side_rows_wider_than_side_slots_are_refused(qwen_store, monkeypatch):
     monkeypatch.setattr(cache_mod, "layer_rows", lambda *a, **k: wide)
     with pytest.raises(ValueError, match=r"side rows per layer must be in \[0, 1\], got 2"):
         open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=1))
+
+
+def test_a_rate_of_nothing_is_none_and_counts_give_their_ratio(qwen_store):
+    """`CacheSnapshot.totals()` reports no hit rate before any lookup and no prefetch
+    accuracy before any prefetch (None, not 0.0); then the counters' ratios."""
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
+    t = snapshot(cache).totals()
+    assert (t["hit_rate"], t["prefetch_accuracy"]) == (None, None)
+    assert acquire(cache, 0, 1) == [0]  # a miss, loaded into slot 0
+    assert acquire(cache, 0, 1) == [0]  # a hit
+    t = snapshot(cache).totals()
+    assert (t["hits"], t["misses"], t["hit_rate"]) == (1, 1, 0.5)
+    assert t["prefetch_accuracy"] is None
