@@ -62,16 +62,6 @@ nb::dict stats_dict(const es::LayerStats& s) {
   return d;
 }
 
-es::Fault fault_from_name(const std::string& name) {
-  if (name == "none") return es::Fault::kNone;
-  if (name == "eio") return es::Fault::kEIO;
-  if (name == "short_read") return es::Fault::kShortRead;
-  if (name == "corrupt") return es::Fault::kCorrupt;
-  if (name == "delay") return es::Fault::kDelay;
-  throw std::invalid_argument("unknown fault '" + name +
-                              "' (none, eio, short_read, corrupt, delay)");
-}
-
 // Docstrings of the Python API (engine._ext; engine/_ext.pyi is generated from them).
 // Errors: std::invalid_argument -> ValueError, std::out_of_range -> IndexError,
 // es::ReadError -> ExpertReadError (OSError), with ChecksumError / ExpertReadTimeout.
@@ -455,13 +445,9 @@ NB_MODULE(_ext, m) {
       .def(
           "__init__",
           [](RouterHandle* self, Matrix weight, Vector bias) {
-            if (bias.shape(0) != weight.shape(0))
-              throw std::invalid_argument("router: weight has " +
-                                          std::to_string(weight.shape(0)) + " rows, bias " +
-                                          std::to_string(bias.shape(0)) + " values");
             new (self) RouterHandle{std::make_shared<const es::Router>(
-                weight.data(), bias.data(), static_cast<int>(weight.shape(0)),
-                static_cast<int>(weight.shape(1)))};
+                weight.data(), static_cast<int>(weight.shape(0)),
+                static_cast<int>(weight.shape(1)), bias.data(), static_cast<int>(bias.shape(0)))};
           },
           "weight"_a, "bias"_a)
       .def_prop_ro("num_experts", [](const RouterHandle& r) { return r.impl->num_experts(); })
@@ -469,13 +455,9 @@ NB_MODULE(_ext, m) {
       .def(
           "top",
           [](const RouterHandle& r, Vector x, int budget) {
-            if (static_cast<int64_t>(x.shape(0)) != r.impl->hidden())
-              throw std::invalid_argument("router: x has " + std::to_string(x.shape(0)) +
-                                          " values, hidden is " +
-                                          std::to_string(r.impl->hidden()));
             const size_t n = static_cast<size_t>(std::max(budget, 0));
             std::vector<int32_t> out(n);
-            r.impl->top(x.data(), budget, out.data());
+            r.impl->top(x.data(), x.shape(0), budget, out.data());
             return to_numpy(std::move(out), {n});
           },
           "x"_a, "budget"_a, doc::kRouterTop);
@@ -681,7 +663,7 @@ NB_MODULE(_ext, m) {
       .def(
           "inject_fault",
           [](Cache& c, int li, const std::string& kind, int expert, int count, int delay_ms) {
-            c.impl->inject_fault(li, fault_from_name(kind), expert, count, delay_ms);
+            c.impl->inject_fault(li, es::fault_from_name(kind), expert, count, delay_ms);
           },
           "layer"_a, "kind"_a, "expert"_a = -1, "count"_a = 1, "delay_ms"_a = 0, doc::kInjectFault);
 }

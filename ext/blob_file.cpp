@@ -9,11 +9,22 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 #include "checksum.h"
 
 namespace es {
+
+Fault fault_from_name(const std::string& name) {
+  if (name == "none") return Fault::kNone;
+  if (name == "eio") return Fault::kEIO;
+  if (name == "short_read") return Fault::kShortRead;
+  if (name == "corrupt") return Fault::kCorrupt;
+  if (name == "delay") return Fault::kDelay;
+  throw std::invalid_argument("unknown fault '" + name +
+                              "' (none, eio, short_read, corrupt, delay)");
+}
 
 namespace {
 constexpr size_t kAlign = 4096;

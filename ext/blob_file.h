@@ -19,6 +19,9 @@ namespace es {
 
 // A test-only fault to inject into reads. kNone costs one branch.
 enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kCorrupt = 3, kDelay = 4 };
+// The fault named "none", "eio", "short_read", "corrupt" or "delay"; std::invalid_argument
+// naming the choices otherwise.
+Fault fault_from_name(const std::string& name);
 
 class BlobFile {
  public:
