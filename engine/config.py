@@ -16,6 +16,9 @@ from engine.memory import human_bytes
 # does); the first is the default.
 EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
 
+# The longest read timeout, seconds (a day; the native cache refuses longer ones too).
+MAX_READ_TIMEOUT_S = 86400
+
 # `expert_memory="auto"`: this fraction of the memory available when the model loads.
 AUTO_MEMORY_FRACTION = 0.5
 
@@ -225,10 +228,10 @@ class StreamConfig:
             "must be >= 1",
         )
         need(
-            0 <= self.read_timeout_s <= 86400,
+            0 <= self.read_timeout_s <= MAX_READ_TIMEOUT_S,
             "read_timeout_s",
             self.read_timeout_s,
-            "must be in [0, 86400] seconds",
+            f"must be in [0, {MAX_READ_TIMEOUT_S}] seconds",
         )
 
     def check_experts(self, num_experts: int) -> None:

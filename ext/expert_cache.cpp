@@ -135,7 +135,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
                                 std::to_string(kMaxIoUringDepth) + "], got " +
                                 std::to_string(config_.io_uring_depth));
   if (!(config_.read_timeout_s >= 0 && config_.read_timeout_s <= kMaxReadTimeoutS))
-    throw std::invalid_argument("read_timeout must be in [0, " +
+    throw std::invalid_argument("read_timeout_s must be in [0, " +
                                 std::to_string(static_cast<int>(kMaxReadTimeoutS)) +
                                 "] seconds, got " + std::to_string(config_.read_timeout_s));
   // A positive timeout below half a millisecond still waits (1 ms), never forever.

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "app", "bench")
 # Front-end modules of the engine: the command line, the servers, and the flag names they
@@ -134,7 +136,7 @@ def test_one_vocabulary_across_the_boundary():
     import mlx.core  # noqa: F401  (before the extension)
 
     from engine import _ext
-    from engine.config import EVICTION_POLICIES, StreamConfig
+    from engine.config import EVICTION_POLICIES, MAX_READ_TIMEOUT_S, StreamConfig
 
     stub = ast.parse((ROOT / "engine" / "_ext.pyi").read_text())
     cache = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "ExpertCache")
@@ -156,3 +158,12 @@ def test_one_vocabulary_across_the_boundary():
     ]
     assert {f: native[f] for f in shared} == shared
     assert _ext.POLICY_NAMES == EVICTION_POLICIES
+    # the read timeout's range is the same on both sides (a cache of no layer checks it)
+    refused = rf"read_timeout_s.*must be in \[0, {MAX_READ_TIMEOUT_S}\] seconds"
+    for bad in (-0.001, MAX_READ_TIMEOUT_S + 0.001, float("nan")):
+        with pytest.raises(ValueError, match=refused):
+            StreamConfig(read_timeout_s=bad)
+        with pytest.raises(ValueError, match=refused):
+            _ext.ExpertCache([], 1, 1, read_timeout_s=bad)
+    StreamConfig(read_timeout_s=MAX_READ_TIMEOUT_S)
+    assert _ext.ExpertCache([], 1, 1, read_timeout_s=MAX_READ_TIMEOUT_S).num_layers == 0
