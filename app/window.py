@@ -333,8 +333,8 @@ class MainWindow(QMainWindow):
         snap = self.engine.snapshot()
         if info is None or snap is None:
             return
-        cap = max(info.pool_slots, default=0)  # the widest layer's (expert memory, side rows)
-        if snap.slot_expert.shape[1] != cap or snap.side_expert.shape[1] != (
+        slots = max(info.pool_slots, default=0)  # the widest layer's (expert memory, side rows)
+        if snap.slot_expert.shape[1] != slots or snap.side_expert.shape[1] != (
             2 * info.config.side_slots
         ):
             return  # a reload swapped the model; its `loaded` signal is on its way
