@@ -15,7 +15,7 @@ through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, 
   (`engine.autopin.repin`, pins dropped where they cost hits) between generate calls
   (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
   top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
-  min(cap - top_k, floor(autopin_frac x cap))); calls left with fewer evictable slots
+  min(slots - top_k, floor(autopin_frac x slots))); calls left with fewer evictable slots
   than missing experts stream the misses through the scratch rows (`load_scratch`), as
   the engine does, and count as misses;
 - `lfu+oracle`: the side region (`oracle_rows` rows: top_k, rounded up to even since the
