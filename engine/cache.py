@@ -2,10 +2,13 @@
 
 `open_cache` turns an `ExpertStore` and a `StreamConfig` into an `engine._ext.ExpertCache`
 (the pools, real regions, side ledgers and reader pool of docs/architecture.md; its
-methods are typed and documented in `engine/_ext.pyi`). `CacheSnapshot` is what the app polls: numpy
-arrays copied under the cache's lock, safe to read on any thread; `pool_bytes` is the
-memory the pools hold. Everything outside the engine (the app, the benchmarks) uses this
-module, never `engine._ext` itself: the error types and the state codes are here too.
+methods are typed and documented in `engine/_ext.pyi`), sized here: real slots, side and
+scratch rows, reader threads and read buffers (`real_slots`, `pool_rows`,
+`planned_pool_bytes`). `CacheSnapshot` is what the app polls: numpy arrays copied under
+the cache's lock, safe to read on any thread; `pool_bytes` is the memory the pools hold.
+Everything outside the engine (the app, the benchmarks) uses this module, never
+`engine._ext` itself: the error types, the state codes and the counters' names are here
+too.
 """
 
 import os
