@@ -105,7 +105,7 @@ def test_ring_timeout_gives_up_and_never_writes_late(qwen_store):
     with pytest.raises(ExpertReadTimeout, match=r"layer00\.blob \(layer 0, expert 3\): read timed"):
         cache.acquire(0, np.array([[3]], dtype=np.int32))
     waited = time.monotonic() - t0
-    # Well before the held read ends; the slack is for a loaded 2-core CI machine.
+    # Well before the held read ends; the slack is for a loaded CI machine of few cores.
     assert timeout_s * 0.9 < waited < timeout_s + 1.0
     s = cache.snapshot(0)
     assert s["slot_expert"].tolist() == [-1] and s["stats"]["read_errors"] == 1
