@@ -28,7 +28,7 @@ from engine.config import (
     parse_memory,
 )
 
-# The seed's environment variables and the StreamConfig field each one sets.
+# The environment variables the cache reads, and the StreamConfig field each one sets.
 ENV_FIELDS = {
     "EXPERT_SLOTS": "expert_slots",
     "SIDEREGION_LFU": "side_lfu",
@@ -314,7 +314,7 @@ def _refuse_idle_prefetch(values: Mapping, args: argparse.Namespace) -> None:
     """Refuses prefetch with no side rows to fill, and --sync with prefetch off: each would
     do nothing. A field absent from `values` is not known yet (a front end's default fills
     it) and refuses nothing; SIDEREGION_SYNC alone is a preference for when prefetch is on,
-    as in the seed, and refuses nothing either."""
+    and refuses nothing either."""
     if values.get("prefetch") and values.get("side_slots") == 0:
         raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
     if getattr(args, "sync", None) is True and values.get("prefetch") is False:

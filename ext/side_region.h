@@ -2,7 +2,7 @@
 //
 // A row is free, in flight (reserved, bytes being read) or published (bytes landed).
 // An expert owns at most one row: re-predicting an expert whose fill is still in flight
-// reserves nothing (the seed gave it a second row and leaked the first). Only published
+// reserves nothing (a second row would leak the first). Only published
 // rows are visible to lookup(). Invariant at every instant:
 //   free + in_flight + published == rows, and no row has two owners.
 // A row read by a forward that may not be evaluated yet (row_read_ >= fence) is never
