@@ -24,6 +24,18 @@ def io_uring_depth(reader_threads: int, top_k: int, stride: int) -> int:
     get the queue depth the disk needs. What ExpertCache uses when its io_uring_depth is 0.
     """
 
+def planned_bytes(rows: Sequence[int], record_bytes: Sequence[int], num_experts: int, reader_threads: int, stride: int, io_uring_depth: int) -> int:
+    """
+    Bytes an ExpertCache allocates: for each MoE layer `rows[i]` pool
+    rows of `record_bytes[i]` bytes and an expert table of `num_experts` int32, plus a read
+    buffer of `stride` bytes per reader thread and, where `io_uring_depth` > 0, the io_uring
+    region of that many buffers (each rounded as the cache allocates it: whole pages, huge
+    pages from 1 MiB on, the region at least 2 MiB). 0 for no layer.
+
+    Raises:
+        ValueError: rows and record_bytes differ in length.
+    """
+
 def crc32_implementation() -> str:
     """
     Which library computes record checksums: "libdeflate" where the build found it, else "zlib" (the same values; libdeflate is several times faster).

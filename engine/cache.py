@@ -218,23 +218,21 @@ def planned_pool_bytes(
     real: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """(bytes, rows of the largest layer) the native cache will allocate for the MoE
-    layers `specs` of `store` (default: all) under `config`: every layer's pool
-    (`pool_rows`; `targets` as there, `real` as `layer_rows`) and its expert table, plus
-    one read buffer (a record's stride) per reader thread, and with `io_uring` one per
-    demand read in flight (`io_uring_depth`; at least 2 MiB together). More than
-    `pool_bytes` of the opened cache, which counts the pools' records only."""
+    layers `specs` of `store` (default: all) under `config` (`engine._ext.planned_bytes`):
+    every layer's pool (`pool_rows`; `targets` as there, `real` as `layer_rows`) and its
+    expert table, plus one read buffer (a record's stride) per reader thread, and with
+    `io_uring` one per demand read in flight (`io_uring_depth`). More than `pool_bytes` of
+    the opened cache, which counts the pools' records only."""
     m = store.manifest
     specs = m.layers if specs is None else specs
     real = real_slots(store, config, specs) if real is None else real
     rows = pool_rows(real, config, m.num_experts, m.top_k, targets)
-    total = sum(
-        n * spec.record_bytes + 4 * m.num_experts for n, spec in zip(rows, specs, strict=True)
-    )
     largest = max((s.stride for s in specs), default=0)
     threads = reader_threads(store, config)
-    depth = io_uring_depth(threads, m.top_k, largest)
-    ring = max(depth * largest, 2 << 20) if config.io_uring and specs else 0
-    return total + threads * largest + ring, max(rows, default=0)
+    depth = io_uring_depth(threads, m.top_k, largest) if config.io_uring else 0
+    records = [s.record_bytes for s in specs]
+    total = _ext.planned_bytes(rows, records, m.num_experts, threads, largest, depth)
+    return total, max(rows, default=0)
 
 
 def check_pool_fits(

@@ -120,6 +120,15 @@ const char* kIoUringDepth = R"(Demand reads in flight through io_uring for a cac
 within 64 MiB, so that a token's misses of a layer go in one submission and small records
 get the queue depth the disk needs. What ExpertCache uses when its io_uring_depth is 0.)";
 
+const char* kPlannedBytes = R"(Bytes an ExpertCache allocates: for each MoE layer `rows[i]` pool
+rows of `record_bytes[i]` bytes and an expert table of `num_experts` int32, plus a read
+buffer of `stride` bytes per reader thread and, where `io_uring_depth` > 0, the io_uring
+region of that many buffers (each rounded as the cache allocates it: whole pages, huge
+pages from 1 MiB on, the region at least 2 MiB). 0 for no layer.
+
+Raises:
+    ValueError: rows and record_bytes differ in length.)";
+
 const char* kNumLayers = "MoE layers (pools).";
 const char* kNumExperts = "Experts per MoE layer (records per blob).";
 const char* kRows =
@@ -404,6 +413,8 @@ NB_MODULE(_ext, m) {
       "threads and joined with crc32_combine. Returns an int in [0, 2**32).");
   m.def("io_uring_depth", &es::io_uring_depth, "reader_threads"_a, "top_k"_a, "stride"_a,
         doc::kIoUringDepth);
+  m.def("planned_bytes", &es::planned_bytes, "rows"_a, "record_bytes"_a, "num_experts"_a,
+        "reader_threads"_a, "stride"_a, "io_uring_depth"_a, doc::kPlannedBytes);
   // A function, not a constant: a constant's value would be written into the generated
   // stub, which must be the same whichever library the build found.
   m.def(

@@ -103,6 +103,9 @@ class AlignedBuffer {
  public:
   explicit AlignedBuffer(size_t bytes);
   ~AlignedBuffer();
+  // The bytes a buffer of `bytes` allocates: rounded up to 4 KiB, or to 2 MiB (huge
+  // pages) from 1 MiB on.
+  static size_t allocated_bytes(size_t bytes);
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
   uint8_t* data() const { return data_; }

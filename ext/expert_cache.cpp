@@ -106,6 +106,23 @@ int io_uring_depth(int reader_threads, int top_k, int64_t stride) {
   return static_cast<int>(std::max<int64_t>(std::max(reader_threads, 1) + 1, wanted));
 }
 
+size_t planned_bytes(const std::vector<int>& rows, const std::vector<int64_t>& record_bytes,
+                     int num_experts, int reader_threads, int64_t stride, int io_uring_depth) {
+  if (rows.size() != record_bytes.size())
+    throw std::invalid_argument("planned_bytes: " + std::to_string(rows.size()) + " rows for " +
+                                std::to_string(record_bytes.size()) + " record sizes");
+  if (rows.empty()) return 0;
+  size_t total = 0;
+  for (size_t li = 0; li < rows.size(); ++li)
+    total += static_cast<size_t>(rows[li]) * static_cast<size_t>(record_bytes[li]) +
+             sizeof(int32_t) * static_cast<size_t>(num_experts);
+  const auto buffer = static_cast<size_t>(stride);
+  total += static_cast<size_t>(reader_threads) * AlignedBuffer::allocated_bytes(buffer);
+  if (io_uring_depth > 0)
+    total += IoRing::region_bytes(static_cast<unsigned>(io_uring_depth), buffer);
+  return total;
+}
+
 ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config)
     : layers_(std::move(layers)),
       num_experts_(num_experts),

@@ -98,6 +98,14 @@ inline constexpr int64_t kIoUringExtraBytes = int64_t{64} << 20;
 // on its own, and 8 buffers of it would cost hundreds of MB: it keeps reader_threads + 1.
 int io_uring_depth(int reader_threads, int top_k, int64_t stride);
 
+// The bytes an ExpertCache allocates for MoE layers of rows[i] pool rows of
+// record_bytes[i] bytes each (and an expert table of num_experts ids each), with a read
+// buffer of `stride` bytes per reader thread and, where io_uring_depth > 0, the io_uring
+// region of that many buffers: what a caller checks against the memory available before
+// opening one. std::invalid_argument when rows and record_bytes differ in length.
+size_t planned_bytes(const std::vector<int>& rows, const std::vector<int64_t>& record_bytes,
+                     int num_experts, int reader_threads, int64_t stride, int io_uring_depth);
+
 // Counters of one layer. Lookups count distinct experts per acquire call.
 struct LayerStats {
   uint64_t hits = 0, misses = 0, loads = 0, bytes_read = 0, side_hits = 0;

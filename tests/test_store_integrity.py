@@ -142,6 +142,25 @@ def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
         load(store_dir, config)
 
 
+def test_planned_bytes_are_what_the_native_cache_allocates():
+    """Pools and expert tables, a read buffer per reader thread and the io_uring region,
+    each rounded as the native cache allocates it."""
+    from engine import _ext
+
+    kib, mib = 1 << 10, 1 << 20
+    # 2 layers x 3 rows of 60 KiB records, 8-id tables, 2 read buffers, a ring of 3 buffers
+    # within its 2 MiB floor
+    planned = _ext.planned_bytes([3, 3], [60 * kib] * 2, 8, 2, 60 * kib, 3)
+    assert planned == 2 * (3 * 60 * kib + 32) + 2 * 60 * kib + 2 * mib
+    # 1.5 MiB records: each read buffer takes 2 MiB (huge pages), the ring's 4.5 MiB 6 MiB
+    planned = _ext.planned_bytes([1], [3 * mib // 2], 8, 2, 3 * mib // 2, 3)
+    assert planned == 3 * mib // 2 + 32 + 2 * 2 * mib + 6 * mib
+    assert _ext.planned_bytes([1], [60 * kib], 8, 2, 60 * kib, 0) == 60 * kib + 32 + 120 * kib
+    assert _ext.planned_bytes([], [], 8, 2, 0, 3) == 0
+    with pytest.raises(ValueError, match="2 rows for 1 record sizes"):
+        _ext.planned_bytes([1, 1], [60 * kib], 8, 2, 60 * kib, 0)
+
+
 def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
     """Past the Python checks (here: switched off), the native cache checks every
     allocation: 2**48 bytes cannot be mapped on any machine."""
