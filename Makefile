@@ -1,4 +1,4 @@
-# Native stress test of the expert cache under sanitizers (issue 6):
+# Native stress test of the expert cache under sanitizers:
 #   make asan   AddressSanitizer + UndefinedBehaviorSanitizer
 #   make tsan   ThreadSanitizer
 # Each configures ext/ with plain CMake into build/<name> (the Python module is not built),
@@ -37,10 +37,10 @@ tsan:
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 		build/tsan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 1 ))
 
-# The long soak (issue 16, docs/reliability.md), outside CI: asan and tsan as above with
+# The long soak (docs/reliability.md), outside CI: asan and tsan as above with
 # SOAK_ASAN_SECONDS / SOAK_TSAN_SECONDS per run (>= 10^6 operations per sanitizer, else it
 # fails), then the Python state machine for SOAK_EXAMPLES examples; logs and summary in
-# build/soak/. About 20 minutes here.
+# build/soak/. About 20 minutes with the defaults.
 SOAK_ASAN_SECONDS ?= 200
 SOAK_TSAN_SECONDS ?= 340
 SOAK_EXAMPLES ?= 500
@@ -50,7 +50,7 @@ soak:
 	SOAK_ASAN_SECONDS=$(SOAK_ASAN_SECONDS) SOAK_TSAN_SECONDS=$(SOAK_TSAN_SECONDS) \
 	SOAK_EXAMPLES=$(SOAK_EXAMPLES) PYTHON=$(PYTHON) MAKE=$(MAKE) scripts/soak.sh
 
-# Packaging (issue 7, packaging/README.md):
+# Packaging (packaging/README.md):
 #   make package      the wheel and sdist into dist/, then the desktop bundle into dist/bundle/
 #   make wheel        python -m build (the wheel is built from the sdist), in build/package-tools,
 #                     then packaging/repair_wheel.sh: the manylinux wheel (Linux)

@@ -134,7 +134,7 @@ def figures_text(curve) -> str:
             f"<b>Measured</b> at {curve.current} slots: decode {m.decode_tps:.1f} tok/s over "
             f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.0%} over the session (its "
             "prompts included: a prompt's forward looks up each of its distinct experts once, "
-            f"into a colder cache; side hits count), reads {m.read_Bps / 1e6:.0f} MB/s."
+            f"into a colder cache; side hits count), reads {human_bytes(m.read_Bps)}/s."
         )
     if curve.tps:
         parts.append(
@@ -170,13 +170,14 @@ class AdvisorRunner(QObject):
         self._stop.set()
 
     def _run(self, trace, root, policy, current, autopin_frac, budget, measured) -> None:
-        from engine.advisor import advise, estimate_tps, free_memory_bytes, sweep
+        from engine.advisor import advise, estimate_tps, sweep
+        from engine.memory import available_bytes
         from engine.replay import ReplayStopped
 
         try:
             curve = sweep(trace, root, policy, current, None, autopin_frac, self._stop.is_set)
             estimate_tps(curve, budget, measured)
-            advice = advise(curve, free_memory_bytes())
+            advice = advise(curve, available_bytes())
         except ReplayStopped:
             self.running = False
             self.stopped.emit()

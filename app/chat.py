@@ -1,6 +1,8 @@
 """The chat view: transcript with tokens appearing as they arrive, prompt box, Send /
 Stop / New chat, sampling settings and the last reply's figures."""
 
+from typing import TYPE_CHECKING
+
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QFont, QKeyEvent, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
@@ -16,8 +18,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.worker import Reply
 from engine.chat import joiner
+from engine.memory import human_bytes
+
+if TYPE_CHECKING:  # engine.generate imports MLX, which the engine thread imports first
+    from engine.generate import GenerationResult
 
 FLUSH_MS = 50  # longest a received token waits to be shown
 USER_COLOR = "#7cc4ff"
@@ -221,7 +226,7 @@ class ChatPanel(QWidget):
         self._insert("", _fmt(REPLY_COLOR), new_block=True)
         self._text = ""
 
-    def end_reply(self, reply: Reply) -> None:
+    def end_reply(self, reply: "GenerationResult") -> None:
         """Shows the rest of the reply and its figures."""
         self.flush()
         self._reply_tokens = 0
@@ -239,7 +244,7 @@ class ChatPanel(QWidget):
         self.figures.setText(
             f"Last reply{stopped}: {len(reply.tokens)} tokens · prompt {reply.prompt_tokens}{kept}"
             f" · prefill {prefill} tok/s · decode {decode} tok/s"
-            f" · hit rate {hit_rate} · read {c['bytes_read'] / 1e6:.1f} MB"
+            f" · hit rate {hit_rate} · read {human_bytes(c['bytes_read'])}"
         )
 
     def clear(self) -> None:

@@ -20,6 +20,9 @@ from app.worker import SETTING_NAMES, ModelInfo
 from engine.config import AUTO_MEMORY_FRACTION, parse_memory
 from engine.memory import human_bytes
 
+# The autopin fraction box's step (and the distance of its maximum from 1).
+AUTOPIN_STEP = 0.05
+
 LIVE_LABELS = {
     "prefetch": (
         "Prefetch",
@@ -97,7 +100,10 @@ class ControlsPanel(QWidget):
         self.ahead_hi.setToolTip("Prefetch distance from the cutoff on.")
         self.cutoff = QSpinBox(minimum=0, maximum=1)
         self.cutoff.setToolTip("First MoE layer that uses ahead hi.")
-        self.autopin = QDoubleSpinBox(decimals=2, minimum=0.0, maximum=0.95, singleStep=0.05)
+        # StreamConfig.autopin_frac is in [0, 1): the box goes up to the last step below 1.
+        self.autopin = QDoubleSpinBox(
+            decimals=2, minimum=0.0, maximum=1 - AUTOPIN_STEP, singleStep=AUTOPIN_STEP
+        )
         self.autopin.setToolTip(
             "Fraction of the slots autopin may pin with the most frequent experts (0: off)."
         )

@@ -80,14 +80,14 @@ class OccupancyView(pg.GraphicsLayoutWidget):
         self._lfu = True
         self.scene().sigMouseMoved.connect(self._hover)
 
-    def set_shape(self, layers: int, cap: int, spec: int) -> None:
-        """Axes and region separators for `layers` x (cap + 2 * spec) rows."""
-        cols = cap + 2 * spec
+    def set_shape(self, layers: int, slots: int, side: int) -> None:
+        """Axes and region separators for `layers` x (slots + 2 * side) rows."""
+        cols = slots + 2 * side
         self.image.setImage(np.zeros((layers, cols), np.uint8), autoLevels=False)
         self.plot.setRange(xRange=(0, cols), yRange=(0, layers), padding=0)
-        self.separators[0].setPos(cap)
-        self.separators[1].setPos(cap + spec)
-        self._shape = (layers, cap, spec)
+        self.separators[0].setPos(slots)
+        self.separators[1].setPos(slots + side)
+        self._shape = (layers, slots, side)
         self._region_labels()
         step = max(1, cols // 16)
         self.plot.getAxis("bottom").setTicks(
@@ -102,14 +102,14 @@ class OccupancyView(pg.GraphicsLayoutWidget):
         self._region_labels()
 
     def _region_labels(self) -> None:
-        _, cap, spec = self._shape
-        top = [(cap / 2, "real slots")]
-        if spec and self._lfu:
-            top += [(cap + spec, "side rows (LFU)")]
-        elif spec:
-            top += [(cap + spec / 2, "side bank 0"), (cap + 1.5 * spec, "side bank 1")]
-        self.separators[0].setVisible(spec > 0)
-        self.separators[1].setVisible(spec > 0 and not self._lfu)
+        _, slots, side = self._shape
+        top = [(slots / 2, "real slots")]
+        if side and self._lfu:
+            top += [(slots + side, "side rows (LFU)")]
+        elif side:
+            top += [(slots + side / 2, "side bank 0"), (slots + 1.5 * side, "side bank 1")]
+        self.separators[0].setVisible(side > 0)
+        self.separators[1].setVisible(side > 0 and not self._lfu)
         self.plot.getAxis("top").setTicks([top, []])
 
     def draw(self, snap) -> np.ndarray:

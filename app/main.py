@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.defaults import app_defaults_help
 from engine.config import ConfigError, StreamConfig
 from engine.flags import (
     Parser,
@@ -26,13 +27,6 @@ from engine.flags import (
     prompt_text,
 )
 from engine.safe_io import atomic_write
-
-# What the app fills in when a flag is not given (app.worker.app_defaults), as --help says.
-APP_DEFAULTS = {
-    "expert_slots": "half the experts, at least top-k",
-    "side_slots": "top-k",
-    "prefetch": "on",
-}
 
 NO_DISPLAY = """expertstream-gui: no display found (DISPLAY and WAYLAND_DISPLAY are unset).
   To run without a display, render offscreen:
@@ -87,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="grab after this many reply tokens (default: three quarters of --max-tokens)",
     )
-    add_cache_flags(p, APP_DEFAULTS).description = "All can be changed in the window."
+    add_cache_flags(p, app_defaults_help()).description = "All can be changed in the window."
     return p
 
 

@@ -110,15 +110,15 @@ class RowInfo:
 def row_info(snap: CacheSnapshot, layer: int, row: int) -> RowInfo:
     """The tooltip facts of pool row `row` of MoE layer `layer` in `snap`."""
     states, experts = occupancy(snap)
-    cap = snap.slot_expert.shape[1]
-    spec = snap.side_expert.shape[1] // 2
+    slots = snap.slot_expert.shape[1]
+    side = snap.side_expert.shape[1] // 2
     if states[layer, row] == ABSENT:
         region = "this layer has no such row"
-    elif row < cap:
+    elif row < slots:
         region = f"real slot {row}"
     else:
-        bank, idx = divmod(row - cap, spec)
-        region = f"side row {row - cap} (bank {bank}, row {idx})"
+        bank, idx = divmod(row - slots, side)
+        region = f"side row {row - slots} (bank {bank}, row {idx})"
     expert = int(experts[layer, row])
     freq = float(snap.freq[layer, expert]) if expert >= 0 else None
     return RowInfo(layer, row, region, expert, STATE_NAMES[states[layer, row]], freq)

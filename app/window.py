@@ -8,6 +8,7 @@ for the worker.
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
@@ -28,8 +29,12 @@ from app.chat import ChatPanel
 from app.controls import LIVE_LABELS, ControlsPanel, summary
 from app.conversation import ASSISTANT, USER, Conversation
 from app.inspector import InspectorPanel
-from app.worker import EngineClient, ModelInfo, Reply
+from app.worker import EngineClient, ModelInfo
+from engine.memory import human_bytes
 from engine.resources import resources_dir
+
+if TYPE_CHECKING:  # engine.generate imports MLX, which the engine thread imports first
+    from engine.generate import GenerationResult
 
 POLL_HZ = 10.0
 
@@ -53,7 +58,7 @@ class MainWindow(QMainWindow):
 
     Signals (for scripts and tests): `modelLoaded(ModelInfo)`, `tokenShown(n)` when the
     n-th token of a reply arrives (its text is on screen within `chat.FLUSH_MS`),
-    `replyDone(Reply | None)` (None: the reply failed).
+    `replyDone(GenerationResult | None)` (None: the reply failed).
     """
 
     modelLoaded = Signal(object)
@@ -72,7 +77,7 @@ class MainWindow(QMainWindow):
         self.pending: tuple[str | None, dict] | None = None
         self.conversation = Conversation()
         self.reply_tokens: list[int] = []
-        self.last_reply: Reply | None = None
+        self.last_reply: GenerationResult | None = None
         self.tokens_received = 0
         self._clear_after_reply = False
         self.decode = [0, 0.0]  # decode tokens and seconds of this model's replies
@@ -328,8 +333,8 @@ class MainWindow(QMainWindow):
         snap = self.engine.snapshot()
         if info is None or snap is None:
             return
-        cap = max(info.pool_slots, default=0)  # the widest layer's (expert memory, side rows)
-        if snap.slot_expert.shape[1] != cap or snap.side_expert.shape[1] != (
+        slots = max(info.pool_slots, default=0)  # the widest layer's (expert memory, side rows)
+        if snap.slot_expert.shape[1] != slots or snap.side_expert.shape[1] != (
             2 * info.config.side_slots
         ):
             return  # a reload swapped the model; its `loaded` signal is on its way
@@ -339,7 +344,7 @@ class MainWindow(QMainWindow):
     def _on_progress(self, done: float, total: float) -> None:
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(1000 * done / total) if total else 0)
-        self.progress.setFormat(f"converting %p%  ({done / 1e6:.0f}/{total / 1e6:.0f} MB)")
+        self.progress.setFormat(f"converting %p%  ({human_bytes(done)} / {human_bytes(total)})")
 
     def _on_loaded(self, info: ModelInfo) -> None:
         # What the boxes ask, the side rows' prefetch included (before set_model shows
@@ -388,7 +393,7 @@ class MainWindow(QMainWindow):
             self._clear_after_reply = False
             self.new_chat()
 
-    def _on_reply_finished(self, reply: Reply) -> None:
+    def _on_reply_finished(self, reply: "GenerationResult") -> None:
         self.conversation.add(ASSISTANT, reply.text)
         self.last_reply = reply
         self.chat.end_reply(reply)

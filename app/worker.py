@@ -31,6 +31,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal
 
 from app.conversation import Conversation, prompt_ids
+from app.defaults import app_defaults
 
 LIVE_FIELDS = ("prefetch", "side_lfu", "sync")
 TRACE_TOKENS = 4096  # routing kept for the advisor, tokens (the app's default)
@@ -56,12 +57,6 @@ class _Cancelled(Exception):
     """Raised in the convert progress callback when the app is closing."""
 
 
-def app_defaults(num_experts: int, top_k: int) -> dict:
-    """StreamConfig fields the app uses when none are given: half the experts as real
-    slots (at least top_k), top_k side rows, prefetch on, so streaming is visible."""
-    return {"expert_slots": max(top_k, num_experts // 2), "side_slots": top_k, "prefetch": True}
-
-
 @dataclass
 class ModelInfo:
     """What the GUI knows of the loaded model (plain data)."""
@@ -83,22 +78,6 @@ class ModelInfo:
     load_seconds: float
     context: int | None
     note: str = ""  # what the load changed of the settings asked for, and why
-
-
-@dataclass
-class Reply:
-    """A finished (or stopped) reply."""
-
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    cached_tokens: int
-    prefill_tps: float | None  # None: stopped before the first token
-    decode_tps: float | None  # None without a decode step (engine.generate.GenerationResult)
-    cache: dict
-    stopped: bool
-    seconds: float
-    peak_memory_bytes: int
 
 
 class ServiceThread:
@@ -156,7 +135,7 @@ class Worker(QObject):
     loaded = Signal(object)  # ModelInfo
     loadFailed = Signal(str)
     token = Signal(str, int)  # text segment, token id
-    replyFinished = Signal(object)  # Reply
+    replyFinished = Signal(object)  # engine.generate.GenerationResult
     replyFailed = Signal(str, str)  # message, partial reply text
 
     def __init__(self, stop: threading.Event, cancel: threading.Event):
@@ -269,7 +248,7 @@ class Worker(QObject):
                 pool_bytes=pool_bytes(sm.cache),
                 budget=Budget.of(m, config, slots, targets),
                 load_seconds=time.monotonic() - t0,
-                context=store.config.get("max_position_embeddings"),
+                context=store.context_length,
                 note=note,
             )
         )
@@ -303,7 +282,6 @@ class Worker(QObject):
                 raise RuntimeError("no model is loaded")
             conv: Conversation = request["conversation"]
             ids = prompt_ids(sm.tokenizer, conv, request["system"])
-            t0 = time.monotonic()
 
             def on_response(r):
                 text.append(r.text)
@@ -317,19 +295,7 @@ class Worker(QObject):
                 on_response=on_response,
                 stop=self._stop.is_set,
             )
-            reply = Reply(
-                text=result.text,
-                tokens=[int(t) for t in result.tokens],
-                prompt_tokens=result.prompt_tokens,
-                cached_tokens=result.cached_tokens,
-                prefill_tps=result.prefill_tps,
-                decode_tps=result.decode_tps,
-                cache=result.cache,
-                stopped=result.stopped,
-                seconds=time.monotonic() - t0,
-                peak_memory_bytes=result.peak_memory_bytes,
-            )
-            self.replyFinished.emit(reply)
+            self.replyFinished.emit(result)
         except ContextError as e:
             self.replyFailed.emit(_context_message(e), "".join(text))
         except Exception as e:  # noqa: BLE001  (shown in the window; the app goes on)

@@ -319,8 +319,8 @@ def decode_suite(
     # shared machine then falls on all configurations alike, and the ratios hold. Each
     # round starts one configuration later than the one before, so that no configuration
     # always runs first, right after the previous round's peers (child processes in memory
-    # cgroups, page cache dropped): in that place resident mlx-lm ran at 0.81-0.87x of the
-    # engine doing the same work at 100% (two whole-suite runs, 2026-11-30).
+    # cgroups, page cache dropped): a configuration that always ran in that place would
+    # run measurably slower than its peers.
     res_onces, onces = [], {c[0]: [] for c in configs}
     peer_runs = {case: [] for case in peer_cases}
     # (where a repetition's result goes, the repetition)

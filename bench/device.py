@@ -1,4 +1,4 @@
-"""Decode on an accelerator: the engine against its baselines, in one run (issue 11).
+"""Decode on an accelerator: the engine against its baselines, in one run.
 
 Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
 
@@ -6,7 +6,7 @@ Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
 
 For the embedded model: mlx-lm resident, then the engine at 100/50/25/12.5% of the
 experts, prefetch off and on, and at 100% and 25% also the synchronous path (every MoE
-call reads the router's ids on the host: the decode path before issue 11), tokens checked
+call reads the router's ids on the host, `PLAN_SYNC`), tokens checked
 against resident. For a synthetic Qwen3-30B-A3B-shaped store (`python -m engine.synthetic`,
 no resident reference fits the comparison): the same fractions from a dropped page cache,
 and at 100% a bare device table (the pools indexed by `table[ids]` with no cache call

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import prompt_ids, timed_generate
-from engine.cache import CRC32_IMPLEMENTATION, open_cache, snapshot
-from engine.config import StreamConfig, default_reader_threads
+from engine.cache import CRC32_IMPLEMENTATION, default_reader_threads, open_cache, snapshot
+from engine.config import StreamConfig
 from engine.flags import positive_int
 from engine.model import load
 from engine.store import ExpertStore
@@ -127,8 +127,8 @@ def raw_pread(
         max_bytes: read this many bytes (whole records), going over the files again
             when they are smaller (only meaningful uncached).
         direct: O_DIRECT (falls back to buffered if the file system refuses it).
-        huge_pages: read into 2 MiB-aligned buffers advised MADV_HUGEPAGE (on this VM,
-            O_DIRECT into 4 KiB pages runs at about a third of the speed).
+        huge_pages: read into 2 MiB-aligned buffers advised MADV_HUGEPAGE (O_DIRECT
+            into 4 KiB pages pins every page, and runs far slower).
 
     Returns:
         {"pattern", "threads", "bytes", "seconds", "MBps", "direct"}.

@@ -73,6 +73,8 @@ def with_tokenizer(store: Path, out: Path) -> Path:
     word-level tokenizer ("w0" ... one word per id of its vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from engine.store import read_config
+
     if (store / "tokenizer.json").exists() or (store / "tokenizer_config.json").exists():
         return store
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +82,7 @@ def with_tokenizer(store: Path, out: Path) -> Path:
         link = out / f.name
         if not link.exists():
             link.symlink_to(f.resolve())
-    vocab = json.loads((store / "config.json").read_text())["vocab_size"]
+    vocab = read_config(store)["vocab_size"]
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(out / "tokenizer.json"))
@@ -179,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.model and args.synthetic:
         p.error("--model and --synthetic: one model at a time")
+    from engine.store import MANIFEST_FILE
+
     model = Path(args.model) if args.model else None
     if args.synthetic:
         model = synthetic_store(Path(args.synthetic))
-    elif model is not None and (model / "manifest.json").exists():
+    elif model is not None and (model / MANIFEST_FILE).exists():
         model = with_tokenizer(model, model.parent / f"{model.name}-served")
 
     start, load = datetime.now(UTC), machine_load()

@@ -39,7 +39,7 @@ from bench.limits import run_peer, run_worker
 from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig
 from engine.model import store_cache_dir
-from engine.store import ExpertStore
+from engine.store import DENSE_FILE, MANIFEST_FILE, ExpertStore
 from engine.synthetic import QWEN3_30B_A3B, ensure_store, store_bytes
 from engine.trace import local_trace, random_trace
 
@@ -53,7 +53,7 @@ MIXTRAL_REUSE = 0.36  # reuse_rate of the HD-MoE Mixtral traces (0.36 on every f
 def scale_store(path: str | Path | None = None, log=print) -> ExpertStore:
     """The scale store at `path` (default: in the store cache dir), written if missing."""
     path = Path(path) if path else store_cache_dir() / SCALE_STORE
-    if not (path / "manifest.json").exists():
+    if not (path / MANIFEST_FILE).exists():
         log(
             f"writing the synthetic Qwen3-30B-A3B store to {path} "
             f"({store_bytes(QWEN3_30B_A3B) / 2**30:.1f} GiB of experts)"
@@ -68,7 +68,7 @@ def slots_for_budget(store: ExpertStore, budget: int, scratch: int) -> int:
     """Real-region slots per layer that fit `budget` next to the dense weights, the
     `scratch` rows and `OVERHEAD`, with 10% headroom (at least top_k)."""
     m = store.manifest
-    dense = os.path.getsize(store.path / "dense.safetensors")
+    dense = os.path.getsize(store.path / DENSE_FILE)
     per_row = sum(spec.stride for spec in m.layers)
     rows = int((budget - dense - OVERHEAD) * 0.9) // per_row
     return max(m.top_k, rows - scratch)

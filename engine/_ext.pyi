@@ -15,12 +15,37 @@ def record_crc32(data: bytes) -> int:
     zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper threads and joined with crc32_combine. Returns an int in [0, 2**32).
     """
 
+def io_uring_depth(reader_threads: int, top_k: int, stride: int) -> int:
+    """
+    Demand reads in flight through io_uring for a cache of
+    `reader_threads` reader threads, `top_k` experts per token and records of `stride` bytes
+    (one read buffer each): reader_threads + 1, raised to max(top_k, 8) while the buffers stay
+    within 64 MiB, so that a token's misses of a layer go in one submission and small records
+    get the queue depth the disk needs. What ExpertCache uses when its io_uring_depth is 0.
+    """
+
+def planned_bytes(rows: Sequence[int], record_bytes: Sequence[int], num_experts: int, reader_threads: int, stride: int, io_uring_depth: int) -> int:
+    """
+    Bytes an ExpertCache allocates: for each MoE layer `rows[i]` pool
+    rows of `record_bytes[i]` bytes and an expert table of `num_experts` int32, plus a read
+    buffer of `stride` bytes per reader thread and, where `io_uring_depth` > 0, the io_uring
+    region of that many buffers (each rounded as the cache allocates it: whole pages, huge
+    pages from 1 MiB on, the region at least 2 MiB). 0 for no layer.
+
+    Raises:
+        ValueError: rows and record_bytes differ in length.
+    """
+
 def crc32_implementation() -> str:
     """
     Which library computes record checksums: "libdeflate" where the build found it, else "zlib" (the same values; libdeflate is several times faster).
     """
 
 DTYPE_NAMES: tuple = ...
+
+STAT_KEYS: tuple = ...
+
+POLICY_NAMES: tuple = ('predictive', 'lfu', 'lru', 'lfu-da', 's3-fifo')
 
 SLOT_EMPTY: int = 0
 
@@ -37,6 +62,8 @@ ROW_FREE: int = 0
 ROW_IN_FLIGHT: int = 1
 
 ROW_PUBLISHED: int = 2
+
+NO_ROW: int = 255
 
 PLAN_TABLE: int = 0
 
@@ -99,7 +126,7 @@ class ExpertCache:
     snapshot, check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify: bool = True, uncached: bool = True, threads: int = 2, read_timeout: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify_checksums: bool = True, uncached_io: bool = True, reader_threads: int = 2, read_timeout_s: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -117,10 +144,10 @@ class ExpertCache:
             decay_every: acquire calls per layer between LFU halvings (0: never).
             side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
             sync: run prefetch fills inline where they are submitted.
-            verify: check each record's crc32 on every read.
-            uncached: bypass the page cache (O_DIRECT / F_NOCACHE).
-            threads: reader threads, >= 1.
-            read_timeout: seconds a demand read or a drain waits without progress, in
+            verify_checksums: check each record's crc32 on every read.
+            uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
+            reader_threads: reader threads, >= 1.
+            read_timeout_s: seconds a demand read or a drain waits without progress, in
                 [0, 86400] (0: forever).
             top_k: experts per token; calls of at most top_k ids teach the predictive policy
                 (0: every call does).
@@ -132,7 +159,7 @@ class ExpertCache:
                 flight, where the kernel has it (see the io_uring property); else on the reader
                 threads. Prefetch fills always use the reader threads.
             io_uring_depth: demand reads in flight through io_uring, one read buffer (a
-                record's stride) each, in [0, 4096] (0: threads + 1).
+                record's stride) each, in [0, 4096] (0: `io_uring_depth`'s).
 
         Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -457,9 +484,8 @@ class ExpertCache:
             dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
             uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
             side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
-            frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
-            prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
-            overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
+            frequencies; stats, a dict of the counters STAT_KEYS names (int; the *_seconds ones
+            float seconds).
 
         Raises:
             IndexError: `layer` out of range.

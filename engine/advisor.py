@@ -11,7 +11,6 @@ estimate (the replay models the real region only: prefetch into the side region 
 replayed).
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,8 +30,9 @@ class Budget:
 
     Attributes:
         slots_per_layer: the current expert_slots.
-        pool_bytes: expert memory now: every MoE layer's pool (real slots, side rows
-            and scratch rows), bytes.
+        pool_bytes: expert memory now: the records of every MoE layer's pool (real
+            slots, side rows and scratch rows), bytes, as `engine.cache.pool_bytes`
+            counts them (not the tables and read buffers `planned_pool_bytes` adds).
         slot_bytes: bytes one more slot per layer costs (the sum of the layers' record
             sizes).
         record_bytes: bytes read per miss (mean record size over layers).
@@ -50,17 +50,16 @@ class Budget:
         differ (expert_memory), the largest standing for slots_per_layer; `targets`:
         whether each layer is a prefetch target (default: every router found), the
         others holding their side rows as slots (`engine.cache.held_rows`)."""
-        from engine.cache import held_rows
+        from engine.cache import pool_rows
         from engine.predictor import prefetch_targets
 
         n = len(manifest.layers)
         slots = layer_slots or [config.expert_slots or manifest.num_experts] * n
         targets = prefetch_targets([True] * n) if targets is None else targets
-        held, side = held_rows(slots, config.side_slots, manifest.num_experts, targets)
-        scratch = config.scratch_slots or manifest.top_k
+        rows = pool_rows(slots, config, manifest.num_experts, manifest.top_k, targets)
         records = [spec.record_bytes for spec in manifest.layers]
         row = sum(records)  # a pool row holds one record per layer
-        pool = sum((h + 2 * s + scratch) * r for h, s, r in zip(held, side, records, strict=True))
+        pool = sum(k * r for k, r in zip(rows, records, strict=True))
         return cls(max(slots), pool, row, round(row / len(records)))
 
     def bytes_at(self, slots: int) -> int:
@@ -248,8 +247,9 @@ class Advice:
 def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Advice:
     """The smallest budget that reaches `gain` of the best achievable improvement (in
     estimated tokens/s, or in hit rate without one) among the budgets that fit
-    `free_bytes` more memory; when growing gains under 3%, the smallest budget that
-    keeps 97% of the current speed, to give memory back.
+    `free_bytes` more memory (`engine.memory.available_bytes`; None: no bound); when
+    growing gains under 3%, the smallest budget that keeps 97% of the current speed, to
+    give memory back.
     """
     cur = curve.slots.index(curve.current)
     score = curve.tps or curve.hit_rate[curve.policy]
@@ -312,14 +312,6 @@ def table(curve: Curve) -> str:
     widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
     lines = ["  ".join(h.rjust(w) for h, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     return "\n".join(lines)
-
-
-def free_memory_bytes() -> int | None:
-    """Memory the system has available now (Linux and macOS), bytes; None if unknown."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:

@@ -1,11 +1,14 @@
 """The typed facade of the native expert cache: opening it, and reading its state as data.
 
 `open_cache` turns an `ExpertStore` and a `StreamConfig` into an `engine._ext.ExpertCache`
-(the pools, real regions, side ledgers and reader pool of DESIGN.md; its methods are
-typed and documented in `engine/_ext.pyi`). `CacheSnapshot` is what the app polls: numpy
-arrays copied under the cache's lock, safe to read on any thread; `pool_bytes` is the
-memory the pools hold. Everything outside the engine (the app, the benchmarks) uses this
-module, never `engine._ext` itself: the error types and the state codes are here too.
+(the pools, real regions, side ledgers and reader pool of docs/architecture.md; its
+methods are typed and documented in `engine/_ext.pyi`), sized here: real slots, side and
+scratch rows, reader threads and read buffers (`real_slots`, `pool_rows`,
+`planned_pool_bytes`). `CacheSnapshot` is what the app polls: numpy arrays copied under
+the cache's lock, safe to read on any thread; `pool_bytes` is the memory the pools hold.
+Everything outside the engine (the app, the benchmarks) uses this module, never
+`engine._ext` itself: the error types, the state codes and the counters' names are here
+too.
 """
 
 import os
@@ -19,11 +22,10 @@ from engine import _ext
 from engine.config import (
     AUTO_MEMORY_FRACTION,
     ConfigError,
+    PoolMemoryError,
     StreamConfig,
-    default_reader_threads,
-    io_uring_depth,
+    check_budget,
 )
-from engine.flags import flag_names
 from engine.memory import available_bytes, human_bytes
 from engine.store import ExpertStore, LayerSpec
 
@@ -43,73 +45,45 @@ ROW_IN_FLIGHT = _ext.ROW_IN_FLIGHT
 ROW_PUBLISHED = _ext.ROW_PUBLISHED
 # slot_state / side_state of a snapshot where a layer has no pool row: a layer with fewer
 # real slots (expert_memory) or side rows (`layer_rows`) than the widest.
-NO_ROW = 255
+NO_ROW = _ext.NO_ROW
 # Which library checks record checksums: "libdeflate" where the build found it, else "zlib".
 CRC32_IMPLEMENTATION = _ext.crc32_implementation()
 # What ExpertCache.plan returns: how a layer call gets its pool rows.
 PLAN_TABLE = _ext.PLAN_TABLE
 PLAN_STREAM = _ext.PLAN_STREAM
 PLAN_SYNC = _ext.PLAN_SYNC
+# Demand reads in flight through io_uring for (reader threads, top_k, record stride): the
+# native cache's rule, documented there.
+io_uring_depth = _ext.io_uring_depth
 
-STAT_KEYS = (
+# The per-layer counters of a snapshot, in the native cache's order (`CacheSnapshot.stats`).
+STAT_KEYS: tuple[str, ...] = tuple(_ext.STAT_KEYS)
+# The rates derived from the counters (`rates`).
+RATES = ("hit_rate", "prefetch_accuracy")
+# What a reply's or the server's stats report of the cache: counters and rates.
+REPORTED_STATS = (
     "hits",
     "misses",
-    "loads",
+    "hit_rate",
     "bytes_read",
     "side_hits",
     "prefetch_issued",
     "prefetch_used",
     "prefetch_wasted",
-    "prefetch_cancelled",
+    "prefetch_accuracy",
     "evictions",
     "overcap_calls",
-    "read_seconds",
-    "read_errors",
-    "acquire_seconds",
-    "pins_dropped",
-    "promotions",
-    "promotions_declined",
-    "prefetch_late",
-    "io_uring_reads",
 )
 
 
-class PoolMemoryError(ValueError):
-    """The pools a StreamConfig asks for, with the dense weights, do not fit in the memory
-    available; the message says how much was asked for, why (layers x rows x record size),
-    what is left, and which flag to change. `in_words(names)` says the same naming the
-    settings a front end's own way (`engine.flags.describe`); `config` is the
-    StreamConfig refused (None where the native allocation failed)."""
-
-    def __init__(self, message: str, what: str = "", config: StreamConfig | None = None):
-        super().__init__(message)
-        self.what, self.config = what, config
-
-    def in_words(self, names: Mapping[str, str]) -> str:
-        """The message with each StreamConfig field named by `names[field]`."""
-        if self.config is None:
-            return str(self)
-        return f"{self.what}: {_pool_remedy(self.config, names)}"
-
-
-def _pool_remedy(config: StreamConfig, names: Mapping[str, str]) -> str:
-    """What to change of `config` for smaller pools, naming the setting the user gave:
-    its fields by `names[field]`."""
-    slots, memory = names["expert_slots"], names["expert_memory"]
-    if config.expert_slots is not None:
-        fix = f"lower {slots}, or use {memory} auto"
-    elif config.expert_memory == "auto":
-        fix = f"give {memory} a size below auto's ({AUTO_MEMORY_FRACTION:.0%} of that)"
-    elif config.expert_memory is not None:
-        fix = f"lower {memory}, or use {memory} auto"
-    else:
-        fix = f"every expert is cached by default: use {memory} auto, or give {slots}"
-    given = [
-        names.get(f, f)
-        for f, on in (("side_slots", config.side_slots), ("scratch_slots", config.scratch_slots))
-        if on
-    ]
-    return fix + (f" (or lower {' / '.join(given)})" if given else "")
+def default_reader_threads(top_k: int) -> int:
+    """Reader threads when `StreamConfig.reader_threads` is None: min(8, 2 x usable CPUs)
+    (reads wait on the disk far more than they compute, and uncached random reads gain
+    bandwidth from several readers in flight), and never fewer than
+    top_k - 1, so that one token's misses of a layer are all in flight together (the
+    pool adds a demand-only thread). At most 16."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(16, max(min(8, 2 * (cpus or 1)), top_k - 1))
 
 
 def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
@@ -128,17 +102,11 @@ def layer_slots(records: list[int], num_experts: int, top_k: int, budget: int) -
     over go to the layers of smaller records.
 
     Raises:
-        ValueError: `budget` is below top_k records per layer (the message gives that
-            minimum).
+        ValueError: `budget` is below top_k records per layer (`check_budget`).
     """
-    need = top_k * sum(records)
-    if budget < need:
-        raise ValueError(
-            f"{budget / 2**20:.1f} MiB is below the {need / 2**20:.1f} MiB that top-k = "
-            f"{top_k} experts per MoE layer take ({len(records)} layers)"
-        )
+    check_budget(budget, records, top_k)
     slots = [top_k] * len(records)
-    left = budget - need
+    left = budget - top_k * sum(records)
     order = sorted(range(len(records)), key=lambda li: (records[li], li))
     grew = True
     while grew:
@@ -215,14 +183,31 @@ def held_rows(
 
     A layer that no layer prefetches for (the first, or one without a router) holds its
     2 x side_slots rows as real slots instead, up to every expert: no more memory, and
-    fewer misses where no prediction can help. On the embedded model at 8 of 32 experts
-    with 8 side rows per bank and LFU prefetch, layer 0 then holds 24 real slots: misses
-    fell from 2.66 to 1.20 per decode token and decode from 0.806x to 0.883x of resident
-    (this 2-core CPU, 10 alternated rounds, 2026-11-30).
+    fewer misses where no prediction can help (side rows nobody fills would sit empty).
     """
     side = [side_slots if targets is None or t else 0 for t in targets or real]
     held = [min(n + 2 * (side_slots - s), num_experts) for n, s in zip(real, side, strict=True)]
     return held, side
+
+
+def pool_rows(
+    real: Sequence[int],
+    config: StreamConfig,
+    num_experts: int,
+    top_k: int,
+    targets: Sequence[bool] | None = None,
+) -> list[int]:
+    """Pool rows of MoE layers of `real[i]` real slots under `config` (`targets` as
+    `held_rows`): each layer's held real slots + 2 x its side rows + scratch_slots
+    (`scratch_rows`). A row holds one record of its layer."""
+    held, side = held_rows(real, config.side_slots, num_experts, targets)
+    scratch = scratch_rows(config, top_k)
+    return [n + 2 * s + scratch for n, s in zip(held, side, strict=True)]
+
+
+def scratch_rows(config: StreamConfig, top_k: int) -> int:
+    """Scratch rows per MoE layer under `config`: scratch_slots, or top_k by default."""
+    return config.scratch_slots or top_k
 
 
 def planned_pool_bytes(
@@ -233,24 +218,21 @@ def planned_pool_bytes(
     real: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """(bytes, rows of the largest layer) the native cache will allocate for the MoE
-    layers `specs` of `store` (default: all) under `config`: every layer's pool of its
-    real slots + 2 x its side rows (`layer_rows`, `targets` and `real` as there) +
-    scratch_slots records, plus one read buffer (a record's stride) per reader thread,
-    and with `io_uring` one per demand read in flight (`io_uring_depth`; at least 2 MiB
-    together)."""
+    layers `specs` of `store` (default: all) under `config` (`engine._ext.planned_bytes`):
+    every layer's pool (`pool_rows`; `targets` as there, `real` as `layer_rows`) and its
+    expert table, plus one read buffer (a record's stride) per reader thread, and with
+    `io_uring` one per demand read in flight (`io_uring_depth`). More than `pool_bytes` of
+    the opened cache, which counts the pools' records only."""
     m = store.manifest
     specs = m.layers if specs is None else specs
-    scratch = config.scratch_slots or m.top_k
-    held, side = layer_rows(store, config, specs, targets, real)
-    rows = [n + 2 * s + scratch for n, s in zip(held, side, strict=True)]
-    total = sum(
-        n * spec.record_bytes + 4 * m.num_experts for n, spec in zip(rows, specs, strict=True)
-    )
+    real = real_slots(store, config, specs) if real is None else real
+    rows = pool_rows(real, config, m.num_experts, m.top_k, targets)
     largest = max((s.stride for s in specs), default=0)
     threads = reader_threads(store, config)
-    depth = io_uring_depth(threads, m.top_k, largest)
-    ring = max(depth * largest, 2 << 20) if config.io_uring and specs else 0
-    return total + threads * largest + ring, max(rows, default=0)
+    depth = io_uring_depth(threads, m.top_k, largest) if config.io_uring else 0
+    records = [s.record_bytes for s in specs]
+    total = _ext.planned_bytes(rows, records, m.num_experts, threads, largest, depth)
+    return total, max(rows, default=0)
 
 
 def check_pool_fits(
@@ -287,7 +269,7 @@ def check_pool_fits(
         f"{human_bytes(need + dense)} together, but {human_bytes(available)} of memory "
         "is available"
     )
-    raise PoolMemoryError(f"{what}: {_pool_remedy(config, flag_names())}", what, config)
+    raise PoolMemoryError(what, config)
 
 
 def open_cache(
@@ -347,15 +329,15 @@ def open_cache(
             # a pipeline stage of dense layers only has no MoE layer to size by
             expert_slots=max(slots) if slots else (config.expert_slots or m.num_experts),
             side_slots=config.side_slots,
-            scratch_slots=config.scratch_slots or m.top_k,
+            scratch_slots=scratch_rows(config, m.top_k),
             policy=config.policy,
             decay_every=config.decay_every,
             side_lfu=config.side_lfu,
             sync=config.sync,
-            verify=config.verify_checksums,
-            uncached=config.uncached_io,
-            threads=reader_threads(store, config),
-            read_timeout=config.read_timeout_s,
+            verify_checksums=config.verify_checksums,
+            uncached_io=config.uncached_io,
+            reader_threads=reader_threads(store, config),
+            read_timeout_s=config.read_timeout_s,
             top_k=m.top_k,
             layer_slots=slots,
             layer_side_slots=side,
@@ -365,7 +347,7 @@ def open_cache(
             ),
         )
     except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
-        raise PoolMemoryError(f"{store.path}: {e}; lower --expert-slots") from None
+        raise PoolMemoryError(f"{store.path}: {e}", config) from None
     return cache
 
 
@@ -423,24 +405,29 @@ class CacheSnapshot:
     io_uring: bool
 
     def totals(self) -> dict:
-        """Counters summed over layers, plus `hit_rate` (hits / lookups) and
-        `prefetch_accuracy` (used / issued), 0 when undefined."""
+        """Counters summed over layers (`STAT_KEYS`: ints, floats for the *_seconds),
+        plus `rates` (None where undefined) and `inflight`."""
         t = {
             k: float(v.sum()) if k.endswith("_seconds") else int(v.sum())
             for k, v in self.stats.items()
         }
-        lookups = t["hits"] + t["misses"]
-        t["hit_rate"] = t["hits"] / lookups if lookups else 0.0
-        issued = t["prefetch_issued"]
-        t["prefetch_accuracy"] = t["prefetch_used"] / issued if issued else 0.0
-        t["inflight"] = self.inflight
-        return t
+        return t | rates(t) | {"inflight": self.inflight}
 
 
 def ratio(num: float, den: float) -> float | None:
     """num / den, or None (JSON null) where den is 0: a rate of nothing (no lookup, no
     prefetch issued, no time), which a 0.0 would report as measured."""
     return num / den if den else None
+
+
+def rates(counters: Mapping[str, float]) -> dict[str, float | None]:
+    """The `RATES` of cache counters (totals or deltas with `STAT_KEYS`' keys): hit_rate
+    (hits / lookups, side hits counted among hits) and prefetch_accuracy (used /
+    issued), each None where nothing was looked up / prefetched (`ratio`)."""
+    return {
+        "hit_rate": ratio(counters["hits"], counters["hits"] + counters["misses"]),
+        "prefetch_accuracy": ratio(counters["prefetch_used"], counters["prefetch_issued"]),
+    }
 
 
 def pool_bytes(cache: _ext.ExpertCache) -> int:

@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.config import ConfigError
+from engine.config import ConfigError, PoolMemoryError
 from engine.flags import (
     Parser,
     add_cache_flags,
     check_real_slots,
     config_error_message,
+    flag_names,
     port,
     positive_int,
     prompt_text,
@@ -22,7 +23,7 @@ from engine.flags import (
     temperature,
     top_p,
 )
-from engine.memory import human_bytes
+from engine.memory import available_bytes, human_bytes
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -404,7 +405,6 @@ def _advise(args) -> int:
         Budget,
         advise,
         estimate_tps,
-        free_memory_bytes,
         policy_of,
         save_png,
         sweep,
@@ -464,7 +464,7 @@ def _advise(args) -> int:
     )
     if store is not None:
         estimate_tps(curve, Budget.of(store.manifest, config), measured)
-    advice = advise(curve, free_memory_bytes())
+    advice = advise(curve, available_bytes())
     if args.json:
         print(
             json.dumps(
@@ -781,10 +781,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _error_text(e: Exception, args: argparse.Namespace) -> str:
-    """The one line of a refused command: a ConfigError in flag names, an OSError
-    without its "[Errno N]" (the file and the reason), anything else as it is."""
+    """The one line of a refused command: a ConfigError or PoolMemoryError in flag
+    names, an OSError without its "[Errno N]" (the file and the reason), anything else
+    as it is."""
     if isinstance(e, ConfigError):
         return config_error_message(e, args)
+    if isinstance(e, PoolMemoryError):
+        return e.in_words(flag_names())
     if isinstance(e, OSError) and e.strerror and e.filename2 is None:
         if e.filename is None or str(e.filename) in e.strerror:
             return e.strerror

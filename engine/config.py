@@ -1,18 +1,23 @@
 """The one configuration object of a streamed model.
 
 Every knob of the expert cache lives in `StreamConfig`. Front ends build it from their
-flags and the seed's environment variables with `engine.flags`; nothing else reads the
+flags and environment variables with `engine.flags`; nothing else reads the
 environment.
 """
 
 import dataclasses
 import math
-import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from engine.memory import human_bytes
 
 # Real-region eviction policies of the native cache (ext/real_region.h says what each
 # does); the first is the default.
 EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
+
+# The longest read timeout, seconds (a day; the native cache refuses longer ones too).
+MAX_READ_TIMEOUT_S = 86400
 
 # `expert_memory="auto"`: this fraction of the memory available when the model loads.
 AUTO_MEMORY_FRACTION = 0.5
@@ -76,6 +81,22 @@ class ConfigError(ValueError):
         self.field, self.value, self.what, self.also = field, value, what, also
 
 
+def check_budget(budget: int, records: Sequence[int], top_k: int) -> None:
+    """Refuses an expert-memory `budget` (bytes, all real regions together) below `top_k`
+    records of every MoE layer (`records`: each layer's record bytes): a token's top_k
+    experts of a layer must fit its real region together.
+
+    Raises:
+        ValueError: naming both sizes, top_k and the layers.
+    """
+    need = top_k * sum(records)
+    if budget < need:
+        raise ValueError(
+            f"{human_bytes(budget)} is below the {human_bytes(need)} that top-k = {top_k} "
+            f"experts per MoE layer take ({len(records)} layers)"
+        )
+
+
 def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
     """Refuses sampling settings that mlx-lm's sampler cannot honour: a temperature that
     is not a finite number >= 0 (nan samples garbage, 0 is greedy), or a top_p outside
@@ -89,35 +110,6 @@ def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
         raise ConfigError("temperature", temperature, "must be a finite number >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
         raise ConfigError("top_p", top_p, "must be in (0, 1]")
-
-
-# Bytes of record buffers the ring may hold in all where io_uring_depth raises it past
-# reader threads + 1 (a bound on the total, not on what is added).
-IO_URING_EXTRA_BYTES = 64 << 20
-
-
-def io_uring_depth(threads: int, top_k: int, stride: int) -> int:
-    """Demand reads in flight through io_uring (`StreamConfig.io_uring`), one buffer of
-    `stride` bytes (a record) each: reader threads + 1, raised to max(top_k, 8) while
-    those buffers stay within `IO_URING_EXTRA_BYTES`. A token's misses of a layer then go
-    in one submission, and small records get the queue depth the disk needs: raw random
-    O_DIRECT reads here still gain from depth 4 to 8 (0.63 to 0.87 GB/s), and at depth 8
-    the engine read 0.75x of raw with the ring's old threads + 1 = 5 reads in flight,
-    0.94x with 8 (this 2-core VM, 61 KB records, checksums on, 2026-12-01). A record of
-    tens of MB keeps the disk's queue busy on its own, and 8 buffers of it would cost
-    hundreds of MB: it keeps threads + 1."""
-    wanted = min(max(top_k, 8), IO_URING_EXTRA_BYTES // max(stride, 1))
-    return max(threads + 1, wanted)
-
-
-def default_reader_threads(top_k: int) -> int:
-    """Reader threads when `StreamConfig.reader_threads` is None: min(8, 2 x usable CPUs)
-    (reads wait on the disk far more than they compute; uncached random reads ran at
-    1.1-1.4 GB/s with four readers where one got 0.7 here), and never fewer than
-    top_k - 1, so that one token's misses of a layer are all in flight together (the
-    pool adds a demand-only thread). At most 16."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(16, max(min(8, 2 * (cpus or 1)), top_k - 1))
 
 
 @dataclass(frozen=True)
@@ -155,9 +147,9 @@ class StreamConfig:
         scratch_slots: experts per over-capacity chunk: a call whose misses exceed the
             evictable slots streams them through this many scratch rows, chunk by chunk
             (None: top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk).
-        reader_threads: background reader threads; None: `default_reader_threads`
+        reader_threads: background reader threads; None: `engine.cache.default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
-            queue depth on this machine).
+            queue depth).
         verify_checksums: check each record's crc32 on every read.
         uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
         read_timeout_s: a demand read (or a drain of prefetch fills) that sees no read
@@ -167,7 +159,7 @@ class StreamConfig:
             the submitting thread.
         io_uring: demand reads through io_uring on the thread that waits for them (one
             system call per batch of misses, no hand-off to a reader thread),
-            `io_uring_depth` in flight, used where the kernel has it (Linux 5.11+, not
+            `engine.cache.io_uring_depth` in flight, used where the kernel has it (Linux 5.11+, not
             disabled); else, and for prefetch fills, the reader threads read.
     """
 
@@ -236,10 +228,10 @@ class StreamConfig:
             "must be >= 1",
         )
         need(
-            0 <= self.read_timeout_s <= 86400,
+            0 <= self.read_timeout_s <= MAX_READ_TIMEOUT_S,
             "read_timeout_s",
             self.read_timeout_s,
-            "must be in [0, 86400] seconds",
+            f"must be in [0, {MAX_READ_TIMEOUT_S}] seconds",
         )
 
     def check_experts(self, num_experts: int) -> None:
@@ -259,3 +251,40 @@ class StreamConfig:
     def replace(self, **changes) -> "StreamConfig":
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+class PoolMemoryError(ValueError):
+    """The pools `config` asks for, with the dense weights, do not fit in the memory
+    available (`engine.cache.check_pool_fits`), or their allocation failed: `what` says
+    how much was asked for, why (layers x rows x record size) and what is left; the
+    message adds which setting to change, naming StreamConfig fields as ConfigError
+    does. Front ends name them their own way with `in_words`."""
+
+    def __init__(self, what: str, config: StreamConfig):
+        super().__init__(f"{what}: {_pool_remedy(config, {})}")
+        self.what, self.config = what, config
+
+    def in_words(self, names: Mapping[str, str]) -> str:
+        """The message with each StreamConfig field named by `names[field]` (the field
+        itself when absent)."""
+        return f"{self.what}: {_pool_remedy(self.config, names)}"
+
+
+def _pool_remedy(config: StreamConfig, names: Mapping[str, str]) -> str:
+    """What to change of `config` for smaller pools, naming the setting the user gave:
+    its fields by `names[field]` (the field itself when absent)."""
+    slots, memory = (names.get(f, f) for f in ("expert_slots", "expert_memory"))
+    if config.expert_slots is not None:
+        fix = f"lower {slots}, or use {memory} auto"
+    elif config.expert_memory == "auto":
+        fix = f"give {memory} a size below auto's ({AUTO_MEMORY_FRACTION:.0%} of that)"
+    elif config.expert_memory is not None:
+        fix = f"lower {memory}, or use {memory} auto"
+    else:
+        fix = f"every expert is cached by default: use {memory} auto, or give {slots}"
+    given = [
+        names.get(f, f)
+        for f, on in (("side_slots", config.side_slots), ("scratch_slots", config.scratch_slots))
+        if on
+    ]
+    return fix + (f" (or lower {' / '.join(given)})" if given else "")

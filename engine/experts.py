@@ -18,10 +18,8 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes
 
 from engine.safe_io import ModelFileError
-from engine.store import DTYPES
-
-# The projections of each streamed module kind, in record order.
-KINDS = {"SwitchGLU": ("gate_proj", "up_proj", "down_proj"), "SwitchMLP": ("fc1", "fc2")}
+from engine.store import DTYPES, KINDS
+from engine.validate import SUB_CONFIGS
 
 # ModelArgs fields (and config keys) of the experts each token is routed to, as mlx-lm's
 # families name them.
@@ -33,9 +31,6 @@ TOP_K_KEYS = (
     "moe_k",
     "top_k_experts",
 )
-# Sub-configs of multimodal wrappers that hold the language model's config.
-_SUB_CONFIGS = ("text_config", "language_config", "llm_config")
-
 # mlx-lm MoE families whose routed experts are not a stacked SwitchGLU / SwitchMLP, with why.
 UNSUPPORTED = {
     "dbrx": "its experts are a list of per-expert MLP modules (no stacked SwitchGLU) "
@@ -201,7 +196,7 @@ def find_experts(model: nn.Module, where: str | Path = "the model") -> list[Expe
 def top_k(config: dict, num_experts: int, where: str | Path) -> int:
     """Experts per token, as mlx-lm's model takes it: the first of `TOP_K_KEYS` on the
     family's `ModelArgs` built from `config` (so a field the config leaves out has
-    ModelArgs' default), else on its text sub-config (`_SUB_CONFIGS`: mlx-lm's args
+    ModelArgs' default), else on its text sub-config (`engine.validate.SUB_CONFIGS`: mlx-lm's args
     object, or the config's dict where mlx-lm keeps a dict). A value of None or 0 there
     (ModelArgs' "not set") counts as absent.
 
@@ -211,7 +206,7 @@ def top_k(config: dict, num_experts: int, where: str | Path) -> int:
     """
     _, args_class = model_classes(config, where)
     args = args_class.from_dict(config)
-    subs = (getattr(args, k, None) or config.get(k) for k in _SUB_CONFIGS)
+    subs = (getattr(args, k, None) or config.get(k) for k in SUB_CONFIGS)
     for source in (args, *subs):
         if source is None:
             continue

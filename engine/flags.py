@@ -1,7 +1,7 @@
 """The flags of every front end (the CLI, the server, the app), defined once.
 
 `add_cache_flags(parser)` adds one argparse group whose help shows each flag's default;
-`stream_config(args)` builds the `StreamConfig`: its defaults, then the seed's environment
+`stream_config(args)` builds the `StreamConfig`: its defaults, then the environment
 variables (`ENV_FIELDS`, read here and nowhere else), then the flags given. The renamed
 flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
 `describe` words a `ConfigError` in a front end's names (`config_error_message`: the
@@ -23,12 +23,12 @@ from engine.config import (
     EVICTION_POLICIES,
     ConfigError,
     StreamConfig,
+    check_budget,
     check_sampling,
     parse_memory,
 )
-from engine.memory import human_bytes
 
-# The seed's environment variables and the StreamConfig field each one sets.
+# The environment variables the cache reads, and the StreamConfig field each one sets.
 ENV_FIELDS = {
     "EXPERT_SLOTS": "expert_slots",
     "SIDEREGION_LFU": "side_lfu",
@@ -256,7 +256,7 @@ def _parse(field: str, text: str):
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
-    """The StreamConfig fields set by the seed's environment variables.
+    """The StreamConfig fields set by environment variables (`ENV_FIELDS`).
 
     Returns:
         {field: value} for each variable of `ENV_FIELDS` present in `environ`
@@ -314,7 +314,7 @@ def _refuse_idle_prefetch(values: Mapping, args: argparse.Namespace) -> None:
     """Refuses prefetch with no side rows to fill, and --sync with prefetch off: each would
     do nothing. A field absent from `values` is not known yet (a front end's default fills
     it) and refuses nothing; SIDEREGION_SYNC alone is a preference for when prefetch is on,
-    as in the seed, and refuses nothing either."""
+    and refuses nothing either."""
     if values.get("prefetch") and values.get("side_slots") == 0:
         raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
     if getattr(args, "sync", None) is True and values.get("prefetch") is False:
@@ -338,14 +338,11 @@ def check_real_slots(config: StreamConfig, top_k: int, records: Sequence[int]) -
             config.expert_slots,
             f"must be >= {top_k}, the experts each token is routed to per MoE layer (top-k)",
         )
-    need = top_k * sum(records)
-    if isinstance(config.expert_memory, int) and config.expert_memory < need:
-        raise ConfigError(
-            "expert_memory",
-            config.expert_memory,
-            f"{human_bytes(config.expert_memory)} is below the {human_bytes(need)} that "
-            f"top-k = {top_k} experts per MoE layer take ({len(records)} layers)",
-        )
+    if isinstance(config.expert_memory, int):
+        try:
+            check_budget(config.expert_memory, records, top_k)
+        except ValueError as e:
+            raise ConfigError("expert_memory", config.expert_memory, str(e)) from None
 
 
 def with_defaults(defaults: Mapping, given: Mapping) -> dict:

@@ -6,6 +6,7 @@ whole reply into a `GenerationResult` with the stats the CLI and the app report.
 """
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from engine import autopin
-from engine.cache import ratio
+from engine.cache import REPORTED_STATS, STAT_KEYS, rates
 from engine.chat import SYSTEM, USER, chat_ids, checked_ids, encode
 from engine.config import check_sampling
 from engine.model import StreamedModel
@@ -70,7 +71,7 @@ def prompt_tokens(
             f"{sm.store.path} has no tokenizer files (tokenizer.json / tokenizer_config.json): "
             "text generation needs the model's tokenizer; copy its files into the store"
         )
-    vocab = sm.store.config.get("vocab_size")
+    vocab = sm.store.vocab_size
     if chat:
         system_turn = [{"role": SYSTEM, "content": system}] if system else []
         return chat_ids(tok, [*system_turn, {"role": USER, "content": prompt}], vocab)
@@ -91,9 +92,9 @@ class ContextError(ValueError):
 
 def check_context(sm: StreamedModel, n_prompt: int, max_tokens: int) -> None:
     """Raises ContextError (a ValueError) when prompt + reply exceed the model's context
-    window (`max_position_embeddings` of config.json), naming both numbers."""
-    limit = sm.store.config.get("max_position_embeddings")
-    if limit and n_prompt + max_tokens > limit:
+    window (`ExpertStore.context_length`), naming both numbers."""
+    limit = sm.store.context_length
+    if limit is not None and n_prompt + max_tokens > limit:
         raise ContextError(n_prompt, max_tokens, limit)
 
 
@@ -176,6 +177,8 @@ class GenerationResult:
         finish_reason: "stop" (end-of-sequence token), "length" (max_tokens) or None
             (stopped).
         cached_tokens: prompt tokens taken from a kept KV cache (not prefilled).
+        seconds: wall time of the reply, seconds: from the call of `generate` until the
+            last forward has ended and pins are settled.
     """
 
     text: str
@@ -188,25 +191,15 @@ class GenerationResult:
     stopped: bool = False
     finish_reason: str | None = None
     cached_tokens: int = 0
+    seconds: float = 0.0
 
     def stats(self) -> dict:
         """The stats object of `expertstream generate --json`: this reply's figures (the
         cache counters are its deltas, not the totals since load that the server's
         /v1/stats gives); decode_tps is None (JSON null) without a decode step, and
         hit_rate, prefetch_accuracy, prefill_tps where they would divide by 0."""
-        c = self.cache
         return {
-            "hits": c["hits"],
-            "misses": c["misses"],
-            "hit_rate": c["hit_rate"],
-            "bytes_read": c["bytes_read"],
-            "side_hits": c["side_hits"],
-            "prefetch_issued": c["prefetch_issued"],
-            "prefetch_used": c["prefetch_used"],
-            "prefetch_wasted": c["prefetch_wasted"],
-            "prefetch_accuracy": c["prefetch_accuracy"],
-            "evictions": c["evictions"],
-            "overcap_calls": c["overcap_calls"],
+            **{k: self.cache[k] for k in REPORTED_STATS},
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": len(self.tokens),
             "prefill_tps": self.prefill_tps,
@@ -216,17 +209,10 @@ class GenerationResult:
 
 
 def cache_delta(before: dict, after: dict) -> dict:
-    """Counter totals accumulated between two `CacheSnapshot.totals()`; hit_rate and
-    prefetch_accuracy over them, None where nothing was looked up / prefetched."""
-    d = {
-        k: after[k] - before[k]
-        for k in after
-        if k not in ("hit_rate", "prefetch_accuracy", "inflight")
-    }
-    lookups = d["hits"] + d["misses"]
-    d["hit_rate"] = ratio(d["hits"], lookups)
-    d["prefetch_accuracy"] = ratio(d["prefetch_used"], d["prefetch_issued"])
-    return d
+    """Counter totals (`STAT_KEYS`) accumulated between two `CacheSnapshot.totals()`,
+    and their `rates` (None where nothing was looked up / prefetched)."""
+    d = {k: after[k] - before[k] for k in STAT_KEYS}
+    return d | rates(d)
 
 
 def generate(
@@ -255,6 +241,7 @@ def generate(
     Raises:
         ValueError: from `stream_generate`, before any forward.
     """
+    t0 = time.monotonic()
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     text, tokens, last, stopped = [], [], None, False
@@ -300,6 +287,7 @@ def generate(
         stopped=stopped,
         finish_reason=None if stopped or last is None else last.finish_reason,
         cached_tokens=cached_tokens,
+        seconds=time.monotonic() - t0,
     )
 
 

@@ -37,6 +37,8 @@ from engine.pipeline import Stage
 from engine.predictor import Predictor, prefetch_targets
 from engine.safe_io import contained, read_json_object, remove_leftovers
 from engine.store import (
+    CONFIG_FILE,
+    DENSE_FILE,
     MANIFEST_FILE,
     VERSION,
     ExpertStore,
@@ -73,13 +75,13 @@ def resolve_store(path: str | Path, progress=None, blob_layers: range | None = N
     if os.path.lexists(path / MANIFEST_FILE):
         # a bad manifest is reported, not taken for a model dir
         return ExpertStore(path, blob_layers)
-    if not os.path.lexists(path / "config.json"):
+    if not os.path.lexists(path / CONFIG_FILE):
         raise FileNotFoundError(
-            f"{path} is neither an expert store (manifest.json) nor an mlx-lm model "
-            "directory (config.json)"
+            f"{path} is neither an expert store ({MANIFEST_FILE}) nor an mlx-lm model "
+            f"directory ({CONFIG_FILE})"
         )
-    where = path / "config.json"
-    config = read_json_object(contained(path, "config.json"))
+    where = path / CONFIG_FILE
+    config = read_json_object(contained(path, CONFIG_FILE))
     model_classes(check_config(config, str(where)), where)  # fail fast, before hashing
     remove_leftovers(store_cache_dir())  # conversions killed mid-way
     dest = store_for(path)
@@ -188,7 +190,7 @@ def _check_store_matches_model(
     num_experts = experts[0].num_experts if experts else m.num_experts
     for field, got_value, want_value in (
         ("num_experts", m.num_experts, num_experts),
-        ("top_k", m.top_k, top_k(cfg, num_experts, store.path / "config.json")),
+        ("top_k", m.top_k, top_k(cfg, num_experts, store.path / CONFIG_FILE)),
         ("num_hidden_layers", m.num_hidden_layers, num_hidden_layers(cfg, model, where)),
     ):
         if got_value != want_value:
@@ -308,10 +310,10 @@ def load(
     path = default_model_path() if path is None else path
     store = resolve_store(path, progress, blob_layers=None if group is None else range(0))
     cfg = store.config
-    where = store.path / "config.json"
+    where = store.path / CONFIG_FILE
     check_config(cfg, str(where), StoreError)
     model_classes(cfg, where)
-    dense = str(store.path / "dense.safetensors")
+    dense = str(store.path / DENSE_FILE)
     check_against_weights(cfg, store.dense_header(), str(where), dense, StoreError)
     model = instantiate(cfg, where)
     stage, specs = None, store.manifest.layers

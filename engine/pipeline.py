@@ -32,7 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.pipeline import PipelineMixin
 
-from engine.cache import ratio
+from engine.cache import RATES, REPORTED_STATS, rates
 from engine.experts import ExpertModule, NotMoEError, find_experts, instantiate
 from engine.store import layer_range
 
@@ -386,17 +386,7 @@ def init_group(timeout_s: float = CONNECT_TIMEOUT_S):
 
 
 # Counters of `GenerationResult.stats()` that add up over the stages' disjoint layers.
-_SUMMED = (
-    "hits",
-    "misses",
-    "bytes_read",
-    "side_hits",
-    "prefetch_issued",
-    "prefetch_used",
-    "prefetch_wasted",
-    "evictions",
-    "overcap_calls",
-)
+_SUMMED = tuple(k for k in REPORTED_STATS if k not in RATES)
 
 
 def rank_stats(sm) -> dict:
@@ -408,8 +398,7 @@ def rank_stats(sm) -> dict:
     return {
         "layers": [sm.stage.start, sm.stage.end],
         **{k: t[k] for k in _SUMMED},
-        "hit_rate": ratio(t["hits"], t["hits"] + t["misses"]),
-        "prefetch_accuracy": ratio(t["prefetch_used"], t["prefetch_issued"]),
+        **rates(t),
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }
 
@@ -423,9 +412,7 @@ def combine_stats(ranks: list[dict]) -> dict:
     out.pop("layers", None)
     for key in _SUMMED:
         out[key] = sum(r[key] for r in ranks)
-    lookups = out["hits"] + out["misses"]
-    out["hit_rate"] = ratio(out["hits"], lookups)
-    out["prefetch_accuracy"] = ratio(out["prefetch_used"], out["prefetch_issued"])
+    out |= rates(out)
     out["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
     out["ranks"] = ranks
     return out

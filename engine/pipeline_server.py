@@ -38,6 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from engine.cache import REPORTED_STATS
 from engine.config import StreamConfig
 from engine.generate import GenerationResult, generate
 from engine.model import load_stage
@@ -50,7 +51,7 @@ from engine.pipeline import (
     lost,
     rank_stats,
 )
-from engine.server import CACHE_STATS, GenerationThread, Job
+from engine.server import GenerationThread, Job
 
 # Seconds between rank 0's idle command rounds.
 HEARTBEAT_S = 2.0
@@ -210,7 +211,7 @@ class PipelineGenerationThread(GenerationThread):
         """Every rank's counters added up, and each rank's own under `ranks` (as of the
         end of the last reply: `gathered`)."""
         total = combine_stats(self.ranks)
-        return {k: total[k] for k in CACHE_STATS} | {
+        return {k: total[k] for k in REPORTED_STATS} | {
             "ranks": self.ranks,
             "gathered": "at load and after each reply",
         }

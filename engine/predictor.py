@@ -1,21 +1,20 @@
-"""Ahead scheduling and prediction for the side region (the seed's VirtualPool).
+"""Ahead scheduling and prediction for the side region.
 
 While MoE layer L runs, the router of each target layer T in targets_for(L) is applied to
 L's hidden state and its top experts are handed to the cache's prefetch primitive, so their
 records are read in the background while layers L..T-1 compute. Layer indices here are
 MoE indices (position among MoE layers), never decoder indices.
 
-The distance is `ahead_lo` before `cutoff` and `ahead_hi` from it. The seed gave each layer
-the one target L + distance, so a longer distance from the cutoff on skipped layers: with
-the defaults (1, 2, half the layers) the layer after the cutoff was never predicted, and
-on the embedded model it then missed 1.28 times per decode token of the 3.27 misses of all
-layers (LFU side region, 8 of 32 experts). Here every layer from 1 on is some layer's
-target, the nearer one first, and none is predicted twice in a forward.
+The distance is `ahead_lo` before `cutoff` and `ahead_hi` from it. One target L + distance
+per layer would skip layers where the distance grows (with the defaults (1, 2, half the
+layers), the layer after the cutoff would never be predicted, and it would miss far more
+than any other); so every layer from 1 on is some layer's target, the nearer one first,
+and none is predicted twice in a forward.
 
 The primitive applies the router itself, from a dense copy (`engine._ext.Router`) made on
 the first prediction for each target: one op per MoE layer per token instead of five
-(reshape, router, argpartition, slice, prefetch). On this 2-core CPU those five cost 1.3 ms
-of a 16 ms decode token at 25% of the experts, about what the reads they hide cost.
+(reshape, router, argpartition, slice, prefetch). On a CPU of few cores those five cost
+about as much as the reads they hide.
 """
 
 from collections.abc import Callable, Sequence
@@ -129,8 +128,8 @@ def dense_router(logits: Callable[[mx.array], mx.array], hidden: int) -> Router:
 
     The product costs num_experts^2 x hidden multiply-adds, where putting the (hidden,
     hidden) identity through the router costs hidden^2 x num_experts: at hidden 7168 and
-    256 experts 0.36 s per layer instead of 17.6 s on this 2-core CPU (bfloat16 Linear,
-    load 2.8), paid by the first decode token for every target layer.
+    256 experts, about 28 times less work, paid by the first decode token for every
+    target layer.
 
     Returns:
         `engine._ext.Router` of weight (num_experts, hidden) and bias (num_experts,).

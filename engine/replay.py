@@ -15,7 +15,7 @@ through `ExpertCache.acquire` of a fresh cache at a given real-region capacity, 
   (`engine.autopin.repin`, pins dropped where they cost hits) between generate calls
   (trace segments; every `REPIN_EVERY` tokens when a trace has one segment), pinning the
   top experts by LFU frequency within the engine's budget (`engine.autopin.budget`:
-  min(cap - top_k, floor(autopin_frac x cap))); calls left with fewer evictable slots
+  min(slots - top_k, floor(autopin_frac x slots))); calls left with fewer evictable slots
   than missing experts stream the misses through the scratch rows (`load_scratch`), as
   the engine does, and count as misses;
 - `lfu+oracle`: the side region (`oracle_rows` rows: top_k, rounded up to even since the
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from engine import autopin
-from engine.cache import open_cache, snapshot
+from engine.cache import open_cache, ratio, snapshot
 from engine.config import EVICTION_POLICIES, StreamConfig
 from engine.store import ExpertStore
 from engine.synthetic import ensure_store, tiny_config
@@ -92,7 +92,7 @@ def replay(
     Returns:
         counters hits, misses, loads, side_hits, lookups, overcap_calls, pins_dropped
         (ints) and the rates hit_rate (hits / lookups) and fetch_hit_rate
-        (1 - loads / lookups).
+        (1 - loads / lookups), None without a lookup (`engine.cache.ratio`).
 
     Raises:
         ValueError: unknown policy, or capacity outside [1, num_experts].
@@ -153,14 +153,15 @@ def replay(
         "lookups": lookups,
         "overcap_calls": t["overcap_calls"],
         "pins_dropped": t["pins_dropped"],
-        "hit_rate": t["hits"] / lookups if lookups else 0.0,
-        "fetch_hit_rate": 1.0 - t["loads"] / lookups if lookups else 0.0,
+        "hit_rate": t["hit_rate"],
+        "fetch_hit_rate": ratio(lookups - t["loads"], lookups),
     }
 
 
 def belady(trace: Trace, capacity: int, stop: Callable[[], bool] | None = None) -> dict:
     """Belady's MIN per layer with each token's experts requested together (none of
-    them may be evicted for another). Returns hits, lookups, misses and hit_rate.
+    them may be evicted for another). Returns hits, lookups, misses and hit_rate (None
+    without a lookup).
 
     Raises:
         ValueError: capacity below the distinct experts of one token.
@@ -178,7 +179,7 @@ def belady(trace: Trace, capacity: int, stop: Callable[[], bool] | None = None) 
         "hits": hits,
         "lookups": lookups,
         "misses": lookups - hits,
-        "hit_rate": hits / lookups if lookups else 0.0,
+        "hit_rate": ratio(hits, lookups),
     }
 
 

@@ -19,6 +19,8 @@ from engine.safe_io import ModelFileError, open_regular, parse_json
 
 MAX_HEADER_BYTES = 100_000_000  # the limit of the safetensors reference implementation
 MAX_DIM = 2**31 - 1  # MLX shapes are int32
+# What a shape must be, for messages (`is_shape`).
+SHAPE_RULE = f"a list of integers in [0, {MAX_DIM}]"
 
 ITEMSIZE = {
     "BOOL": 1,
@@ -116,6 +118,12 @@ def parse_header(
     return tensors
 
 
+def is_shape(shape) -> bool:
+    """Whether `shape` (parsed JSON) is `SHAPE_RULE`: a list of ints, not bools, each in
+    [0, MAX_DIM]."""
+    return isinstance(shape, list) and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+
+
 def _tensor(name: str, entry, where: str, error: type[Exception]) -> TensorInfo:
     ctx = f"{where}: tensor {name!r}"
     if not isinstance(entry, dict):
@@ -124,9 +132,8 @@ def _tensor(name: str, entry, where: str, error: type[Exception]) -> TensorInfo:
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise error(f"{ctx}: dtype {dtype!r} is not a safetensors dtype")
     shape = entry.get("shape")
-    ok = isinstance(shape, list) and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
-    if not ok:
-        raise error(f"{ctx}: shape {shape!r} is not a list of integers in [0, {MAX_DIM}]")
+    if not is_shape(shape):
+        raise error(f"{ctx}: shape {shape!r} is not {SHAPE_RULE}")
     offsets = entry.get("data_offsets")
     ok = (
         isinstance(offsets, list)

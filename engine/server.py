@@ -47,22 +47,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine import server_anthropic, server_ollama, server_openai, server_responses
-from engine.cache import ratio
+from engine.cache import REPORTED_STATS, ratio
 from engine.server_requests import Job, RequestError, Served
 
-# The expert cache's counters that `/v1/stats` reports (CacheSnapshot.totals() keys).
-CACHE_STATS = (
-    "hits",
-    "misses",
-    "hit_rate",
-    "bytes_read",
-    "side_hits",
-    "prefetch_issued",
-    "prefetch_used",
-    "prefetch_wasted",
-    "prefetch_accuracy",
-    "evictions",
-)
 # Conversations the prompt cache keeps at most (mlx_lm.server's default), within its bytes.
 PROMPT_CACHE_ENTRIES = 10
 # The prompt cache's key for the one model served (mlx-lm's keys a model provider's).
@@ -305,12 +292,10 @@ class GenerationThread:
         }
 
     def cache_stats(self) -> dict:
-        """The expert cache's counters over the server's lifetime (`/v1/stats`'s "cache");
-        hit_rate and prefetch_accuracy None (JSON null) while undefined."""
+        """The expert cache's `REPORTED_STATS` over the server's lifetime (`/v1/stats`'s
+        "cache"); hit_rate and prefetch_accuracy None (JSON null) while undefined."""
         t = self.sm.snapshot().totals()
-        t["hit_rate"] = ratio(t["hits"], t["hits"] + t["misses"])  # None: nothing looked up
-        t["prefetch_accuracy"] = ratio(t["prefetch_used"], t["prefetch_issued"])
-        return {k: t[k] for k in CACHE_STATS}
+        return {k: t[k] for k in REPORTED_STATS}
 
     def cancel_all(self) -> None:
         """Fails every queued job and cancels the reply in progress (it ends at its next
@@ -562,8 +547,8 @@ def build_app(
         engine=engine,
         model_id=model_id,
         tokenizer=sm.tokenizer,
-        vocab=sm.store.config.get("vocab_size"),
-        context=sm.store.config.get("max_position_embeddings") or 1 << 30,
+        vocab=sm.store.vocab_size,
+        context=sm.store.context_length or 1 << 30,
         default_max_tokens=default_max_tokens,
         created=int(time.time()),
         config=sm.store.config,

@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from engine import _ext
 from engine.safe_io import MAX_TOKENIZER_BYTES, ModelFileError, read_json_object, stat_regular
-from engine.safetensors_header import TensorInfo, read_header
+from engine.safetensors_header import SHAPE_RULE, TensorInfo, is_shape, read_header
+from engine.validate import MAX_EXPERTS, MAX_LAYERS, QUANT_BITS, QUANT_GROUP
 
 FORMAT = "expertstream-store"
 VERSION = 2
@@ -32,8 +33,11 @@ MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 CONFIG_FILE = "config.json"
 
-# SwitchGLU's projections, then SwitchMLP's (engine.experts.KINDS), in record order.
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
+# The projections of each streamed module kind (mlx-lm's SwitchGLU and SwitchMLP), in
+# record order.
+KINDS = {"SwitchGLU": ("gate_proj", "up_proj", "down_proj"), "SwitchMLP": ("fc1", "fc2")}
+# Every projection a record may hold: SwitchGLU's, then SwitchMLP's.
+PROJECTIONS = tuple(proj for projs in KINDS.values() for proj in projs)
 PARAMS = ("weight", "scales", "biases", "global_scale", "bias")
 SEGMENT_KEYS = tuple(f"{proj}.{param}" for proj in PROJECTIONS for param in PARAMS)
 
@@ -41,12 +45,6 @@ SEGMENT_KEYS = tuple(f"{proj}.{param}" for proj in PROJECTIONS for param in PARA
 DTYPES = {name: getattr(mx, "bool_" if name == "bool" else name) for name in _ext.DTYPE_NAMES}
 
 
-# Bounds of manifest values beyond what the blob files already bound.
-MAX_EXPERTS = 1 << 16
-MAX_LAYERS = 1 << 12
-MAX_DIM = 2**31 - 1  # MLX shapes are int32
-QUANT_BITS = (1, 8)
-QUANT_GROUP = (1, 4096)
 CRC_CHUNK = 8 << 20
 
 
@@ -405,13 +403,7 @@ def _parse_layer(
             f"{sctx}.dtype {dtype!r} is not a storable dtype ({', '.join(DTYPES)})",
         )
         shape = seg.get("shape")
-        _expect(
-            isinstance(shape, list)
-            and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
-            and all(0 <= d <= MAX_DIM for d in shape),
-            where,
-            f"{sctx}.shape {shape!r} is not a list of integers in [0, {MAX_DIM}]",
-        )
+        _expect(is_shape(shape), where, f"{sctx}.shape {shape!r} is not {SHAPE_RULE}")
         nbytes = _int(seg, "nbytes", f"{where}: {sctx}")
         want = math.prod(shape) * DTYPES[dtype].size
         _expect(
@@ -614,6 +606,18 @@ class ExpertStore:
                 f"decoder layer {decoder_idx} is not an MoE layer of {self.path} "
                 f"(MoE layers: {sorted(self._by_layer)})"
             ) from None
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context window in tokens (`max_position_embeddings` of its
+        config), or None where the config gives none."""
+        return self.config.get("max_position_embeddings") or None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (`vocab_size` of its config), or None where the
+        config gives none."""
+        return self.config.get("vocab_size") or None
 
     def blob_path(self, spec: LayerSpec) -> Path:
         """Path of the blob file of `spec`."""

@@ -7,7 +7,6 @@ key. Its directory's modification time is its last use (touched on every load).
 """
 
 import hashlib
-import json
 import os
 import shutil
 import struct
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from engine.convert import aux_files
 from engine.safe_io import open_regular
-from engine.store import MANIFEST_FILE, is_store
+from engine.store import MANIFEST_FILE, StoreError, is_store, read_config
 
 SAMPLE_BYTES = 1 << 20  # sampled from the start, middle and end of each weight file
 
@@ -96,8 +95,8 @@ def list_stores() -> list[CachedStore]:
         if not p.is_dir() or p.is_symlink() or not (p / MANIFEST_FILE).is_file():
             continue
         try:
-            model_type = json.loads((p / "config.json").read_text()).get("model_type", "?")
-        except (OSError, ValueError):
+            model_type = read_config(p).get("model_type", "?")
+        except StoreError:
             model_type = "?"
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
         out.append(CachedStore(p, str(model_type), size, p.stat().st_mtime))

@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model
 
+from engine.memory import human_bytes
 from engine.safe_io import fsync_path
 from engine.store import (
     CONFIG_FILE,
@@ -256,14 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     config = PRESETS[args.preset]
-    gib = store_bytes(config) / 2**30
-    print(f"writing {args.out}: {gib:.1f} GiB of experts", file=sys.stderr)
+    print(f"writing {args.out}: {human_bytes(store_bytes(config))} of experts", file=sys.stderr)
 
     def progress(done, total):
         if done == total or done % (1 << 30) < store_bytes(config) // (
             config["num_hidden_layers"] * config["num_experts"]
         ):
-            print(f"  {done / 2**30:.1f} / {total / 2**30:.1f} GiB", file=sys.stderr)
+            print(f"  {human_bytes(done)} / {human_bytes(total)}", file=sys.stderr)
 
     write_store(args.out, config, seed=args.seed, progress=progress)
     print(f"wrote {args.out}")

@@ -17,11 +17,17 @@ import re
 from engine.safe_io import ModelFileError
 from engine.safetensors_header import TensorInfo
 
+# Experts per MoE layer and decoder layers at most, in a config and in a store's manifest.
+MAX_EXPERTS = 1 << 16
+MAX_LAYERS = 1 << 12
+# Quantization bits and group size: (lowest, highest), in a config and in a manifest.
+QUANT_BITS = (1, 8)
+QUANT_GROUP = (1, 4096)
 # Integer fields of the supported families: (lowest, highest) allowed value. The highest
 # are far above any published model (the largest vocabularies have ~260k entries).
 INT_FIELDS = {
     "hidden_size": (1, 1 << 16),
-    "num_hidden_layers": (1, 1 << 12),
+    "num_hidden_layers": (1, MAX_LAYERS),
     "num_attention_heads": (1, 1 << 12),
     "num_key_value_heads": (1, 1 << 12),
     "head_dim": (1, 1 << 14),
@@ -29,9 +35,9 @@ INT_FIELDS = {
     "moe_intermediate_size": (1, 1 << 20),
     "shared_expert_intermediate_size": (1, 1 << 20),
     "vocab_size": (1, 1 << 24),
-    "num_experts": (0, 1 << 16),
-    "num_local_experts": (0, 1 << 16),
-    "num_experts_per_tok": (1, 1 << 16),
+    "num_experts": (0, MAX_EXPERTS),
+    "num_local_experts": (0, MAX_EXPERTS),
+    "num_experts_per_tok": (1, MAX_EXPERTS),
     "max_position_embeddings": (1, 1 << 31),
     "decoder_sparse_step": (1, 1 << 12),
 }
@@ -40,8 +46,6 @@ NULLABLE = {"head_dim", "num_key_value_heads", "max_position_embeddings"}
 # Float fields: (name, strictly positive?).
 FLOAT_FIELDS = (("rope_theta", True), ("rms_norm_eps", False))
 BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "mlp_bias", "attention_bias")
-QUANT_BITS = (1, 8)
-QUANT_GROUP = (1, 4096)
 
 # Sub-configs of multimodal wrappers that hold the language model's config.
 SUB_CONFIGS = ("text_config", "language_config", "llm_config")

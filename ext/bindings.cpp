@@ -1,4 +1,5 @@
-// Python bindings of engine._ext. Binding code only: no I/O or locking lives here.
+// Python bindings of engine._ext. Binding code only: no I/O, locking, validation or
+// format knowledge lives here (the native types check their own arguments).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -7,7 +8,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 #include "checksum.h"
@@ -15,6 +15,7 @@
 #include "expert_cache.h"
 #include "primitives.h"
 #include "router.h"
+#include "segment_dtypes.h"
 #include "slot_state.h"
 
 namespace nb = nanobind;
@@ -22,24 +23,6 @@ using namespace nb::literals;
 namespace mx = mlx::core;
 
 namespace {
-
-// The segment dtypes a pool can hold, by manifest name: the one table, exported to Python
-// as DTYPE_NAMES (engine.store builds its dtype map from it).
-const std::vector<std::pair<std::string, mx::Dtype>>& dtype_table() {
-  static const std::vector<std::pair<std::string, mx::Dtype>> table = {
-      {"bool", mx::bool_},     {"uint8", mx::uint8},     {"uint16", mx::uint16},
-      {"uint32", mx::uint32},  {"uint64", mx::uint64},   {"int8", mx::int8},
-      {"int16", mx::int16},    {"int32", mx::int32},     {"int64", mx::int64},
-      {"float16", mx::float16}, {"bfloat16", mx::bfloat16}, {"float32", mx::float32},
-  };
-  return table;
-}
-
-mx::Dtype dtype_from_name(const std::string& name) {
-  for (const auto& [n, dtype] : dtype_table())
-    if (n == name) return dtype;
-  throw std::invalid_argument("unsupported segment dtype '" + name + "'");
-}
 
 es::LayerSpec layer_from_dict(const nb::dict& d) {
   es::LayerSpec L;
@@ -52,7 +35,7 @@ es::LayerSpec layer_from_dict(const nb::dict& d) {
     nb::dict s = nb::cast<nb::dict>(item);
     es::Segment seg;
     seg.key = nb::cast<std::string>(s["key"]);
-    seg.dtype = dtype_from_name(nb::cast<std::string>(s["dtype"]));
+    seg.dtype = es::segment_dtype(nb::cast<std::string>(s["dtype"]));
     for (auto v : nb::cast<nb::list>(s["shape"])) seg.shape.push_back(nb::cast<int>(v));
     seg.offset = nb::cast<int64_t>(s["offset"]);
     seg.nbytes = nb::cast<int64_t>(s["nbytes"]);
@@ -70,36 +53,13 @@ nb::ndarray<nb::numpy, T> to_numpy(std::vector<T> v, std::vector<size_t> shape) 
 
 nb::dict stats_dict(const es::LayerStats& s) {
   nb::dict d;
-  d["hits"] = s.hits;
-  d["misses"] = s.misses;
-  d["loads"] = s.loads;
-  d["bytes_read"] = s.bytes_read;
-  d["side_hits"] = s.side_hits;
-  d["prefetch_issued"] = s.prefetch_issued;
-  d["prefetch_used"] = s.prefetch_used;
-  d["prefetch_wasted"] = s.prefetch_wasted;
-  d["prefetch_cancelled"] = s.prefetch_cancelled;
-  d["evictions"] = s.evictions;
-  d["overcap_calls"] = s.overcap_calls;
-  d["read_seconds"] = static_cast<double>(s.read_seconds_us) * 1e-6;
-  d["read_errors"] = s.read_errors;
-  d["acquire_seconds"] = static_cast<double>(s.acquire_seconds_us) * 1e-6;
-  d["pins_dropped"] = s.pins_dropped;
-  d["promotions"] = s.promotions;
-  d["promotions_declined"] = s.promotions_declined;
-  d["prefetch_late"] = s.prefetch_late;
-  d["io_uring_reads"] = s.io_uring_reads;
+  for (const auto& f : es::kStatFields) {
+    if (f.micros)
+      d[f.name] = static_cast<double>(s.*f.value) * 1e-6;
+    else
+      d[f.name] = s.*f.value;
+  }
   return d;
-}
-
-es::Fault fault_from_name(const std::string& name) {
-  if (name == "none") return es::Fault::kNone;
-  if (name == "eio") return es::Fault::kEIO;
-  if (name == "short_read") return es::Fault::kShortRead;
-  if (name == "corrupt") return es::Fault::kCorrupt;
-  if (name == "delay") return es::Fault::kDelay;
-  throw std::invalid_argument("unknown fault '" + name +
-                              "' (none, eio, short_read, corrupt, delay)");
 }
 
 // Docstrings of the Python API (engine._ext; engine/_ext.pyi is generated from them).
@@ -130,10 +90,10 @@ Args:
     decay_every: acquire calls per layer between LFU halvings (0: never).
     side_lfu: persistent LFU side region (bank 0) or the double buffer (both banks).
     sync: run prefetch fills inline where they are submitted.
-    verify: check each record's crc32 on every read.
-    uncached: bypass the page cache (O_DIRECT / F_NOCACHE).
-    threads: reader threads, >= 1.
-    read_timeout: seconds a demand read or a drain waits without progress, in
+    verify_checksums: check each record's crc32 on every read.
+    uncached_io: bypass the page cache (O_DIRECT / F_NOCACHE).
+    reader_threads: reader threads, >= 1.
+    read_timeout_s: seconds a demand read or a drain waits without progress, in
         [0, 86400] (0: forever).
     top_k: experts per token; calls of at most top_k ids teach the predictive policy
         (0: every call does).
@@ -145,7 +105,7 @@ Args:
         flight, where the kernel has it (see the io_uring property); else on the reader
         threads. Prefetch fills always use the reader threads.
     io_uring_depth: demand reads in flight through io_uring, one read buffer (a
-        record's stride) each, in [0, 4096] (0: threads + 1).
+        record's stride) each, in [0, 4096] (0: `io_uring_depth`'s).
 
 Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -153,6 +113,21 @@ Raises:
     ValueError: a count or option out of range, an unknown dtype, segments that do not
         fit the record.
     ExpertReadError: a blob file cannot be opened or has the wrong size.)";
+
+const char* kIoUringDepth = R"(Demand reads in flight through io_uring for a cache of
+`reader_threads` reader threads, `top_k` experts per token and records of `stride` bytes
+(one read buffer each): reader_threads + 1, raised to max(top_k, 8) while the buffers stay
+within 64 MiB, so that a token's misses of a layer go in one submission and small records
+get the queue depth the disk needs. What ExpertCache uses when its io_uring_depth is 0.)";
+
+const char* kPlannedBytes = R"(Bytes an ExpertCache allocates: for each MoE layer `rows[i]` pool
+rows of `record_bytes[i]` bytes and an expert table of `num_experts` int32, plus a read
+buffer of `stride` bytes per reader thread and, where `io_uring_depth` > 0, the io_uring
+region of that many buffers (each rounded as the cache allocates it: whole pages, huge
+pages from 1 MiB on, the region at least 2 MiB). 0 for no layer.
+
+Raises:
+    ValueError: rows and record_bytes differ in length.)";
 
 const char* kNumLayers = "MoE layers (pools).";
 const char* kNumExperts = "Experts per MoE layer (records per blob).";
@@ -371,9 +346,8 @@ Returns:
     dict: slot_expert (expert_slots,) int32 (-1: empty); slot_state (expert_slots,)
     uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
     side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
-    frequencies; stats, a dict of counters (hits, misses, loads, bytes_read, side_hits,
-    prefetch_issued, prefetch_used, prefetch_wasted, prefetch_cancelled, evictions,
-    overcap_calls, read_errors, io_uring_reads: int; read_seconds: float seconds).
+    frequencies; stats, a dict of the counters STAT_KEYS names (int; the *_seconds ones
+    float seconds).
 
 Raises:
     IndexError: `layer` out of range.)";
@@ -418,6 +392,9 @@ using Probs = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Vector = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// The keyword defaults of ExpertCache(): the native cache's own.
+const es::CacheConfig kDefaults{};
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -434,6 +411,10 @@ NB_MODULE(_ext, m) {
       "zlib's crc32 of `data`, as the cache checks every record it reads (the manifest's "
       "checksums): buffers of at least 1 MiB are split in 256 KiB chunks checked on helper "
       "threads and joined with crc32_combine. Returns an int in [0, 2**32).");
+  m.def("io_uring_depth", &es::io_uring_depth, "reader_threads"_a, "top_k"_a, "stride"_a,
+        doc::kIoUringDepth);
+  m.def("planned_bytes", &es::planned_bytes, "rows"_a, "record_bytes"_a, "num_experts"_a,
+        "reader_threads"_a, "stride"_a, "io_uring_depth"_a, doc::kPlannedBytes);
   // A function, not a constant: a constant's value would be written into the generated
   // stub, which must be the same whichever library the build found.
   m.def(
@@ -443,8 +424,15 @@ NB_MODULE(_ext, m) {
       "else \"zlib\" (the same values; libdeflate is several times faster).");
 
   nb::list dtype_names;
-  for (const auto& [name, dtype] : dtype_table()) dtype_names.append(name);
+  for (const auto& [name, dtype] : es::segment_dtypes()) dtype_names.append(name);
   m.attr("DTYPE_NAMES") = nb::tuple(dtype_names);
+  nb::list stat_keys;
+  for (const auto& f : es::kStatFields) stat_keys.append(f.name);
+  m.attr("STAT_KEYS") = nb::tuple(stat_keys);
+  nb::list policy_names;
+  for (int i = 0; i < es::kNumPolicies; ++i)
+    policy_names.append(es::policy_name(static_cast<es::Policy>(i)));
+  m.attr("POLICY_NAMES") = nb::tuple(policy_names);
   // Snapshot state codes: slot_state (es::SlotState) and side_state (es::RowState).
   m.attr("SLOT_EMPTY") = static_cast<int>(es::SlotState::kEmpty);
   m.attr("SLOT_RESIDENT") = static_cast<int>(es::SlotState::kResident);
@@ -454,6 +442,7 @@ NB_MODULE(_ext, m) {
   m.attr("ROW_FREE") = static_cast<int>(es::RowState::kFree);
   m.attr("ROW_IN_FLIGHT") = static_cast<int>(es::RowState::kInFlight);
   m.attr("ROW_PUBLISHED") = static_cast<int>(es::RowState::kPublished);
+  m.attr("NO_ROW") = static_cast<int>(es::kNoRow);
   // What ExpertCache.plan returns (es::ExpertCache::Plan).
   m.attr("PLAN_TABLE") = static_cast<int>(es::ExpertCache::kPlanTable);
   m.attr("PLAN_STREAM") = static_cast<int>(es::ExpertCache::kPlanStream);
@@ -468,13 +457,9 @@ NB_MODULE(_ext, m) {
       .def(
           "__init__",
           [](RouterHandle* self, Matrix weight, Vector bias) {
-            if (bias.shape(0) != weight.shape(0))
-              throw std::invalid_argument("router: weight has " +
-                                          std::to_string(weight.shape(0)) + " rows, bias " +
-                                          std::to_string(bias.shape(0)) + " values");
             new (self) RouterHandle{std::make_shared<const es::Router>(
-                weight.data(), bias.data(), static_cast<int>(weight.shape(0)),
-                static_cast<int>(weight.shape(1)))};
+                weight.data(), static_cast<int>(weight.shape(0)),
+                static_cast<int>(weight.shape(1)), bias.data(), static_cast<int>(bias.shape(0)))};
           },
           "weight"_a, "bias"_a)
       .def_prop_ro("num_experts", [](const RouterHandle& r) { return r.impl->num_experts(); })
@@ -482,13 +467,9 @@ NB_MODULE(_ext, m) {
       .def(
           "top",
           [](const RouterHandle& r, Vector x, int budget) {
-            if (static_cast<int64_t>(x.shape(0)) != r.impl->hidden())
-              throw std::invalid_argument("router: x has " + std::to_string(x.shape(0)) +
-                                          " values, hidden is " +
-                                          std::to_string(r.impl->hidden()));
             const size_t n = static_cast<size_t>(std::max(budget, 0));
             std::vector<int32_t> out(n);
-            r.impl->top(x.data(), budget, out.data());
+            r.impl->top(x.data(), x.shape(0), budget, out.data());
             return to_numpy(std::move(out), {n});
           },
           "x"_a, "budget"_a, doc::kRouterTop);
@@ -497,67 +478,61 @@ NB_MODULE(_ext, m) {
       .def(
           "__init__",
           [](Cache* self, nb::list layers, int num_experts, int expert_slots, int side_slots,
-             int scratch_slots,
-             const std::string& policy, int decay_every, bool side_lfu, bool sync, bool verify,
-             bool uncached, int threads, double read_timeout, int top_k,
-             const std::vector<int>& layer_slots, const std::vector<int>& layer_side_slots,
-             bool io_uring, int io_uring_depth) {
+             int scratch_slots, const std::string& policy, int decay_every, bool side_lfu,
+             bool sync, bool verify_checksums, bool uncached_io, int reader_threads,
+             double read_timeout_s, int top_k, const std::vector<int>& layer_slots,
+             const std::vector<int>& layer_side_slots, bool io_uring, int io_uring_depth) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
-            es::CacheConfig c;
-            c.cap = expert_slots;
-            c.layer_caps = layer_slots;
-            c.spec = side_slots;
-            c.layer_specs = layer_side_slots;
-            c.scratch = scratch_slots;
-            c.policy = es::policy_from_name(policy);
-            if (top_k < 0) throw std::invalid_argument("top_k must be >= 0");
-            c.top_k = top_k;
-            c.decay_every = decay_every;
-            c.side_lfu = side_lfu;
-            c.sync = sync;
-            c.verify = verify;
-            c.uncached = uncached;
-            c.threads = threads;
-            c.io_uring = io_uring;
-            if (io_uring_depth < 0 || io_uring_depth > 4096)
-              throw std::invalid_argument("io_uring_depth must be in [0, 4096], got " +
-                                          std::to_string(io_uring_depth));
-            c.io_uring_depth = io_uring_depth;
-            if (!(read_timeout >= 0 && read_timeout <= 86400))
-              throw std::invalid_argument("read_timeout must be in [0, 86400] seconds, got " +
-                                          std::to_string(read_timeout));
-            c.read_timeout_ms = static_cast<int>(std::lround(read_timeout * 1000));
-            if (read_timeout > 0 && c.read_timeout_ms == 0) c.read_timeout_ms = 1;
+            const es::CacheConfig c{.expert_slots = expert_slots,
+                                    .layer_slots = layer_slots,
+                                    .side_slots = side_slots,
+                                    .layer_side_slots = layer_side_slots,
+                                    .scratch_slots = scratch_slots,
+                                    .policy = es::policy_from_name(policy),
+                                    .top_k = top_k,
+                                    .decay_every = decay_every,
+                                    .side_lfu = side_lfu,
+                                    .sync = sync,
+                                    .verify_checksums = verify_checksums,
+                                    .uncached_io = uncached_io,
+                                    .reader_threads = reader_threads,
+                                    .read_timeout_s = read_timeout_s,
+                                    .io_uring = io_uring,
+                                    .io_uring_depth = io_uring_depth};
             new (self) Cache{std::make_shared<es::ExpertCache>(std::move(specs), num_experts, c)};
           },
-          "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = 0, "scratch_slots"_a = 1,
-          "policy"_a = "predictive", "decay_every"_a = 256, "side_lfu"_a = true,
-          "sync"_a = false, "verify"_a = true, "uncached"_a = true, "threads"_a = 2,
-          "read_timeout"_a = 30.0, "top_k"_a = 0, "layer_slots"_a = std::vector<int>{},
-          "layer_side_slots"_a = std::vector<int>{}, "io_uring"_a = true,
-          "io_uring_depth"_a = 0, doc::kInit)
+          "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = kDefaults.side_slots,
+          "scratch_slots"_a = kDefaults.scratch_slots,
+          "policy"_a = std::string(es::policy_name(kDefaults.policy)),
+          "decay_every"_a = kDefaults.decay_every, "side_lfu"_a = kDefaults.side_lfu,
+          "sync"_a = kDefaults.sync, "verify_checksums"_a = kDefaults.verify_checksums,
+          "uncached_io"_a = kDefaults.uncached_io, "reader_threads"_a = kDefaults.reader_threads,
+          "read_timeout_s"_a = kDefaults.read_timeout_s, "top_k"_a = kDefaults.top_k,
+          "layer_slots"_a = std::vector<int>{}, "layer_side_slots"_a = std::vector<int>{},
+          "io_uring"_a = kDefaults.io_uring, "io_uring_depth"_a = kDefaults.io_uring_depth,
+          doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
                    doc::kNumExperts)
       .def("rows", [](const Cache& c, int li) { return c.impl->rows(li); }, "layer"_a,
            doc::kRows)
-      .def_prop_ro("layer_slots", [](const Cache& c) { return c.impl->caps(); },
+      .def_prop_ro("layer_slots", [](const Cache& c) { return c.impl->layer_slots(); },
                    doc::kLayerSlots)
       .def_prop_ro(
           "expert_slots",
           [](const Cache& c) {
-            const auto& caps = c.impl->caps();
-            return caps.empty() ? 0 : *std::max_element(caps.begin(), caps.end());
+            const auto& slots = c.impl->layer_slots();
+            return slots.empty() ? 0 : *std::max_element(slots.begin(), slots.end());
           },
           doc::kExpertSlots)
-      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().spec; },
+      .def_prop_ro("side_slots", [](const Cache& c) { return c.impl->config().side_slots; },
                    doc::kSideSlots)
-      .def_prop_ro("layer_side_slots", [](const Cache& c) { return c.impl->specs(); },
+      .def_prop_ro("layer_side_slots", [](const Cache& c) { return c.impl->layer_side_slots(); },
                    doc::kLayerSideSlots)
       .def_prop_ro("io_uring", [](const Cache& c) { return c.impl->io_uring(); }, doc::kIoUring)
-      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch; },
+      .def_prop_ro("scratch_slots", [](const Cache& c) { return c.impl->config().scratch_slots; },
                    doc::kScratchSlots)
       .def_prop_ro("pool_writes", [](const Cache& c) { return c.impl->pool_writes(); },
                    doc::kPoolWrites)
@@ -686,10 +661,10 @@ NB_MODULE(_ext, m) {
               nb::gil_scoped_release release;
               s = c.impl->snapshot(li);
             }
-            size_t cap = s.slot_expert.size(), side = s.side_expert.size(), e = s.freq.size();
+            size_t slots = s.slot_expert.size(), side = s.side_expert.size(), e = s.freq.size();
             nb::dict d;
-            d["slot_expert"] = to_numpy(std::move(s.slot_expert), {cap});
-            d["slot_state"] = to_numpy(std::move(s.slot_state), {cap});
+            d["slot_expert"] = to_numpy(std::move(s.slot_expert), {slots});
+            d["slot_state"] = to_numpy(std::move(s.slot_state), {slots});
             d["side_expert"] = to_numpy(std::move(s.side_expert), {side});
             d["side_state"] = to_numpy(std::move(s.side_state), {side});
             d["freq"] = to_numpy(std::move(s.freq), {e});
@@ -700,7 +675,7 @@ NB_MODULE(_ext, m) {
       .def(
           "inject_fault",
           [](Cache& c, int li, const std::string& kind, int expert, int count, int delay_ms) {
-            c.impl->inject_fault(li, fault_from_name(kind), expert, count, delay_ms);
+            c.impl->inject_fault(li, es::fault_from_name(kind), expert, count, delay_ms);
           },
           "layer"_a, "kind"_a, "expert"_a = -1, "count"_a = 1, "delay_ms"_a = 0, doc::kInjectFault);
 }

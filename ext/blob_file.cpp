@@ -9,26 +9,43 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 #include "checksum.h"
 
 namespace es {
 
+Fault fault_from_name(const std::string& name) {
+  if (name == "none") return Fault::kNone;
+  if (name == "eio") return Fault::kEIO;
+  if (name == "short_read") return Fault::kShortRead;
+  if (name == "corrupt") return Fault::kCorrupt;
+  if (name == "delay") return Fault::kDelay;
+  throw std::invalid_argument("unknown fault '" + name +
+                              "' (none, eio, short_read, corrupt, delay)");
+}
+
 namespace {
 constexpr size_t kAlign = 4096;
 constexpr size_t kHugePage = size_t{2} << 20;
 
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+// Buffers of a megabyte or more are aligned to 2 MiB and backed by huge pages where the
+// kernel allows it: uncached reads into them pin far fewer pages per read than into 4 KiB
+// pages, for several times the bandwidth.
+size_t alignment(size_t bytes) { return bytes >= (size_t{1} << 20) ? kHugePage : kAlign; }
 }  // namespace
 
+size_t AlignedBuffer::allocated_bytes(size_t bytes) {
+  const size_t align = alignment(bytes);
+  const size_t rounded = (bytes + align - 1) / align * align;
+  return rounded == 0 ? kAlign : rounded;
+}
+
 AlignedBuffer::AlignedBuffer(size_t bytes) : size_(bytes) {
-  // Buffers of a megabyte or more are aligned to 2 MiB and backed by huge pages where
-  // the kernel allows it: uncached reads into them ran at 2-3x the bandwidth of 4 KiB
-  // pages here (fewer page pins per read).
-  const size_t align = bytes >= (size_t{1} << 20) ? kHugePage : kAlign;
-  size_t rounded = (bytes + align - 1) / align * align;
-  if (rounded == 0) rounded = kAlign;
+  const size_t align = alignment(bytes), rounded = allocated_bytes(bytes);
   void* p = nullptr;
   if (posix_memalign(&p, align, rounded) != 0) throw std::bad_alloc();
 #if defined(__linux__)

@@ -17,8 +17,11 @@
 
 namespace es {
 
-// A test-only fault to inject into reads (issue 6). kNone costs one branch.
+// A test-only fault to inject into reads. kNone costs one branch.
 enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kCorrupt = 3, kDelay = 4 };
+// The fault named "none", "eio", "short_read", "corrupt" or "delay"; std::invalid_argument
+// naming the choices otherwise.
+Fault fault_from_name(const std::string& name);
 
 class BlobFile {
  public:
@@ -100,6 +103,9 @@ class AlignedBuffer {
  public:
   explicit AlignedBuffer(size_t bytes);
   ~AlignedBuffer();
+  // The bytes a buffer of `bytes` allocates: rounded up to 4 KiB, or to 2 MiB (huge
+  // pages) from 1 MiB on.
+  static size_t allocated_bytes(size_t bytes);
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
   uint8_t* data() const { return data_; }

@@ -1,15 +1,13 @@
 // The crc32 of a record, as the store's manifest records it (zlib's crc32, the polynomial
 // of gzip and PNG; docs/store-format.md), computed by libdeflate where the build found it
-// (carry-less multiply), else by zlib. Measured on this project's x86-64 CI machine: a
-// 61 KB record in 6 us with libdeflate, 27 us with zlib (about 10 and 2 GB/s).
+// (carry-less multiply, several times zlib's rate), else by zlib.
 //
 // At zlib's rate a 30B-class expert record (2.8 MB) takes longer to check than to read
 // from an NVMe disk, and the thread that waits for a batch of reads (io_uring,
-// ext/ring_reader.h) checks each record in turn: measured on an H200 host (zlib), 2.8 MB
-// records read at 0.54-0.65 of the disk's rate with checksums on, 1.0 with them off. So
-// a large buffer is split into chunks that helper threads and the caller check side by
-// side, joined with zlib's crc32_combine (the crc of a concatenation from the crcs of its
-// parts).
+// ext/ring_reader.h) checks each record in turn, so checksums alone would hold reads well
+// below the disk's rate. A large buffer is therefore split into chunks that helper threads
+// and the caller check side by side, joined with zlib's crc32_combine (the crc of a
+// concatenation from the crcs of its parts).
 #pragma once
 
 #include <cstddef>

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
@@ -42,7 +43,8 @@ void check_layer(int li, int n) {
 }
 
 // A failed allocation, with what was asked for and why (Python: MemoryError). MLX's
-// allocator returns a null buffer instead of throwing, which used to be written through.
+// allocator returns a null buffer instead of throwing, so every allocation is checked
+// (checked_malloc) rather than written through.
 struct PoolAllocError : std::bad_alloc {
   explicit PoolAllocError(std::string m) : msg(std::move(m)) {}
   const char* what() const noexcept override { return msg.c_str(); }
@@ -98,6 +100,29 @@ struct ExpertCache::FillTicket {
   std::atomic<bool> reading{false};  // a reader thread took the fill (it is not queued)
 };
 
+int io_uring_depth(int reader_threads, int top_k, int64_t stride) {
+  const int64_t wanted =
+      std::min<int64_t>(std::max(top_k, 8), kIoUringExtraBytes / std::max<int64_t>(stride, 1));
+  return static_cast<int>(std::max<int64_t>(std::max(reader_threads, 1) + 1, wanted));
+}
+
+size_t planned_bytes(const std::vector<int>& rows, const std::vector<int64_t>& record_bytes,
+                     int num_experts, int reader_threads, int64_t stride, int io_uring_depth) {
+  if (rows.size() != record_bytes.size())
+    throw std::invalid_argument("planned_bytes: " + std::to_string(rows.size()) + " rows for " +
+                                std::to_string(record_bytes.size()) + " record sizes");
+  if (rows.empty()) return 0;
+  size_t total = 0;
+  for (size_t li = 0; li < rows.size(); ++li)
+    total += static_cast<size_t>(rows[li]) * static_cast<size_t>(record_bytes[li]) +
+             sizeof(int32_t) * static_cast<size_t>(num_experts);
+  const auto buffer = static_cast<size_t>(stride);
+  total += static_cast<size_t>(reader_threads) * AlignedBuffer::allocated_bytes(buffer);
+  if (io_uring_depth > 0)
+    total += IoRing::region_bytes(static_cast<unsigned>(io_uring_depth), buffer);
+  return total;
+}
+
 ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheConfig config)
     : layers_(std::move(layers)),
       num_experts_(num_experts),
@@ -106,23 +131,38 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       side_lfu_(config.side_lfu),
       sync_(config.sync) {
   if (num_experts_ < 1) throw std::invalid_argument("num_experts must be >= 1");
-  caps_ = per_layer(config_.layer_caps, config_.cap, layers_.size(), "expert slots");
-  for (int c : caps_)
+  slots_ = per_layer(config_.layer_slots, config_.expert_slots, layers_.size(), "expert slots");
+  for (int c : slots_)
     if (c < 1 || c > num_experts_)
-      throw std::invalid_argument("expert slots (cap) must be in [1, " +
+      throw std::invalid_argument("expert slots must be in [1, " +
                                   std::to_string(num_experts_) + "], got " + std::to_string(c));
-  specs_ = per_layer(config_.layer_specs, config_.spec, layers_.size(), "side rows");
-  // config.spec is the widest layer's (snapshots are padded to it) and the prediction size
-  for (int sp : specs_)
-    if (sp < 0 || sp > config_.spec)
+  side_slots_ =
+      per_layer(config_.layer_side_slots, config_.side_slots, layers_.size(), "side rows");
+  // config.side_slots is the widest layer's (snapshots are padded to it) and the
+  // prediction size
+  for (int sp : side_slots_)
+    if (sp < 0 || sp > config_.side_slots)
       throw std::invalid_argument("side rows per layer must be in [0, " +
-                                  std::to_string(config_.spec) + "], got " + std::to_string(sp));
-  if (config_.scratch < 1) throw std::invalid_argument("scratch rows must be >= 1");
+                                  std::to_string(config_.side_slots) + "], got " +
+                                  std::to_string(sp));
+  if (config_.scratch_slots < 1) throw std::invalid_argument("scratch rows must be >= 1");
+  if (config_.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
+  if (config_.io_uring_depth < 0 || config_.io_uring_depth > kMaxIoUringDepth)
+    throw std::invalid_argument("io_uring_depth must be in [0, " +
+                                std::to_string(kMaxIoUringDepth) + "], got " +
+                                std::to_string(config_.io_uring_depth));
+  if (!(config_.read_timeout_s >= 0 && config_.read_timeout_s <= kMaxReadTimeoutS))
+    throw std::invalid_argument("read_timeout_s must be in [0, " +
+                                std::to_string(static_cast<int>(kMaxReadTimeoutS)) +
+                                "] seconds, got " + std::to_string(config_.read_timeout_s));
+  // A positive timeout below half a millisecond still waits (1 ms), never forever.
+  read_timeout_ms_ = static_cast<int>(std::lround(config_.read_timeout_s * 1000));
+  if (config_.read_timeout_s > 0 && read_timeout_ms_ == 0) read_timeout_ms_ = 1;
   for (size_t li = 0; li < layers_.size(); ++li) {
     const int rows = this->rows(static_cast<int>(li));
     const auto& L = layers_[li];
     files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
-                                                L.record_bytes, L.checksums, config_.uncached));
+                                                L.record_bytes, L.checksums, config_.uncached_io));
     std::vector<mx::array> arrays;
     std::vector<uint8_t*> ptrs;
     int64_t end = 0;
@@ -149,26 +189,27 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
                                   " bytes, record_bytes is " + std::to_string(L.record_bytes));
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
-    real_.emplace_back(caps_[li], num_experts_, config_.policy, config_.decay_every);
+    real_.emplace_back(slots_[li], num_experts_, config_.policy, config_.decay_every);
     side_.push_back(side_ledgers(static_cast<int>(li), side_lfu_));
-    loading_.emplace_back(caps_[li], 0);
+    loading_.emplace_back(slots_[li], 0);
     mx::array table(checked_malloc(sizeof(int32_t) * num_experts_, L.path + " expert table"),
                     {num_experts_}, mx::int32);
     std::fill_n(table.data<int32_t>(), num_experts_, -1);
     tables_.push_back(std::move(table));
     complete_.push_back(0);
-    fill_tickets_.emplace_back(2 * static_cast<size_t>(specs_[li]));
+    fill_tickets_.emplace_back(2 * static_cast<size_t>(side_slots_[li]));
   }
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
   last_forward_.assign(layers_.size(), 0);
   router_hint_.resize(layers_.size());
-  readers_ = std::make_unique<ReaderPool>(config_.threads);
+  readers_ = std::make_unique<ReaderPool>(config_.reader_threads);
   if (config_.io_uring && !layers_.empty()) {
     int64_t stride = 0;
     for (const auto& L : layers_) stride = std::max(stride, L.stride);
-    const int depth = config_.io_uring_depth > 0 ? config_.io_uring_depth
-                                                 : std::max(config_.threads, 1) + 1;
+    const int depth = config_.io_uring_depth > 0
+                          ? config_.io_uring_depth
+                          : io_uring_depth(config_.reader_threads, config_.top_k, stride);
     ring_ = RingReader::create(static_cast<unsigned>(depth), static_cast<size_t>(stride),
                                &writer_);
   }
@@ -183,13 +224,13 @@ int ExpertCache::read_gen() const { return side_lfu_ ? 0 : static_cast<int>((for
 int ExpertCache::fill_gen() const { return side_lfu_ ? 0 : static_cast<int>(forward_ % 2); }
 
 std::vector<SideLedger> ExpertCache::side_ledgers(int li, bool lfu) const {
-  // Persistent LFU mode: one ledger over both banks' rows (2 x spec), so the rows the double
-  // buffer needs hold predicted experts too. On the embedded model at 8 of 32 experts with
-  // 8 side rows per bank this cut fills from 16.4 to 6.3 per decode token and misses from
-  // 2.63 to 2.07 (2026-11-30). Row r of ledger g is pool row cap + g * spec + r either way.
-  const int spec = specs_[li];
-  if (lfu) return {SideLedger(2 * spec, num_experts_)};
-  return {SideLedger(spec, num_experts_), SideLedger(spec, num_experts_)};
+  // Persistent LFU mode: one ledger over both banks' rows (2 x side), so the rows the double
+  // buffer needs hold predicted experts too: fewer fills and fewer misses per decode token
+  // than two banks filled in turn. Row r of ledger g is pool row slots + g * side + r either
+  // way.
+  const int side = side_slots_[li];
+  if (lfu) return {SideLedger(2 * side, num_experts_)};
+  return {SideLedger(side, num_experts_), SideLedger(side, num_experts_)};
 }
 
 void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
@@ -237,7 +278,7 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
                       : std::make_exception_ptr(ReadTimeout(
                             files_[li]->where(loads[i].first) +
                             ": read timed out (no read finished within " +
-                            duration_text(config_.read_timeout_ms) +
+                            duration_text(read_timeout_ms_) +
                             "; is the storage responding?)"));
   }
   if (tally) {
@@ -258,7 +299,7 @@ bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& load
     experts.push_back(e);
   }
   return ring_->read(
-      *files_[li], experts, config_.verify, config_.read_timeout_ms,
+      *files_[li], experts, config_.verify_checksums, read_timeout_ms_,
       [&](size_t i, const uint8_t* bytes) { copy_record(li, bytes, loads[i].second); }, landed,
       errors);
 }
@@ -281,7 +322,7 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
       std::exception_ptr err;
       try {
         buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), writer_);
-        files_[li]->read_record(e, buf, config_.verify);
+        files_[li]->read_record(e, buf, config_.verify_checksums);
       } catch (...) {
         err = std::current_exception();
       }
@@ -325,11 +366,11 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
     }
   };
   if (submit_error) abandon_pending();
-  const auto timeout = std::chrono::milliseconds(config_.read_timeout_ms);
+  const auto timeout = std::chrono::milliseconds(read_timeout_ms_);
   while (batch->settled < n) {
     const size_t before = batch->settled;
     auto progressed = [&] { return batch->settled != before; };
-    if (config_.read_timeout_ms <= 0) {
+    if (read_timeout_ms_ <= 0) {
       batch->cv.wait(lk, progressed);
     } else if (!batch->cv.wait_for(lk, timeout, progressed)) {
       abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
@@ -358,11 +399,11 @@ void ExpertCache::drain_locked(std::unique_lock<std::mutex>& lk) {
   lk.unlock();
   readers_->cancel_prefetches();  // runs the cancelled tasks, which take mu_
   lk.lock();
-  const auto timeout = std::chrono::milliseconds(config_.read_timeout_ms);
+  const auto timeout = std::chrono::milliseconds(read_timeout_ms_);
   while (inflight_ > 0) {
     const uint64_t before = fills_settled_;
     auto progressed = [&] { return inflight_ == 0 || fills_settled_ != before; };
-    if (config_.read_timeout_ms <= 0) {
+    if (read_timeout_ms_ <= 0) {
       drained_cv_.wait(lk, progressed);
     } else if (!drained_cv_.wait_for(lk, timeout, progressed)) {
       abandon_stuck_fills_locked();
@@ -374,9 +415,9 @@ void ExpertCache::abandon_stuck_fills_locked() {
   for (size_t li = 0; li < side_.size(); ++li) {
     for (int g = 0; g < static_cast<int>(side_[li].size()); ++g) {
       auto& S = side_[li][g];
-      for (int row = 0; row < S.spec(); ++row) {
+      for (int row = 0; row < S.rows(); ++row) {
         if (S.state(row) != RowState::kInFlight) continue;
-        const auto& t = fill_tickets_[li][static_cast<size_t>(g * specs_[li] + row)];
+        const auto& t = fill_tickets_[li][static_cast<size_t>(g * side_slots_[li] + row)];
         int expect = kPending;
         if (!t || !t->state.compare_exchange_strong(expect, kAbandoned)) continue;
         S.abandon(S.expert_at(row), row);
@@ -418,7 +459,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
   raise_stream_error();
   std::lock_guard<std::mutex> lk(mu_);
   auto& R = real_[li];
-  if (!complete_[li] && caps_[li] == num_experts_) {
+  if (!complete_[li] && slots_[li] == num_experts_) {
     bool all = true;
     for (int e = 0; e < num_experts_ && all; ++e) all = R.slot_of(e) >= 0;
     if (all) {
@@ -431,7 +472,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
     stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;
   }
-  return n <= caps_[li] - R.pinned_count() ? kPlanStream : kPlanSync;
+  return n <= slots_[li] - R.pinned_count() ? kPlanStream : kPlanSync;
 }
 
 std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local, size_t n) {
@@ -453,14 +494,14 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   auto& R = real_[li];
   auto& S = side_[li][read_gen()];
   auto& st = stats_[li];
-  const int cap = caps_[li];
-  const int side_base = cap + read_gen() * specs_[li];
+  const int slots = slots_[li];
+  const int side_base = slots + read_gen() * side_slots_[li];
   ++tick_;
 
   // Distinct experts of this call, in first-seen order, with their row (-1: miss).
   std::unordered_map<int, int> row_of;
   std::vector<int> order;
-  std::vector<uint8_t> busy(cap, 0);
+  std::vector<uint8_t> busy(slots, 0);
   for (size_t i = 0; i < n; ++i) {
     int e = ids[i];
     if (e < 0 || e >= num_experts_)
@@ -490,11 +531,11 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     if (row_of[e] >= 0) continue;
     int r = S.in_flight(e);
     if (r < 0) continue;
-    const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * specs_[li] + r)];
+    const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * side_slots_[li] + r)];
     if (!t || !t->reading) continue;
     auto settled = [&] { return S.in_flight(e) < 0; };
-    if (config_.read_timeout_ms > 0) {
-      drained_cv_.wait_for(lk, std::chrono::milliseconds(config_.read_timeout_ms), settled);
+    if (read_timeout_ms_ > 0) {
+      drained_cv_.wait_for(lk, std::chrono::milliseconds(read_timeout_ms_), settled);
     } else {
       drained_cv_.wait(lk, settled);
     }
@@ -521,7 +562,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     if (row_of[e] < 0) missing.push_back(e);
 
   int evictable = 0;
-  for (int s = 0; s < cap; ++s) {
+  for (int s = 0; s < slots; ++s) {
     int e = R.expert_at(s);
     evictable += !busy[s] && (e < 0 || !R.pinned(e));
   }
@@ -555,7 +596,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   // left, so that their next use is a real hit whatever the side region does meanwhile.
   for (int e : order) {
     int row = row_of[e];
-    if (row < cap) continue;  // a real hit or a miss
+    if (row < slots) continue;  // a real hit or a miss
     int slot = R.promotion_slot(e, busy);
     if (slot < 0) {
       ++st.promotions_declined;
@@ -609,13 +650,13 @@ std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<i
 int ExpertCache::fill(int li) {
   check_layer(li, num_layers());
   std::unique_lock<std::mutex> lk(mu_);
-  if (caps_[li] != num_experts_)
+  if (slots_[li] != num_experts_)
     throw std::invalid_argument("fill: MoE layer " + std::to_string(li) + " has " +
-                                std::to_string(caps_[li]) + " real slots for " +
+                                std::to_string(slots_[li]) + " real slots for " +
                                 std::to_string(num_experts_) + " experts");
   auto& R = real_[li];
-  std::vector<int> free;  // cap == num_experts: one for every absent expert
-  for (int s = 0; s < caps_[li]; ++s)
+  std::vector<int> free;  // slots == num_experts: one for every absent expert
+  for (int s = 0; s < slots_[li]; ++s)
     if (R.expert_at(s) < 0 && !loading_[li][s]) free.push_back(s);
   std::vector<std::pair<int, int>> loads;  // (expert, slot)
   for (int e = 0; e < num_experts_; ++e) {
@@ -650,11 +691,11 @@ void ExpertCache::hint(int li, const float* probs, size_t n) {
 
 std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts) {
   check_layer(li, num_layers());
-  if (static_cast<int>(experts.size()) > config_.scratch)
+  if (static_cast<int>(experts.size()) > config_.scratch_slots)
     throw std::invalid_argument("load_scratch: " + std::to_string(experts.size()) +
-                                " experts for " + std::to_string(config_.scratch) +
+                                " experts for " + std::to_string(config_.scratch_slots) +
                                 " scratch rows");
-  const int base = caps_[li] + 2 * specs_[li];
+  const int base = slots_[li] + 2 * side_slots_[li];
   std::vector<std::pair<int, int>> loads;
   std::vector<int> rows;
   for (size_t i = 0; i < experts.size(); ++i) {
@@ -679,8 +720,8 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
     const auto [e, row] = loads[i];
     if (!landed[i] || R.slot_of(e) >= 0) continue;
     int slot = 0;
-    while (slot < caps_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
-    if (slot == caps_[li]) break;
+    while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
+    if (slot == slots_[li]) break;
     try {
       copy_row(li, row, slot);
     } catch (const std::exception&) {
@@ -709,7 +750,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     bool read = false;
     try {
       buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), writer_);
-      files_[li]->read_record(expert, buf, config_.verify);
+      files_[li]->read_record(expert, buf, config_.verify_checksums);
       read = true;
     } catch (...) {
       // a failed prefetch only costs a later demand read
@@ -717,7 +758,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     int expect = kPending;
     if (read && t->state.compare_exchange_strong(expect, kCopying)) {
       try {
-        copy_record(li, buf, caps_[li] + gen * specs_[li] + row);
+        copy_record(li, buf, slots_[li] + gen * side_slots_[li] + row);
         landed = true;
       } catch (...) {
         t->state.store(kPending);  // settled Failed below, or Abandoned by a drain: released
@@ -749,7 +790,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
 
 void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
   check_layer(li, num_layers());
-  if (specs_[li] == 0) return;
+  if (side_slots_[li] == 0) return;
   std::vector<std::pair<int, int>> todo;
   std::vector<std::shared_ptr<FillTicket>> tickets;
   int gen;
@@ -774,7 +815,7 @@ void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
     inflight_ += static_cast<int>(todo.size());
     for (auto [e, row] : todo) {
       auto t = std::make_shared<FillTicket>();
-      fill_tickets_[li][static_cast<size_t>(gen * specs_[li] + row)] = t;
+      fill_tickets_[li][static_cast<size_t>(gen * side_slots_[li] + row)] = t;
       tickets.push_back(std::move(t));
     }
   }
@@ -797,11 +838,11 @@ void ExpertCache::pin(int li, int expert) {
   std::unique_lock<std::mutex> lk(mu_);
   auto& R = real_[li];
   if (R.slot_of(expert) < 0) {
-    if (R.pinned_count() + 1 >= caps_[li])
+    if (R.pinned_count() + 1 >= slots_[li])
       throw std::invalid_argument("pinning expert " + std::to_string(expert) + " of MoE layer " +
-                                  std::to_string(li) + " would leave no evictable slot (cap " +
-                                  std::to_string(caps_[li]) + ")");
-    std::vector<uint8_t> busy(caps_[li], 0);
+                                  std::to_string(li) + " would leave no evictable slot (" +
+                                  std::to_string(slots_[li]) + " real slots)");
+    std::vector<uint8_t> busy(slots_[li], 0);
     int slot = R.choose_victim(busy);
     if (R.expert_at(slot) >= 0) {
       ++stats_[li].evictions;
@@ -810,10 +851,10 @@ void ExpertCache::pin(int li, int expert) {
     ++tick_;
     if (std::exception_ptr err = load_slots(li, {{expert, slot}}, lk))
       std::rethrow_exception(err);  // the slot stays empty
-  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= caps_[li]) {
+  } else if (!R.pinned(expert) && R.pinned_count() + 1 >= slots_[li]) {
     throw std::invalid_argument("pinning expert " + std::to_string(expert) +
-                                " would leave no evictable slot (cap " +
-                                std::to_string(caps_[li]) + ")");
+                                " would leave no evictable slot (" +
+                                std::to_string(slots_[li]) + " real slots)");
   }
   R.set_pinned(expert, true);
 }
@@ -856,7 +897,7 @@ void ExpertCache::reset() {
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
   for (size_t li = 0; li < real_.size(); ++li) {
-    real_[li] = RealRegion(caps_[li], num_experts_, config_.policy, config_.decay_every);
+    real_[li] = RealRegion(slots_[li], num_experts_, config_.policy, config_.decay_every);
     complete_[li] = 0;  // plan() refills the table once every expert is resident again
     last_experts_[li].clear();
     router_hint_[li].clear();
@@ -870,9 +911,9 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   std::lock_guard<std::mutex> lk(mu_);
   const auto& R = real_[li];
   LayerSnapshot s;
-  s.slot_expert.resize(caps_[li]);
-  s.slot_state.resize(caps_[li]);
-  for (int k = 0; k < caps_[li]; ++k) {
+  s.slot_expert.resize(slots_[li]);
+  s.slot_state.resize(slots_[li]);
+  for (int k = 0; k < slots_[li]; ++k) {
     int e = R.expert_at(k);
     s.slot_expert[k] = e;
     SlotState state = e < 0 ? SlotState::kEmpty
@@ -885,7 +926,7 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
     s.slot_state[k] = static_cast<uint8_t>(state);
   }
   for (const auto& S : side_[li]) {
-    for (int r = 0; r < S.spec(); ++r) {
+    for (int r = 0; r < S.rows(); ++r) {
       s.side_expert.push_back(S.expert_at(r));
       s.side_state.push_back(static_cast<uint8_t>(S.state(r)));
     }

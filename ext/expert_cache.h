@@ -1,15 +1,16 @@
 // ExpertCache: all expert-streaming state of one loaded store (no globals).
 //
 // Per MoE layer it owns the pool: one MLX array per segment key, shaped
-// (rows, *segment_shape) with rows = cap + 2 * spec + scratch, cap and spec the layer's own
-// (config.layer_caps, layer_specs: a layer no prefetch fills has spec 0, its rows real):
-//   [0, cap)                      real region (demand-loaded, LFU/LRU, pinning)
-//   [cap + g*spec, cap+(g+1)*spec) side region bank g (prefetch): the legacy double
+// (rows, *segment_shape) with rows = slots + 2 * side + scratch_slots, slots and side the
+// layer's own real slots and side rows per bank (config.layer_slots, layer_side_slots: a
+// layer no prefetch fills has no side rows, its rows real):
+//   [0, slots)                    real region (demand-loaded, LFU/LRU, pinning)
+//   [slots + g*side, slots+(g+1)*side) side region bank g (prefetch): the legacy double
 //                                  buffer fills one bank while it reads the other; the
 //                                  persistent LFU mode keeps one ledger over both banks'
-//                                  2*spec rows. The mode switches at a forward boundary
+//                                  2*side rows. The mode switches at a forward boundary
 //                                  by rebuilding the ledgers, not the pool
-//   [cap + 2*spec, rows)          scratch rows that stream an over-capacity call's
+//   [slots + 2*side, rows)        scratch rows that stream an over-capacity call's
 //                                  misses chunk by chunk, evicting nothing from the real
 //                                  region (they only fill its empty slots, by row copies)
 // Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
@@ -17,7 +18,7 @@
 // Reads: every record is read into a buffer of the reader's own (a reader thread's, or
 // the io_uring's of demand reads, see config.io_uring) and copied into a pool row only
 // after the read and its checksum succeeded, and only if nobody gave up on it: a read
-// abandoned on timeout (demand reads and drains wait at most `read_timeout_ms` without
+// abandoned on timeout (demand reads and drains wait at most `read_timeout_s` without
 // progress) can never write a row, however late it returns.
 #pragma once
 
@@ -57,27 +58,53 @@ struct LayerSpec {
   std::vector<uint32_t> checksums;
 };
 
+// The settings of one cache, named as engine.config.StreamConfig names them; the
+// ExpertCache constructor checks them (std::invalid_argument).
 struct CacheConfig {
-  int cap = 1;           // real-region slots per layer
-  std::vector<int> layer_caps;  // per MoE layer, overriding cap when not empty
-  int spec = 0;          // side-region rows per bank
-  std::vector<int> layer_specs;  // per MoE layer, overriding spec when not empty
-  int scratch = 1;       // over-capacity chunk rows
+  int expert_slots = 1;  // real-region slots per layer
+  std::vector<int> layer_slots;  // per MoE layer, overriding expert_slots when not empty
+  int side_slots = 0;    // side-region rows per bank (the widest layer's)
+  std::vector<int> layer_side_slots;  // per MoE layer, overriding side_slots when not empty
+  int scratch_slots = 1;  // over-capacity chunk rows
   Policy policy = Policy::kPredictive;
   int top_k = 0;          // experts per token: calls of at most top_k ids are one token (0: all)
   int decay_every = 256;  // acquire calls per layer between LFU halvings (0: never)
   bool side_lfu = true;
   bool sync = false;
-  bool verify = true;     // crc32 every record read
-  bool uncached = true;   // O_DIRECT / F_NOCACHE
-  int threads = 2;        // reader pool
-  int read_timeout_ms = 30000;  // longest wait without a read finishing (0: no limit)
+  bool verify_checksums = true;  // crc32 every record read
+  bool uncached_io = true;       // O_DIRECT / F_NOCACHE
+  int reader_threads = 2;
+  // Longest wait without a read finishing, in [0, kMaxReadTimeoutS] seconds (0: no limit).
+  double read_timeout_s = 30.0;
   // Demand reads through io_uring on the calling thread (ext/ring_reader.h), io_uring_depth
-  // in flight (0: threads + 1), where the kernel has it; else (and when the ring is busy
-  // with another thread's call) on the reader pool. Prefetch fills always use the pool.
+  // in flight (0: es::io_uring_depth's; at most kMaxIoUringDepth), where the kernel has
+  // it; else (and when the ring is busy with another thread's call) on the reader pool.
+  // Prefetch fills always use the pool.
   bool io_uring = true;
   int io_uring_depth = 0;
 };
+inline constexpr double kMaxReadTimeoutS = 86400;
+inline constexpr int kMaxIoUringDepth = 4096;
+// Bytes of read buffers the ring may hold in all where io_uring_depth raises its depth
+// past reader_threads + 1 (a bound on the total, not on what is added).
+inline constexpr int64_t kIoUringExtraBytes = int64_t{64} << 20;
+
+// Demand reads in flight through io_uring, one buffer of `stride` bytes (a record) each:
+// reader_threads + 1, raised to max(top_k, 8) while those buffers stay within
+// kIoUringExtraBytes. A token's misses of a layer then go in one submission, and small
+// records get the queue depth the disk needs: random O_DIRECT reads of records of tens of
+// kB still gain bandwidth from depth 4 to 8, so reader_threads + 1 reads in flight would
+// leave the disk idle part of the time. A record of tens of MB keeps the disk's queue busy
+// on its own, and 8 buffers of it would cost hundreds of MB: it keeps reader_threads + 1.
+int io_uring_depth(int reader_threads, int top_k, int64_t stride);
+
+// The bytes an ExpertCache allocates for MoE layers of rows[i] pool rows of
+// record_bytes[i] bytes each (and an expert table of num_experts ids each), with a read
+// buffer of `stride` bytes per reader thread and, where io_uring_depth > 0, the io_uring
+// region of that many buffers: what a caller checks against the memory available before
+// opening one. std::invalid_argument when rows and record_bytes differ in length.
+size_t planned_bytes(const std::vector<int>& rows, const std::vector<int64_t>& record_bytes,
+                     int num_experts, int reader_threads, int64_t stride, int io_uring_depth);
 
 // Counters of one layer. Lookups count distinct experts per acquire call.
 struct LayerStats {
@@ -97,11 +124,40 @@ struct LayerStats {
   uint64_t io_uring_reads = 0;
 };
 
+// The counters of LayerStats by name, in the order snapshots report them (the one list:
+// engine._ext.STAT_KEYS). A counter kept in microseconds is reported in seconds.
+struct StatField {
+  const char* name;
+  uint64_t LayerStats::*value;
+  bool micros;
+};
+inline constexpr StatField kStatFields[] = {
+    {"hits", &LayerStats::hits, false},
+    {"misses", &LayerStats::misses, false},
+    {"loads", &LayerStats::loads, false},
+    {"bytes_read", &LayerStats::bytes_read, false},
+    {"side_hits", &LayerStats::side_hits, false},
+    {"prefetch_issued", &LayerStats::prefetch_issued, false},
+    {"prefetch_used", &LayerStats::prefetch_used, false},
+    {"prefetch_wasted", &LayerStats::prefetch_wasted, false},
+    {"prefetch_cancelled", &LayerStats::prefetch_cancelled, false},
+    {"evictions", &LayerStats::evictions, false},
+    {"overcap_calls", &LayerStats::overcap_calls, false},
+    {"read_seconds", &LayerStats::read_seconds_us, true},
+    {"read_errors", &LayerStats::read_errors, false},
+    {"acquire_seconds", &LayerStats::acquire_seconds_us, true},
+    {"pins_dropped", &LayerStats::pins_dropped, false},
+    {"promotions", &LayerStats::promotions, false},
+    {"promotions_declined", &LayerStats::promotions_declined, false},
+    {"prefetch_late", &LayerStats::prefetch_late, false},
+    {"io_uring_reads", &LayerStats::io_uring_reads, false},
+};
+
 struct LayerSnapshot {
-  std::vector<int32_t> slot_expert;   // cap (-1 empty)
-  std::vector<uint8_t> slot_state;    // cap: 0 empty, 1 resident, 2 pinned, 3 loading, 4 just loaded
-  std::vector<int32_t> side_expert;   // 2*spec(li) (-1 free)
-  std::vector<uint8_t> side_state;    // 2*spec(li): 0 free, 1 in flight, 2 published
+  std::vector<int32_t> slot_expert;   // slots(li) (-1 empty)
+  std::vector<uint8_t> slot_state;    // slots(li): SlotState codes (slot_state.h)
+  std::vector<int32_t> side_expert;   // 2*side_slots(li) (-1 free)
+  std::vector<uint8_t> side_state;    // 2*side_slots(li): RowState codes (side_region.h)
   std::vector<float> freq;            // num_experts: real-region LFU frequency
   LayerStats stats;
 };
@@ -118,13 +174,16 @@ class ExpertCache {
   const CacheConfig& config() const { return config_; }
   // Whether demand reads go through io_uring: config.io_uring and the kernel has it.
   bool io_uring() const { return ring_ != nullptr; }
-  // Real-region slots of MoE layer li (config.layer_caps, else config.cap).
-  int cap(int li) const { return caps_.at(li); }
-  const std::vector<int>& caps() const { return caps_; }
-  // Side-region rows per bank of MoE layer li (config.layer_specs, else config.spec).
-  int spec(int li) const { return specs_.at(li); }
-  const std::vector<int>& specs() const { return specs_; }
-  int rows(int li) const { return caps_.at(li) + 2 * specs_.at(li) + config_.scratch; }
+  // Real-region slots of MoE layer li (config.layer_slots, else config.expert_slots).
+  int slots(int li) const { return slots_.at(li); }
+  const std::vector<int>& layer_slots() const { return slots_; }
+  // Side-region rows per bank of MoE layer li (config.layer_side_slots, else
+  // config.side_slots).
+  int side_slots(int li) const { return side_slots_.at(li); }
+  const std::vector<int>& layer_side_slots() const { return side_slots_; }
+  int rows(int li) const {
+    return slots_.at(li) + 2 * side_slots_.at(li) + config_.scratch_slots;
+  }
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
   // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
   //   kPlanTable  the layer is complete (every expert has a real slot, which it keeps
@@ -132,7 +191,7 @@ class ExpertCache {
   //               call is one token: rows = table(li)[ids] on the device, no host work.
   //               Its top_k lookups are counted as hits here (a token's top-k ids are
   //               distinct); LFU frequencies are not touched (nothing can be evicted).
-  //   kPlanStream n <= cap - pinned: the call cannot be over capacity (each distinct
+  //   kPlanStream n <= slots - pinned: the call cannot be over capacity (each distinct
   //               miss finds a slot no other id of the call holds), so acquire_op may map
   //               it in stream order.
   //   kPlanSync   otherwise (prefill): read the ids on the host, acquire, stream the
@@ -178,7 +237,7 @@ class ExpertCache {
   // thread rule as acquire. Returns the number of experts read.
   int fill(int li);
 
-  // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows. Each
+  // Reads `experts` (at most scratch_slots) into the scratch rows; returns their rows. Each
   // one read is also copied into an empty real slot while there is one (acquire lists the
   // missing experts most-routed first), so a cold cache keeps the prompt's busiest experts.
   std::vector<int> load_scratch(int li, const std::vector<int>& experts);
@@ -188,7 +247,7 @@ class ExpertCache {
   void prefetch(int li, const int32_t* ids, size_t n);
 
   // Cancels queued fills and waits for started ones. A fill still reading after
-  // read_timeout_ms without any fill finishing is given up on: its row is freed (the late
+  // read_timeout_s without any fill finishing is given up on: its row is freed (the late
   // read never writes it) and the expert is left to a later demand read.
   void drain();
 
@@ -256,8 +315,9 @@ class ExpertCache {
   std::vector<LayerSpec> layers_;
   int num_experts_;
   CacheConfig config_;
-  std::vector<int> caps_;   // [li] real-region slots
-  std::vector<int> specs_;  // [li] side-region rows per bank
+  std::vector<int> slots_;       // [li] real-region slots
+  std::vector<int> side_slots_;  // [li] side-region rows per bank
+  int read_timeout_ms_;  // config.read_timeout_s in milliseconds (0: no limit)
   std::vector<std::vector<mx::array>> pools_;
   std::vector<std::vector<uint8_t*>> pool_ptrs_;
   std::vector<std::unique_ptr<BlobFile>> files_;
@@ -265,7 +325,7 @@ class ExpertCache {
   mutable std::mutex mu_;
   std::condition_variable drained_cv_;
   std::vector<RealRegion> real_;
-  std::vector<std::vector<SideLedger>> side_;  // [li][gen]: LFU one of 2*spec rows, legacy two
+  std::vector<std::vector<SideLedger>> side_;  // [li][gen]: LFU one of 2*side rows, legacy two
   std::vector<std::vector<uint8_t>> loading_;  // [li][slot]
   std::vector<mx::array> tables_;               // [li]: (num_experts,) int32, see plan()
   std::vector<uint8_t> complete_;               // [li]: tables_[li] is filled
@@ -275,7 +335,7 @@ class ExpertCache {
   std::vector<std::vector<int>> last_experts_;
   std::vector<uint64_t> last_forward_;
   std::vector<std::vector<float>> router_hint_;
-  std::vector<std::vector<std::shared_ptr<FillTicket>>> fill_tickets_;  // [li][gen*spec+row]
+  std::vector<std::vector<std::shared_ptr<FillTicket>>> fill_tickets_;  // [li][gen*side+row]
   std::exception_ptr stream_error_;  // see set_stream_error
   uint64_t fills_settled_ = 0;  // fills published or released: drain's progress measure
   uint64_t forward_ = 0;

@@ -29,6 +29,23 @@
 
 namespace es {
 
+namespace {
+
+// A buffer's bytes: whole 4 KiB pages (O_DIRECT).
+size_t rounded_buffer(size_t buffer_bytes) { return (buffer_bytes + 4095) / 4096 * 4096; }
+
+// The region asked for: every buffer, and at least 2 MiB, so that it is huge-page backed
+// (uncached reads into 4 KiB pages pin every page, and run far slower).
+size_t region_request(unsigned buffers, size_t buffer_bytes) {
+  return std::max(rounded_buffer(buffer_bytes) * buffers, size_t{2} << 20);
+}
+
+}  // namespace
+
+size_t IoRing::region_bytes(unsigned buffers, size_t buffer_bytes) {
+  return AlignedBuffer::allocated_bytes(region_request(buffers, buffer_bytes));
+}
+
 void IoRing::retire(std::unique_ptr<IoRing> ring) {
   // Never destroyed, not even at exit: reachable, so no leak checker reports it either.
   static auto* retired = new std::vector<std::unique_ptr<IoRing>>;
@@ -96,11 +113,10 @@ std::unique_ptr<IoRing> IoRing::create(unsigned buffers, size_t buffer_bytes) {
   r->cqes_ = at<void>(r->cq_map_, p.cq_off.cqes);
   r->timespecs_.reset(new int64_t[2 * static_cast<size_t>(p.sq_entries)]());
 
-  // One allocation for all buffers, so that with 2 MiB or more it is huge-page backed
-  // (uncached reads into 4 KiB pages ran at a third of the speed here: a page pin each).
+  // One allocation for all buffers (region_request).
   r->buffers_ = buffers;
-  r->buffer_bytes_ = (buffer_bytes + 4095) / 4096 * 4096;
-  r->base_bytes_ = std::max(r->buffer_bytes_ * buffers, size_t{2} << 20);
+  r->buffer_bytes_ = rounded_buffer(buffer_bytes);
+  r->base_bytes_ = region_request(buffers, buffer_bytes);
   r->region_ = std::make_unique<AlignedBuffer>(r->base_bytes_);
   r->base_ = r->region_->data();
   // Registered buffers spare each read the pinning of its pages; refused (RLIMIT_MEMLOCK

@@ -32,6 +32,8 @@ class IoRing {
   // A ring of `buffers` read buffers of `buffer_bytes` each (rounded up to 4096), room for
   // 4 operations per buffer in flight; null where io_uring is unavailable (see above).
   static std::unique_ptr<IoRing> create(unsigned buffers, size_t buffer_bytes);
+  // The bytes of the one buffer region create(buffers, buffer_bytes) allocates.
+  static size_t region_bytes(unsigned buffers, size_t buffer_bytes);
   // Keeps `ring` alive until the process ends (see above).
   static void retire(std::unique_ptr<IoRing> ring);
   ~IoRing();

@@ -2,10 +2,10 @@
 //
 // MLX's CUDA backend allocates arrays in CUDA managed memory. A host memcpy into a pool
 // row the GPU has read migrates the row's pages to the host one fault at a time, and the
-// GPU's next read faults them back: on an H200, writing 12 rows of 61 KB took 0.96 ms
-// and slowed the next kernel reading them from 0.09 to 0.65 ms. There the writer copies
-// with cudaMemcpyAsync on a non-blocking stream of its own and waits for that stream
-// only (12 rows: 0.33 ms, the kernel unchanged): the bytes land where the pages are.
+// GPU's next read faults them back, which makes both the write and the next kernel that
+// reads the rows several times slower. There the writer copies with cudaMemcpyAsync on a
+// non-blocking stream of its own and waits for that stream only: the bytes land where
+// the pages are, and the kernel is not slowed.
 // libcudart is looked up in the process (MLX CUDA has loaded it), never linked, so one
 // build serves the CPU backend, CUDA and Metal (unified memory: plain memcpy).
 #pragma once
@@ -39,7 +39,7 @@ class PoolWriter {
 
   // Page-locks `bytes` of host memory at `p` that copy() will read from, so that a
   // device copy from it is one DMA rather than one staged through the runtime's own
-  // buffers (a 2.8 MB record: about 1 ms staged). Returns false, doing nothing, on the
+  // buffers. Returns false, doing nothing, on the
   // memcpy path or when the runtime refuses; a true one must be undone with unpin(p)
   // before the memory is freed.
   bool pin(void* p, size_t bytes) const;

@@ -139,7 +139,8 @@ void PrefetchPrimitive::eval_cpu(const std::vector<mx::array>& inputs,
     out.data<uint8_t>()[0] = 0;
     try {
       std::vector<int32_t> ids(static_cast<size_t>(budget));
-      router->top(last_row(x).data(), budget, ids.data());
+      const std::vector<float> row = last_row(x);
+      router->top(row.data(), row.size(), budget, ids.data());
       cache->prefetch(layer, ids.data(), ids.size());
     } catch (const std::exception&) {
     }

@@ -8,7 +8,8 @@ namespace es {
 
 namespace {
 
-constexpr const char* kPolicyNames[] = {"lfu", "lru", "lfu-da", "s3-fifo", "predictive"};
+constexpr const char* kPolicyNames[kNumPolicies] = {"predictive", "lfu", "lru", "lfu-da",
+                                                    "s3-fifo"};
 constexpr uint8_t kFifoMaxUses = 3;
 
 }  // namespace
@@ -24,20 +25,20 @@ Policy policy_from_name(const std::string& name) {
   throw std::invalid_argument("policy must be one of " + choices + ", got '" + name + "'");
 }
 
-RealRegion::RealRegion(int cap, int num_experts, Policy policy, int decay_every)
+RealRegion::RealRegion(int slots, int num_experts, Policy policy, int decay_every)
     : policy_(policy),
       decay_every_(decay_every),
-      slot_expert_(cap, -1),
+      slot_expert_(slots, -1),
       expert_slot_(num_experts, -1),
-      last_use_(cap, 0),
-      loaded_at_(cap, 0),
+      last_use_(slots, 0),
+      loaded_at_(slots, 0),
       freq_(num_experts, 0.f),
       pinned_(num_experts, 0),
-      da_uses_(cap, 0),
-      da_key_(cap, 0),
-      fifo_main_(cap, 0),
-      fifo_seq_(cap, 0),
-      fifo_uses_(cap, 0),
+      da_uses_(slots, 0),
+      da_key_(slots, 0),
+      fifo_main_(slots, 0),
+      fifo_seq_(slots, 0),
+      fifo_uses_(slots, 0),
       ghost_at_(num_experts, 0) {
   set_policy(policy);
 }
@@ -92,7 +93,7 @@ void RealRegion::compare_with_shadow(const std::vector<int>& experts, uint64_t t
 
 void RealRegion::shadow_call(const std::vector<int>& experts, uint64_t tick) {
   count_use(experts, tick);
-  std::vector<uint8_t> busy(cap(), 0);
+  std::vector<uint8_t> busy(slots(), 0);
   for (int e : experts)
     if (expert_slot_[e] >= 0) busy[expert_slot_[e]] = 1;
   for (int e : experts) {
@@ -126,11 +127,11 @@ bool RealRegion::candidate(int slot, const std::vector<uint8_t>& busy) const {
 }
 
 int RealRegion::choose_victim(const std::vector<uint8_t>& busy) {
-  for (int s = 0; s < cap(); ++s)
+  for (int s = 0; s < slots(); ++s)
     if (!busy[s] && slot_expert_[s] < 0) return s;
   if (policy_ == Policy::kS3FIFO) return s3fifo_victim(busy);
   int best = -1;
-  for (int s = 0; s < cap(); ++s) {
+  for (int s = 0; s < slots(); ++s) {
     if (!candidate(s, busy)) continue;
     if (best < 0) {
       best = s;
@@ -172,11 +173,11 @@ int RealRegion::promotion_slot(int expert, const std::vector<uint8_t>& busy) {
 }
 
 int RealRegion::s3fifo_victim(const std::vector<uint8_t>& busy) {
-  const int small_target = std::max(1, cap() / 10);
-  const uint64_t ghost_cap = static_cast<uint64_t>(std::max(1, cap() - small_target));
+  const int small_target = std::max(1, slots() / 10);
+  const uint64_t ghost_cap = static_cast<uint64_t>(std::max(1, slots() - small_target));
   for (;;) {
     int small = 0, oldest_small = -1, oldest_main = -1;
-    for (int s = 0; s < cap(); ++s) {
+    for (int s = 0; s < slots(); ++s) {
       if (slot_expert_[s] < 0) continue;
       small += !fifo_main_[s];
       if (!candidate(s, busy)) continue;
@@ -246,7 +247,7 @@ void RealRegion::set_pinned(int expert, bool pinned) {
 }
 
 std::string RealRegion::check() const {
-  for (int s = 0; s < cap(); ++s) {
+  for (int s = 0; s < slots(); ++s) {
     int e = slot_expert_[s];
     if (e >= 0 && expert_slot_[e] != s)
       return "slot " + std::to_string(s) + " holds expert " + std::to_string(e) +

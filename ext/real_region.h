@@ -1,10 +1,10 @@
-// The demand-loaded real region of one MoE layer: `cap` slots, each holding one expert.
+// The demand-loaded real region of one MoE layer: `slots` slots, each holding one expert.
 //
 // Pure bookkeeping (no I/O, no locking: ExpertCache serialises access). Eviction takes an
 // empty slot first, else an unpinned, not-busy slot chosen by the policy:
 //   lfu         lowest LFU frequency (ties: least recently used). Frequencies are kept
 //               per expert, resident or not, and halve every `decay_every` calls so that
-//               old popularity fades (the "LFU with periodic decay" of DESIGN.md);
+//               old popularity fades (LFU with periodic decay);
 //   lru         least recently used;
 //   lfu-da      LFU with dynamic aging (Arlitt et al.): key = L + uses since the expert
 //               came in, L = the key of the last victim;
@@ -34,9 +34,11 @@
 
 namespace es {
 
-enum class Policy : int { kLFU = 0, kLRU = 1, kLFUDA = 2, kS3FIFO = 3, kPredictive = 4 };
+// In the order of policy_name; the first is CacheConfig's default.
+enum class Policy : int { kPredictive = 0, kLFU = 1, kLRU = 2, kLFUDA = 3, kS3FIFO = 4 };
+inline constexpr int kNumPolicies = 5;
 
-// "lfu", "lru", "lfu-da", "s3-fifo", "predictive".
+// "predictive", "lfu", "lru", "lfu-da", "s3-fifo" (engine._ext.POLICY_NAMES).
 const char* policy_name(Policy p);
 // Inverse of policy_name; std::invalid_argument naming the choices otherwise.
 Policy policy_from_name(const std::string& name);
@@ -50,9 +52,9 @@ struct CallContext {
 
 class RealRegion {
  public:
-  RealRegion(int cap, int num_experts, Policy policy, int decay_every);
+  RealRegion(int slots, int num_experts, Policy policy, int decay_every);
 
-  int cap() const { return static_cast<int>(slot_expert_.size()); }
+  int slots() const { return static_cast<int>(slot_expert_.size()); }
   int num_experts() const { return static_cast<int>(expert_slot_.size()); }
   int slot_of(int expert) const { return expert_slot_[expert]; }
   int expert_at(int slot) const { return slot_expert_[slot]; }
@@ -106,22 +108,22 @@ class RealRegion {
   int decay_every_;
   int calls_ = 0;
   int pinned_count_ = 0;
-  std::vector<int> slot_expert_;     // cap, -1 = empty
+  std::vector<int> slot_expert_;     // slots, -1 = empty
   std::vector<int> expert_slot_;     // num_experts, -1 = not resident
-  std::vector<uint64_t> last_use_;   // cap
-  std::vector<uint64_t> loaded_at_;  // cap
+  std::vector<uint64_t> last_use_;   // slots
+  std::vector<uint64_t> loaded_at_;  // slots
   std::vector<float> freq_;          // num_experts
   std::vector<uint8_t> pinned_;      // num_experts
 
   // lfu-da: uses since the expert came in and its key (floor + uses at its last use),
   // per slot, and the aging floor L.
-  std::vector<uint64_t> da_uses_, da_key_;  // cap
+  std::vector<uint64_t> da_uses_, da_key_;  // slots
   uint64_t da_floor_ = 0;
   // s3-fifo: queue of each slot (0 small, 1 main), its place (larger: newer), its use
   // count (0-3); the ghost list as the time each expert entered it.
-  std::vector<uint8_t> fifo_main_;   // cap
-  std::vector<uint64_t> fifo_seq_;   // cap
-  std::vector<uint8_t> fifo_uses_;   // cap
+  std::vector<uint8_t> fifo_main_;   // slots
+  std::vector<uint64_t> fifo_seq_;   // slots
+  std::vector<uint8_t> fifo_uses_;   // slots
   std::vector<uint64_t> ghost_at_;   // num_experts, 0 = not in the ghost list
   uint64_t fifo_clock_ = 0, ghost_clock_ = 0;
   // predictive: made when the policy is first set to it; a shadow shares its region's

@@ -30,8 +30,12 @@ float from_bf16(uint16_t b) {
 
 }  // namespace
 
-Router::Router(const float* weight, const float* bias, int num_experts, int hidden)
+Router::Router(const float* weight, int num_experts, int hidden, const float* bias,
+               int bias_values)
     : num_experts_(num_experts), hidden_(hidden) {
+  if (bias_values != num_experts)
+    throw std::invalid_argument("router: weight has " + std::to_string(num_experts) +
+                                " rows, bias " + std::to_string(bias_values) + " values");
   if (num_experts < 1 || hidden < 1)
     throw std::invalid_argument("router: " + std::to_string(num_experts) + " experts x " +
                                 std::to_string(hidden) + " hidden is empty");
@@ -41,7 +45,10 @@ Router::Router(const float* weight, const float* bias, int num_experts, int hidd
   bias_.assign(bias, bias + num_experts);
 }
 
-void Router::top(const float* x, int budget, int32_t* out) const {
+void Router::top(const float* x, size_t x_values, int budget, int32_t* out) const {
+  if (x_values != static_cast<size_t>(hidden_))
+    throw std::invalid_argument("router: x has " + std::to_string(x_values) +
+                                " values, hidden is " + std::to_string(hidden_));
   if (budget < 1 || budget > num_experts_)
     throw std::invalid_argument("router: budget " + std::to_string(budget) +
                                 " not in [1, " + std::to_string(num_experts_) + "]");

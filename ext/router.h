@@ -3,8 +3,8 @@
 // The predictor applies the router of a later MoE layer to the current hidden state and
 // prefetches its top experts. Built from MLX ops, that is five ops per MoE layer per token
 // (reshape, router matmul, argpartition, slice, the prefetch itself), each one a task on
-// the stream that evaluates the token: on a 2-core CPU they cost about as much as the
-// reads the prediction hides. Router::top does it inside the one prefetch primitive
+// the stream that evaluates the token: on a CPU of few cores they cost about as much as
+// the reads the prediction hides. Router::top does it inside the one prefetch primitive
 // (ext/primitives.h) instead.
 //
 // The copy is logits = weight @ x + bias with bfloat16 weights (half the bytes of float32;
@@ -12,6 +12,7 @@
 // and accumulation. Thread-safe: immutable after construction.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -19,17 +20,17 @@ namespace es {
 
 class Router {
  public:
-  // weight: num_experts x hidden float32, row-major; bias: num_experts float32.
-  // Throws std::invalid_argument for empty or mismatched sizes.
-  Router(const float* weight, const float* bias, int num_experts, int hidden);
+  // weight: num_experts x hidden float32, row-major; bias: bias_values float32, one per
+  // expert. Throws std::invalid_argument for empty or mismatched sizes.
+  Router(const float* weight, int num_experts, int hidden, const float* bias, int bias_values);
 
   int num_experts() const { return num_experts_; }
   int hidden() const { return hidden_; }
 
-  // The `budget` experts of highest logit for hidden state x (`hidden` floats), into
-  // out[0..budget) in descending logit order (ties: lower expert id first). budget must
-  // be in [1, num_experts].
-  void top(const float* x, int budget, int32_t* out) const;
+  // The `budget` experts of highest logit for hidden state x (`x_values` floats, which
+  // must be `hidden`), into out[0..budget) in descending logit order (ties: lower expert
+  // id first). budget must be in [1, num_experts]. Throws std::invalid_argument otherwise.
+  void top(const float* x, size_t x_values, int budget, int32_t* out) const;
 
  private:
   int num_experts_;

@@ -4,11 +4,11 @@
 
 namespace es {
 
-SideLedger::SideLedger(int spec, int num_experts)
-    : row_expert_(spec, -1),
-      row_state_(spec, RowState::kFree),
-      row_read_(spec, 0),
-      row_hit_(spec, 0),
+SideLedger::SideLedger(int rows, int num_experts)
+    : row_expert_(rows, -1),
+      row_state_(rows, RowState::kFree),
+      row_read_(rows, 0),
+      row_hit_(rows, 0),
       expert_row_(num_experts, -1),
       freq_(num_experts, 0) {}
 
@@ -30,7 +30,7 @@ std::vector<std::pair<int, int>> SideLedger::reserve(const std::vector<int>& pre
            row_read_[r] < fence + 1;
   };
   if (!lfu) {
-    for (int r = 0; r < spec(); ++r)
+    for (int r = 0; r < rows(); ++r)
       if (reusable(r)) release(r, dropped_unused);
   }
   std::vector<std::pair<int, int>> out;
@@ -41,14 +41,14 @@ std::vector<std::pair<int, int>> SideLedger::reserve(const std::vector<int>& pre
       continue;  // published or in flight: never a second row
     }
     int row = -1;
-    for (int r = 0; r < spec(); ++r) {
+    for (int r = 0; r < rows(); ++r) {
       if (row_state_[r] == RowState::kFree) {
         row = r;
         break;
       }
     }
     if (row < 0 && lfu) {
-      for (int r = 0; r < spec(); ++r) {
+      for (int r = 0; r < rows(); ++r) {
         if (!reusable(r)) continue;
         if (row < 0) {
           row = r;
@@ -71,7 +71,7 @@ std::vector<std::pair<int, int>> SideLedger::reserve(const std::vector<int>& pre
 }
 
 bool SideLedger::publish(int expert, int row) {
-  if (row < 0 || row >= spec() || row_expert_[row] != expert ||
+  if (row < 0 || row >= rows() || row_expert_[row] != expert ||
       row_state_[row] != RowState::kInFlight)
     return false;
   row_state_[row] = RowState::kPublished;
@@ -79,7 +79,7 @@ bool SideLedger::publish(int expert, int row) {
 }
 
 bool SideLedger::abandon(int expert, int row) {
-  if (row < 0 || row >= spec() || row_expert_[row] != expert ||
+  if (row < 0 || row >= rows() || row_expert_[row] != expert ||
       row_state_[row] != RowState::kInFlight)
     return false;
   expert_row_[expert] = -1;
@@ -108,7 +108,7 @@ bool SideLedger::mark_read(int row, uint64_t forward) {
 
 int SideLedger::clear() {
   int unused = 0;
-  for (int r = 0; r < spec(); ++r)
+  for (int r = 0; r < rows(); ++r)
     if (row_state_[r] == RowState::kPublished) release(r, &unused);
   return unused;
 }
@@ -121,7 +121,7 @@ int SideLedger::count(RowState s) const {
 
 std::string SideLedger::check() const {
   int free = 0, busy = 0;
-  for (int r = 0; r < spec(); ++r) {
+  for (int r = 0; r < rows(); ++r) {
     int e = row_expert_[r];
     if (row_state_[r] == RowState::kFree) {
       ++free;
@@ -145,7 +145,7 @@ std::string SideLedger::check() const {
   }
   if (owners != busy) return "owners " + std::to_string(owners) + " != taken rows " +
                              std::to_string(busy);
-  if (free + busy != spec()) return "free + taken != spec";
+  if (free + busy != rows()) return "free + taken != rows";
   return {};
 }
 

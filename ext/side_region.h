@@ -1,10 +1,10 @@
-// The side-region ledger of one (MoE layer, bank): `spec` rows filled by prefetch.
+// The side-region ledger of one (MoE layer, bank): `rows()` rows filled by prefetch.
 //
 // A row is free, in flight (reserved, bytes being read) or published (bytes landed).
 // An expert owns at most one row: re-predicting an expert whose fill is still in flight
-// reserves nothing (the seed gave it a second row and leaked the first). Only published
+// reserves nothing (a second row would leak the first). Only published
 // rows are visible to lookup(). Invariant at every instant:
-//   free + in_flight + published == spec, and no row has two owners.
+//   free + in_flight + published == rows, and no row has two owners.
 // A row read by a forward that may not be evaluated yet (row_read_ >= fence) is never
 // reused, so a fill cannot overwrite bytes a pending gather still reads.
 #pragma once
@@ -20,9 +20,9 @@ enum class RowState : uint8_t { kFree = 0, kInFlight = 1, kPublished = 2 };
 
 class SideLedger {
  public:
-  SideLedger(int spec, int num_experts);
+  SideLedger(int rows, int num_experts);
 
-  int spec() const { return static_cast<int>(row_expert_.size()); }
+  int rows() const { return static_cast<int>(row_expert_.size()); }
 
   // Reserves rows for the predicted experts (in order of preference, deduplicated, none
   // resident in the real region). Persistent LFU mode: rows persist; a re-predicted
@@ -61,10 +61,10 @@ class SideLedger {
  private:
   void release(int row, int* dropped_unused);
 
-  std::vector<int> row_expert_;      // spec, -1 = free
-  std::vector<RowState> row_state_;  // spec
-  std::vector<uint64_t> row_read_;   // spec: last forward that read the row, +1 (0 = never)
-  std::vector<uint8_t> row_hit_;     // spec: hit since published
+  std::vector<int> row_expert_;      // rows, -1 = free
+  std::vector<RowState> row_state_;  // rows
+  std::vector<uint64_t> row_read_;   // rows: last forward that read the row, +1 (0 = never)
+  std::vector<uint8_t> row_hit_;     // rows: hit since published
   std::vector<int> expert_row_;      // num_experts, -1 = no row (free)
   std::vector<uint32_t> freq_;       // num_experts: LFU prediction count of owners
 };

@@ -15,4 +15,8 @@ enum class SlotState : uint8_t {
   kJustLoaded = 4,  // loaded by the latest acquire call
 };
 
+// The state engine.cache.snapshot gives the positions past a layer's own slots or side
+// rows when it stacks layers of different widths: neither a SlotState nor a RowState.
+inline constexpr uint8_t kNoRow = 255;
+
 }  // namespace es

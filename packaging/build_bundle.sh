@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the desktop bundle from a wheel (issue 7; packaging/README.md):
+# Builds the desktop bundle from a wheel (packaging/README.md):
 #     packaging/build_bundle.sh [WHEEL] [OUT]
 # WHEEL defaults to the newest dist/expertstream-*.whl, OUT to dist/bundle.
 #  1. a fresh virtual environment, build/bundle-venv, with the wheel, its `cpu` and `app` extras and

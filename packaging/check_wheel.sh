@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end check of the Python packages, for CI (issue 7). Outside the source tree, in a
+# End-to-end check of the Python packages, for CI. Outside the source tree, in a
 # temporary folder:
 #  1. python -m build: the sdist, and the wheel built from that sdist, made a manylinux
 #     wheel by packaging/repair_wheel.sh (auditwheel, patchelf) on Linux;

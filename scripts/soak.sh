@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long soak of issue 16 (`make soak`), outside CI: the native stress test under
+# The long soak (`make soak`), outside CI: the native stress test under
 # ASan+UBSan and under TSan (`make asan` / `make tsan`, two seeds each, SOAK_ASAN_SECONDS
 # and SOAK_TSAN_SECONDS per run: TSan runs about 60% of ASan's operations per second), then the Python state machine of tests/test_cache_invariants.py for
 # SOAK_EXAMPLES examples. Fails on any sanitizer report, cache violation or state-machine

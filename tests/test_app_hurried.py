@@ -1,4 +1,4 @@
-"""The app under a hurried user (issue 16, item 11), offscreen on the embedded model.
+"""The app under a hurried user, offscreen on the embedded model.
 
 New chat, a second Enter and Open model while a reply streams, and closing the window
 during a conversion: each is queued or cancels cleanly, tokens never land in the wrong

@@ -1,4 +1,4 @@
-"""The desktop app under stress (issue 6 item 5), offscreen on the embedded model.
+"""The desktop app under stress, offscreen on the embedded model.
 
 The worker raising mid-reply, Stop during prefill, closing the window during a reply,
 switching model mid-reply and toggling the live modes rapidly: no freeze, no crash, the

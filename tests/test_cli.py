@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -373,10 +374,14 @@ def test_one_token_has_no_decode_rate_and_the_count_is_mlx_lms(capfd):
 
     sm = load(None)
     last = []
+    t0 = time.monotonic()
     result = generate(sm, prompt_tokens(sm, "Once upon a", False), 5, on_response=last.append)
+    elapsed = time.monotonic() - t0
     # mlx-lm's rate is over generation_tokens: every token of the reply, as counted
     assert result.decode_tps == last[-1].generation_tps > 0
     assert len(result.tokens) == last[-1].generation_tokens == 5
+    # the reply's wall time: at least the four decode steps mlx-lm timed, within the call
+    assert 4 / result.decode_tps <= result.seconds <= elapsed
 
 
 def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):

@@ -481,8 +481,8 @@ def test_memory_stays_bounded_by_one_layer(tmp_path):
 @pytest.mark.parametrize("when", ["between the renames", "before the first rename"])
 def test_two_forced_converts_racing_both_succeed(tmp_path, monkeypatch, when):
     """Another `convert --force` of the same store installs its own at the worst instant
-    (issue 29, item 4: the loser reported "Directory not empty" or "No such file"): this
-    one still installs its store, whole, and leaves nothing behind."""
+    (a plain rename then fails with "Directory not empty" or "No such file"): this one
+    still installs its store, whole, and leaves nothing behind."""
     model_dir = make_random_model(tmp_path / "m", "qwen3_moe")
     other = convert(model_dir, tmp_path / "other")
     out = tmp_path / "out"

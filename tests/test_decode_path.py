@@ -1,4 +1,4 @@
-"""The decode path needs no host synchronisation on the router's ids (issue 11).
+"""The decode path needs no host synchronisation on the router's ids.
 
 Each MoE layer call takes one of three paths (engine.streamed_layer): the device-side
 table of a complete layer, the stream-ordered acquire primitive, or the synchronous path

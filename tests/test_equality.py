@@ -1,7 +1,7 @@
 """The streamed model gives the resident model's tokens and logits, bit for bit.
 
-Yardstick of DESIGN.md: same model, same prompt, greedy decoding; every step's logits
-must be identical (np.array_equal) at every capacity and in every prefetch mode.
+The yardstick of the engine: same model, same prompt, greedy decoding; every step's
+logits must be identical (np.array_equal) at every capacity and in every prefetch mode.
 """
 
 import mlx.core as mx

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from engine.config import StreamConfig, default_reader_threads
+from engine.cache import default_reader_threads
+from engine.config import StreamConfig
 from engine.flags import FLAGS, add_cache_flags, config_overrides, stream_config
 
 
@@ -76,7 +77,7 @@ def test_sync_flag_needs_prefetch_on():
     assert stream_config(args, {}, {"side_slots": 4, "prefetch": True}).sync is True
     cfg = stream_config(parser().parse_args(["--sync", "--side-slots", "2"]), {})
     assert (cfg.sync, cfg.prefetch, cfg.side_slots) == (True, True, 2)
-    # The seed's SIDEREGION_SYNC alone is a preference, not a request: no refusal.
+    # SIDEREGION_SYNC alone is a preference, not a request: no refusal.
     assert stream_config(parser().parse_args([]), {"SIDEREGION_SYNC": "1"}).sync is True
 
 

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every parser of untrusted input (issue 16, item 9).
+"""Property-based fuzzing of every parser of untrusted input.
 
 Each parser gets valid files mutated at random (a value replaced by any JSON value, a key
 dropped, bytes flipped or cut) and random input from scratch. The property: it accepts

@@ -1,4 +1,4 @@
-"""SIGKILL at any instant (issue 16, item 10; issue 29, item 2): a convert (replacing an
+"""SIGKILL at any instant: a convert (replacing an
 older store), an autopin save, a trace save and a generation with prefetch in flight,
 each killed at a random moment. The next start finds the old state or the new one, never
 a half-written store, pin file or trace, and removes (or puts back) what the killed run
@@ -187,7 +187,7 @@ def test_generation_with_prefetch_killed_at_any_instant(qwen_store, tmp_path, se
 
 @pytest.mark.parametrize("seed", [11, 12])
 def test_trace_save_killed_at_any_instant(tmp_path, seed):
-    """Re-recording over a good trace, killed mid-save (issue 29, item 2): the file is the
+    """Re-recording over a good trace, killed mid-save: the file is the
     old trace or the new one, whole, and the next save removes what the killed one left."""
     from engine.trace import load_trace, random_trace
 
@@ -215,7 +215,7 @@ def test_trace_save_killed_at_any_instant(tmp_path, seed):
     assert np.array_equal(load_trace(path).ids, old.ids)
 
 
-# ---- files the product writes: atomically (issue 29, item 2) ----------------------------
+# ---- files the product writes: atomically ----------------------------
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):

@@ -2,6 +2,8 @@
 
 - the app never imports `engine._ext` (it goes through `engine.cache`), nor does `bench`;
 - the engine never imports `bench` or `app`;
+- no core module of the engine imports a front end (`FRONT_ENDS`): the command line, the
+  servers and their flags sit on top of it;
 - no import cycles among the modules of engine/, app/ and bench/, counting imports
   inside functions too (a deferred import does not make a cycle acceptable);
 - engine/_ext.pyi is what nanobind's stubgen makes of the built `engine._ext`.
@@ -12,8 +14,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "app", "bench")
+# Front-end modules of the engine: the command line, the servers, and the flag names they
+# share. Every other engine module is core.
+FRONT_ENDS = ("engine.cli", "engine.server", "engine.pipeline_server", "engine.flags")
+
+
+def is_front_end(mod: str) -> bool:
+    """Whether engine module `mod` is a front end (`engine.server_*` included)."""
+    return mod in FRONT_ENDS or mod.startswith("engine.server_")
 
 
 def module_name(path: Path) -> str:
@@ -64,6 +76,8 @@ def test_layers():
                 wrong.append(f"{mod} imports engine._ext (use engine.cache)")
             if top == "engine" and dep_top in ("app", "bench"):
                 wrong.append(f"{mod} imports {dep}: the engine never imports {dep_top}")
+            if top == "engine" and not is_front_end(mod) and is_front_end(dep):
+                wrong.append(f"{mod} imports {dep}: a core module never imports a front end")
             if top == "app" and dep_top == "bench":
                 wrong.append(f"{mod} imports {dep}: the benchmarks are not shipped")
     assert wrong == []
@@ -99,6 +113,7 @@ def test_the_layer_check_sees_imports():
     assert "engine._ext" in g["engine.cache"]
     assert "engine.model" in g["bench.peers"]
     assert "engine.predictor" in g["engine.model"]
+    assert "engine.flags" in g["engine.cli"] and is_front_end("engine.server_openai")
 
 
 def test_native_stub_is_current(tmp_path):
@@ -112,3 +127,43 @@ def test_native_stub_is_current(tmp_path):
         "engine/_ext.pyi is stale: run `make stubs` (python -m nanobind.stubgen -m engine._ext"
         " -o engine/_ext.pyi) and commit it"
     )
+
+
+def test_one_vocabulary_across_the_boundary():
+    """The native cache's keyword arguments are StreamConfig's fields where both have
+    them, with the same defaults (the stub shows the native ones), and its eviction
+    policies are `EVICTION_POLICIES`, in the same order."""
+    import mlx.core  # noqa: F401  (before the extension)
+
+    from engine import _ext
+    from engine.config import EVICTION_POLICIES, MAX_READ_TIMEOUT_S, StreamConfig
+
+    stub = ast.parse((ROOT / "engine" / "_ext.pyi").read_text())
+    cache = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "ExpertCache")
+    init = next(n for n in cache.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = init.args.args[len(init.args.args) - len(init.args.defaults) :]
+    native = {a.arg: ast.literal_eval(d) for a, d in zip(args, init.args.defaults, strict=True)}
+    python = {f: getattr(StreamConfig(), f) for f in StreamConfig.__dataclass_fields__}
+    shared = {f: v for f, v in python.items() if f in native and v is not None}
+    assert sorted(shared) == [
+        "decay_every",
+        "io_uring",
+        "policy",
+        "read_timeout_s",
+        "side_lfu",
+        "side_slots",
+        "sync",
+        "uncached_io",
+        "verify_checksums",
+    ]
+    assert {f: native[f] for f in shared} == shared
+    assert _ext.POLICY_NAMES == EVICTION_POLICIES
+    # the read timeout's range is the same on both sides (a cache of no layer checks it)
+    refused = rf"read_timeout_s.*must be in \[0, {MAX_READ_TIMEOUT_S}\] seconds"
+    for bad in (-0.001, MAX_READ_TIMEOUT_S + 0.001, float("nan")):
+        with pytest.raises(ValueError, match=refused):
+            StreamConfig(read_timeout_s=bad)
+        with pytest.raises(ValueError, match=refused):
+            _ext.ExpertCache([], 1, 1, read_timeout_s=bad)
+    StreamConfig(read_timeout_s=MAX_READ_TIMEOUT_S)
+    assert _ext.ExpertCache([], 1, 1, read_timeout_s=MAX_READ_TIMEOUT_S).num_layers == 0

@@ -1,4 +1,4 @@
-"""Packaging files, checked without building anything (issue 7).
+"""Packaging files, checked without building anything.
 
 The console scripts resolve to callables, the bundle's entry point dispatches on its name,
 the PyInstaller spec compiles and every file it names exists, the .desktop file and the

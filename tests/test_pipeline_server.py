@@ -41,7 +41,7 @@ PROMPT = "The cat sat on the mat"
 TOKENS = 12
 SEED = 7
 SLOTS = "3"  # of 8 experts: misses on every rank
-START_TIMEOUT_S = 180  # two ranks loading on a loaded 2-core machine; ~15 s alone
+START_TIMEOUT_S = 180  # two ranks loading on a loaded machine of few cores
 RANK_LINE = "(pid "
 
 

@@ -28,7 +28,7 @@ def predictor(store, **fields):
 
 
 def test_targets_follow_ahead_lo_then_ahead_hi_and_skip_no_layer(qwen_store):
-    # The seed's one target per layer (L + 2 from the cutoff on) never predicted layer 2.
+    # One target per layer (L + 2 from the cutoff on) would never predict layer 2.
     c = predictor(qwen_store, ahead_lo=1, ahead_hi=2, cutoff=1)
     assert [list(c.targets_for(layer)) for layer in range(4)] == [[1], [2, 3], [], []]
     c = predictor(qwen_store, ahead_lo=1, ahead_hi=1)  # cutoff defaults to half: 2

@@ -1,5 +1,5 @@
-"""The server's answers to clients that push at its edges (issue 26's defects), each found
-by trying it as a hostile client would, on a loopback port."""
+"""The server's answers to clients that push at its edges, each tried as a hostile client
+would, on a loopback port."""
 
 import logging
 import socket

@@ -1,6 +1,6 @@
 """The side region's rules, one scenario each, on the native cache.
 
-Each test names the seed defect of DESIGN.md it guards against, or the mode rule.
+Each test states one rule of the side region's ledgers or modes.
 """
 
 import time
@@ -43,7 +43,7 @@ def acquire(cache, layer, *experts):
 
 
 def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
-    """Defect 1: the seed gave a re-predicted in-flight expert a second row and leaked one."""
+    """A re-predicted expert whose fill is in flight keeps its one row; no row leaks."""
     cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=3))
     cache.inject_fault(0, "delay", expert=5, count=1, delay_ms=300)
     cache.prefetch(0, ids(5))
@@ -63,7 +63,7 @@ def test_repredicting_an_in_flight_expert_takes_no_second_row(qwen_store):
 
 
 def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
-    """Defect 4: a fill must not overwrite a row that this forward's gather still reads."""
+    """A fill never overwrites a row that this forward's gather still reads."""
     cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=1, sync=True))
     cache.prefetch(0, ids(3, 5))  # LFU: one region of both banks' 2 rows
     rows = acquire(cache, 0, 3, 5)  # side hits, read by the current forward
@@ -78,7 +78,7 @@ def test_a_row_read_by_the_current_forward_is_not_reused(qwen_store):
 
 
 def test_each_store_has_its_own_state(qwen_store):
-    """Defect 3: the seed kept cache state in process globals keyed by layer."""
+    """Two caches keep their own state: nothing lives in process globals keyed by layer."""
     a = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
     b = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
     a.prefetch(0, ids(6))
@@ -303,3 +303,16 @@ def test_side_rows_wider_than_side_slots_are_refused(qwen_store, monkeypatch):
     monkeypatch.setattr(cache_mod, "layer_rows", lambda *a, **k: wide)
     with pytest.raises(ValueError, match=r"side rows per layer must be in \[0, 1\], got 2"):
         open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=1))
+
+
+def test_a_rate_of_nothing_is_none_and_counts_give_their_ratio(qwen_store):
+    """`CacheSnapshot.totals()` reports no hit rate before any lookup and no prefetch
+    accuracy before any prefetch (None, not 0.0); then the counters' ratios."""
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=2, sync=True))
+    t = snapshot(cache).totals()
+    assert (t["hit_rate"], t["prefetch_accuracy"]) == (None, None)
+    assert acquire(cache, 0, 1) == [0]  # a miss, loaded into slot 0
+    assert acquire(cache, 0, 1) == [0]  # a hit
+    t = snapshot(cache).totals()
+    assert (t["hits"], t["misses"], t["hit_rate"]) == (1, 1, 0.5)
+    assert t["prefetch_accuracy"] is None

@@ -1,4 +1,4 @@
-"""Consistent but impossible stores, and bytes changed on disk (issue 16, items 1, 2, 6).
+"""Consistent but impossible stores, and bytes changed on disk.
 
 A store whose config and manifest agree on absurd sizes is refused before anything is
 allocated, with the size asked for and why; a failed native allocation is an error, not a
@@ -21,6 +21,7 @@ from engine.cli import main
 from engine.config import ConfigError, StreamConfig
 from engine.convert import convert
 from engine.experts import expected_segments, find_experts, instantiate
+from engine.flags import flag_names
 from engine.model import load
 from engine.safe_io import ModelFileError
 from engine.store import VERSION, ExpertStore, StoreError, layout_segments, stride_for
@@ -59,7 +60,7 @@ def make_wide_store(store_dir: Path, moe_intermediate: int) -> Path:
     return store_dir
 
 
-# ---- pools sized against the memory available (item 1) --------------------------------
+# ---- pools sized against the memory available --------------------------------
 
 
 def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypatch, capsys):
@@ -73,14 +74,15 @@ def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypat
         r"the expert pools need 1\.7 GB \(4 MoE layers x 10 rows \(expert_slots \+ 2 x "
         r"side_slots \+ scratch_slots\) x records of up to 37\.7 MB\) "
         r"and the dense weights 62\.4 kB, 1\.7 GB together, but 1\.0 GB of memory is "
-        r"available: every expert is cached by default: use --expert-memory auto, or give "
-        r"--expert-slots$"
+        r"available: every expert is cached by default: use expert_memory auto, or give "
+        r"expert_slots$"
     )
     with pytest.raises(cache_mod.PoolMemoryError, match=message):
         load(store_dir, StreamConfig(reader_threads=2))  # the default depends on the CPUs
     assert main(["generate", "--model", str(store_dir), "--reader-threads", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the expert pools need 1.7 GB" in err[0]
+    assert err[0].endswith("use --expert-memory auto, or give --expert-slots"), err[0]
 
 
 def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypatch):
@@ -112,7 +114,8 @@ def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypa
         monkeypatch.setattr(cache_mod, "available_bytes", lambda n=pools + dense - 1: n)
         with pytest.raises(cache_mod.PoolMemoryError) as e:
             cache_mod.open_cache(store, config)
-        assert str(e.value).endswith(f" of memory is available: {remedy}"), str(e.value)
+        words = e.value.in_words(flag_names())
+        assert words.endswith(f" of memory is available: {remedy}"), words
         assert "the dense weights 62.4 kB" in str(e.value)
         names = {"expert_slots": "expert slots", "expert_memory": "expert memory"}
         assert "--" not in e.value.in_words(names | {"side_slots": "side rows"})
@@ -122,7 +125,10 @@ def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypa
     monkeypatch.setattr(cache_mod, "available_bytes", lambda: 200_000)
     with pytest.raises(cache_mod.PoolMemoryError) as e:
         cache_mod.open_cache(store, StreamConfig(expert_memory="auto", reader_threads=2))
-    assert str(e.value).endswith("give --expert-memory a size below auto's (50% of that)")
+    assert str(e.value).endswith("give expert_memory a size below auto's (50% of that)")
+    assert e.value.in_words(flag_names()).endswith(
+        "give --expert-memory a size below auto's (50% of that)"
+    )
 
 
 def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
@@ -136,6 +142,25 @@ def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
         load(store_dir, config)
 
 
+def test_planned_bytes_are_what_the_native_cache_allocates():
+    """Pools and expert tables, a read buffer per reader thread and the io_uring region,
+    each rounded as the native cache allocates it."""
+    from engine import _ext
+
+    kib, mib = 1 << 10, 1 << 20
+    # 2 layers x 3 rows of 60 KiB records, 8-id tables, 2 read buffers, a ring of 3 buffers
+    # within its 2 MiB floor
+    planned = _ext.planned_bytes([3, 3], [60 * kib] * 2, 8, 2, 60 * kib, 3)
+    assert planned == 2 * (3 * 60 * kib + 32) + 2 * 60 * kib + 2 * mib
+    # 1.5 MiB records: each read buffer takes 2 MiB (huge pages), the ring's 4.5 MiB 6 MiB
+    planned = _ext.planned_bytes([1], [3 * mib // 2], 8, 2, 3 * mib // 2, 3)
+    assert planned == 3 * mib // 2 + 32 + 2 * 2 * mib + 6 * mib
+    assert _ext.planned_bytes([1], [60 * kib], 8, 2, 60 * kib, 0) == 60 * kib + 32 + 120 * kib
+    assert _ext.planned_bytes([], [], 8, 2, 0, 3) == 0
+    with pytest.raises(ValueError, match="2 rows for 1 record sizes"):
+        _ext.planned_bytes([1, 1], [60 * kib], 8, 2, 60 * kib, 0)
+
+
 def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
     """Past the Python checks (here: switched off), the native cache checks every
     allocation: 2**48 bytes cannot be mapped on any machine."""
@@ -147,7 +172,7 @@ def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
         cache_mod.open_cache(ExpertStore(store_dir), StreamConfig(side_slots=2**24))
 
 
-# ---- dense weights: checksum and header (item 6) ----------------------------------------
+# ---- dense weights: checksum and header ----------------------------------------
 
 
 def refresh_manifest(store_dir: Path, crc: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""Verifying a model directory's weights (issue 29, item 5): a model directory has no
+"""Verifying a model directory's weights: a model directory has no
 checksums of its own, so a flipped byte converts silently; `engine.verify_dir` checks the
 headers, the index and, in a Hugging Face snapshot, the hashes its blobs are named by."""
 

@@ -41,7 +41,7 @@ using Clock = std::chrono::steady_clock;
 constexpr int kLayers = 3;
 constexpr int kExperts = 8;
 constexpr int kStride = 4096;
-constexpr int kTimeoutMs = 100;
+constexpr double kTimeoutS = 0.1;
 constexpr int kHangMs = 250;
 // Two segments: (40, 16) uint32 and (1000,) uint8, 3560 bytes of a 4096-byte stride.
 constexpr int64_t kSeg0 = 40 * 16 * 4;
@@ -103,13 +103,13 @@ class Stress {
       specs_.push_back(std::move(L));
     }
     es::CacheConfig c;
-    c.cap = seed % 2 ? 3 : kExperts;  // even seeds: every expert fits, layers complete
-    c.spec = 2;
-    c.scratch = 2;
+    c.expert_slots = seed % 2 ? 3 : kExperts;  // even seeds: every expert fits, layers complete
+    c.side_slots = 2;
+    c.scratch_slots = 2;
     c.decay_every = 7;
     c.top_k = 2;  // calls of 1-2 ids teach the predictive policy, longer ones do not
-    c.threads = 2;
-    c.read_timeout_ms = kTimeoutMs;
+    c.reader_threads = 2;
+    c.read_timeout_s = kTimeoutS;
     // Seeds 1, 4, 5, 8, ...: demand reads through io_uring where the kernel has it;
     // 2, 3, 6, 7, ...: the reader threads (make asan / tsan run one seed of each).
     c.io_uring = (seed / 2) % 2 == 0;
@@ -170,7 +170,7 @@ class Stress {
 };
 
 void Stress::verify_all(const char* when) {
-  const int cap = cache_->config().cap;
+  const int cap = cache_->config().expert_slots;
   for (int li = 0; li < kLayers; ++li) {
     auto s = cache_->snapshot(li);
     for (int slot = 0; slot < cap; ++slot)
@@ -240,7 +240,7 @@ void Stress::op_acquire() {
       violations.add("acquire left an entry unset");
     }
   }
-  const int scratch = cache_->config().scratch;
+  const int scratch = cache_->config().scratch_slots;
   for (size_t start = 0; start < missing.size(); start += static_cast<size_t>(scratch)) {
     std::vector<int> chunk(missing.begin() + static_cast<long>(start),
                            missing.begin() + static_cast<long>(std::min(
@@ -307,7 +307,7 @@ uint64_t Stress::drive(double seconds) {
       } else if (p < 0.77) {
         cache_->reset();
         if (cache_->inflight() != 0) violations.add("fills in flight after a reset");
-        if (cache_->config().cap == kExperts && chance(0.5)) {  // as engine.model.load does
+        if (cache_->config().expert_slots == kExperts && chance(0.5)) {  // as engine.model.load does
           int li = randint(0, kLayers - 1);
           try {
             cache_->fill(li);
@@ -327,7 +327,7 @@ uint64_t Stress::drive(double seconds) {
         try {
           cache_->pin(li, e);
           auto s = cache_->snapshot(li);
-          for (int slot = 0; slot < cache_->config().cap; ++slot)
+          for (int slot = 0; slot < cache_->config().expert_slots; ++slot)
             if (s.slot_expert[slot] == e) expect_row(li, slot, e, "pin");
         } catch (const es::ReadError& err) {
           error(li, err);
@@ -349,7 +349,7 @@ uint64_t Stress::drive(double seconds) {
 }
 
 void Stress::poll(const std::atomic<bool>& stop, std::atomic<uint64_t>& polls) {
-  const int cap = cache_->config().cap, spec = cache_->config().spec;
+  const int cap = cache_->config().expert_slots, spec = cache_->config().side_slots;
   while (!stop.load()) {
     if (auto msg = cache_->check(); !msg.empty()) violations.add("poller: " + msg);
     for (int li = 0; li < kLayers; ++li) {
