@@ -141,6 +141,8 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.progress)
         self.statusBar().addPermanentWidget(self.state_label)
         self._menus()
+        # Keys go to the message box from the start, as in any chat window.
+        self.chat.prompt.setFocus()
 
         self.timer = QTimer(self)
         self._polls = 0

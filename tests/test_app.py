@@ -121,6 +121,13 @@ def chat_turn(qtbot, w: MainWindow, prompt: str, max_tokens: int = MAX_TOKENS):
     return blocker.args[0]
 
 
+def test_typing_goes_to_the_message_box_from_the_start(window, qtbot):
+    """A new window takes keys into the message box, not the system prompt or nowhere."""
+    assert window.focusWidget() is window.chat.prompt
+    qtbot.keyClicks(window.focusWidget(), "Once upon")
+    assert window.chat.prompt.toPlainText() == "Once upon"
+
+
 def test_plain_continuation_joins_turns():
     conv = Conversation(
         [
