@@ -158,7 +158,9 @@ class ControlsPanel(QWidget):
         """Shows `info`'s settings (without emitting liveToggled)."""
         c = info.config
         n = len(info.layers)
-        self.expert_slots.setMaximum(info.num_experts)
+        # a token's top-k experts of a layer fit its real region together, as every front
+        # end requires (engine.flags.check_real_slots)
+        self.expert_slots.setRange(info.top_k, info.num_experts)
         self.expert_slots.setValue(c.expert_slots or max(info.slots))
         memory = c.expert_memory
         self.expert_memory.setText(

@@ -199,7 +199,7 @@ class Worker(QObject):
             from engine.advisor import Budget
             from engine.cache import PoolMemoryError, pool_bytes
             from engine.config import ConfigError, StreamConfig
-            from engine.flags import describe, flag_names, with_defaults
+            from engine.flags import check_real_slots, describe, flag_names, with_defaults
             from engine.generate import ChatSession
             from engine.model import load, resolve_store
             from engine.resources import default_model_path
@@ -208,6 +208,7 @@ class Worker(QObject):
             store = resolve_store(source, progress=self._progress)
             m = store.manifest
             config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
+            check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
             note = ""
             if overrides.get("expert_slots") is None and overrides.get("expert_memory") is None:
                 config, note = _auto_if_too_large(store, config)

@@ -121,6 +121,14 @@ def chat_turn(qtbot, w: MainWindow, prompt: str, max_tokens: int = MAX_TOKENS):
     return blocker.args[0]
 
 
+def test_the_slots_box_stops_at_top_k(window):
+    """The window's expert-slots box cannot go below the model's top-k (4 of 32)."""
+    assert (window.controls.expert_slots.minimum(), window.controls.expert_slots.maximum()) == (
+        4,
+        32,
+    )
+
+
 def test_typing_goes_to_the_message_box_from_the_start(window, qtbot):
     """A new window takes keys into the message box, not the system prompt or nowhere."""
     assert window.focusWidget() is window.chat.prompt
@@ -408,13 +416,16 @@ def test_settings_out_of_range_are_named_as_the_window_labels_them():
     worker.loaded.connect(loaded.append)
     worker.load(MODEL, {"expert_slots": 33})
     worker.load(MODEL, {"side_slots": 0, "expert_slots": 0})
+    worker.load(MODEL, {"expert_slots": 3})  # below top-k, as the command line refuses it
     assert failed == [
         "could not open " + MODEL + ": expert slots 33: must be <= 32, the model's experts "
         "per MoE layer",
         "could not open " + MODEL + ": expert slots 0: must be >= 1",
+        "could not open " + MODEL + ": expert slots 3: must be >= 4, the experts each token "
+        "is routed to per MoE layer (top-k)",
     ]
     worker.load(MODEL, {"expert_memory": 64 * 2**20})  # no default slot count beside it
-    assert len(failed) == 2 and loaded[0].config.expert_slots is None
+    assert len(failed) == 3 and loaded[0].config.expert_slots is None
     worker.unload()
 
 
