@@ -2,6 +2,7 @@
 flag), its help, and the store cache (`expertstream cache`)."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -395,3 +396,19 @@ def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(120) == 1 and err == "", err  # Python's "Note on SIGPIPE"
+
+
+def test_stderr_has_no_transformers_advice():
+    """transformers 5 without PyTorch printed "[transformers] PyTorch was not found.
+    Models won't be available ..." first on every command's stderr (mlx-lm loads the
+    tokenizer through it): alarming, and wrong here, where MLX runs the model."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--max-tokens", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[transformers]" not in out.stderr and "PyTorch" not in out.stderr, out.stderr
