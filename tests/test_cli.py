@@ -128,6 +128,10 @@ def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypa
         (["serve", "--port", "70000"], "argument --port: must be a TCP port in [0, 65535]"),
         (["serve", "--port", "-1"], "argument --port: must be a TCP port in [0, 65535]"),
         (["serve", "--max-queue", "0"], "argument --max-queue: must be an integer >= 1"),
+        (
+            ["serve", "--prompt-cache", "-5"],
+            "argument --prompt-cache: must be a size (e.g. 1GiB) or 0 (off), got '-5'",
+        ),
         (["advise", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1"),
         (
             ["advise", "--trace", "t.npz", "--save-trace", "/nonexistent/t.npz"],
