@@ -24,6 +24,13 @@ from engine.trace import load_trace, local_trace
 from factories import CHAT_TEMPLATE, write_tokenizer
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _embedded_store():
+    """The embedded model converted before any test: a test run on its own (a fresh store
+    cache) met the first use's "converting ..." line first on stderr, and failed."""
+    resolve_store(default_model_path())
+
+
 def run(capfd, *argv) -> tuple[int, str, str]:
     """Exit code, stdout and stderr of `expertstream ARGV` (argparse's refusals too)."""
     try:
@@ -385,9 +392,6 @@ def test_one_token_has_no_decode_rate_and_the_count_is_mlx_lms(capfd):
 
 
 def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
-    # The embedded model converted first: run on its own (a fresh store cache), the
-    # first use's "converting ..." line led stderr and the test failed.
-    resolve_store(default_model_path())
     code, out, err = run(capfd, "generate", "--max-tokens", "3")
     assert code == 0 and out.startswith("Once upon a time") and out.endswith("\n")
     assert err.startswith("--\nhits "), err
