@@ -553,11 +553,22 @@ def _add_model_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    """The installed package's version ("unknown" when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("expertstream")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="expertstream",
         description="Run Mixture-of-Experts models with experts streamed from disk.",
     )
+    parser.add_argument("--version", action="version", version=f"expertstream {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(

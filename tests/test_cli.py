@@ -423,3 +423,14 @@ def test_stderr_has_no_transformers_advice():
     )
     assert out.returncode == 0, out.stderr
     assert "[transformers]" not in out.stderr and "PyTorch" not in out.stderr, out.stderr
+
+
+def test_version(capfd):
+    """`expertstream --version`, a newcomer's first try, said "the following arguments
+    are required: command"."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capfd.readouterr().out == f"expertstream {version('expertstream')}\n"
