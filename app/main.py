@@ -236,6 +236,29 @@ def _screenshot(window, args, app) -> None:
     window.engine.worker.loadFailed.connect(on_load_failed)
 
 
+# Qt messages that say nothing to a user: the offscreen platform (headless runs,
+# --screenshot) prints this once per window and dialog that sizes itself.
+QUIET_QT_MESSAGES = frozenset({"This plugin does not support propagateSizeHints()"})
+
+
+def _quiet_qt_messages() -> None:
+    """Drops `QUIET_QT_MESSAGES`; every other Qt message goes where it went (a handler
+    installed before, such as pytest-qt's, or stderr as Qt writes it)."""
+    from PySide6.QtCore import qInstallMessageHandler
+
+    previous = None
+
+    def handle(kind, context, message: str) -> None:
+        if message in QUIET_QT_MESSAGES:
+            return
+        if previous is not None:
+            previous(kind, context, message)
+        else:
+            print(message, file=sys.stderr)
+
+    previous = qInstallMessageHandler(handle)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `expertstream-gui`; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -262,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.window import MainWindow, apply_style
     from app.worker import ServiceThread
 
+    _quiet_qt_messages()
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("ExpertStream")
     app.setDesktopFileName("expertstream")

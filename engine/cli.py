@@ -553,11 +553,22 @@ def _add_model_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    """The installed package's version ("unknown" when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("expertstream")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="expertstream",
         description="Run Mixture-of-Experts models with experts streamed from disk.",
     )
+    parser.add_argument("--version", action="version", version=f"expertstream {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -673,12 +684,16 @@ def build_parser() -> argparse.ArgumentParser:
     def prompt_cache_size(text: str) -> int:
         from engine.config import parse_memory
 
+        wanted = f"must be a size (e.g. 1GiB) or 0 (off), got {text!r}"
         try:
             value = 0 if text.strip() == "0" else parse_memory(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            # parse_memory's "must be > 0" would contradict the 0 this flag takes
+            raise argparse.ArgumentTypeError(
+                wanted if str(e).startswith("must be > 0") else str(e)
+            ) from None
         if value == "auto":
-            raise argparse.ArgumentTypeError(f"must be a size (e.g. 1GiB) or 0 (off), got {text!r}")
+            raise argparse.ArgumentTypeError(wanted)
         return int(value)
 
     p.add_argument(

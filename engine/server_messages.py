@@ -5,7 +5,7 @@ assistant's `tool_calls` with parsed arguments, a tool result's `tool_call_id`).
 import json
 
 from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL
-from engine.server_requests import RequestError, text
+from engine.server_requests import RequestError, lone_surrogate, text
 
 
 def openai_tools(data: dict) -> list[dict] | None:
@@ -67,6 +67,11 @@ def call_arguments(value, where: str) -> dict:
             value = json.loads(value) if value.strip() else {}
         except ValueError:
             raise RequestError(where, f"{where} is not JSON") from None
+        # JSON text may spell a lone surrogate ("\ud800") as an escape, which the body's
+        # check (read_json) does not see: the template renders it into a prompt that no
+        # tokenizer encodes.
+        if (inner := lone_surrogate(value, where)) is not None:
+            raise RequestError(where, f"{inner} holds a lone UTF-16 surrogate: not text")
     if not isinstance(value, dict):
         raise RequestError(where, f"{where} must be a JSON object")
     return value

@@ -125,7 +125,8 @@ def routes(served: Served) -> list[Route]:
         return await reply(request, data, ids, None, "response")
 
     async def reply(request, data, ids, tools, key):
-        options = data.get("options") or {}
+        options = data.get("options")
+        options = {} if options is None else options
         if not isinstance(options, dict):
             raise RequestError("options", "options must be an object")
         limit = options.get("num_predict")

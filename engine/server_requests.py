@@ -123,17 +123,28 @@ def event_stream(lines: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
+def _is_text(s: str) -> bool:
+    """`s` holds no lone UTF-16 surrogate (UTF-8 takes it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def lone_surrogate(value, path: str = "") -> str | None:
-    """The path (`messages[0].content`) of the first string in `value` (parsed JSON) that
-    holds a lone UTF-16 surrogate ("\\ud800"), which JSON can spell but no text encoding
-    (and so no tokenizer) takes; None when there is none."""
+    """The path (`messages[0].content`) of the first string in `value` (parsed JSON), key
+    or value, that holds a lone UTF-16 surrogate ("\\ud800"), which JSON can spell but no
+    text encoding (and so no tokenizer, and no JSON reply naming it) takes; None when there
+    is none. A key in the path is spelled with such a surrogate escaped, so that the
+    error naming it can be sent."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
+        return None if _is_text(value) else (path or "body")
     if isinstance(value, dict):
+        for k in value:
+            if not _is_text(k):
+                spelled = k.encode("utf-8", "backslashreplace").decode("utf-8")
+                return f"{path}.{spelled}" if path else spelled
         items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
     elif isinstance(value, list):
         items = ((f"{path}[{i}]", v) for i, v in enumerate(value))

@@ -6,15 +6,15 @@ grew a process to about 10 GB) or looping for ever. Two bounds are added here:
 
 - size: the sandbox transformers builds is this module's `BoundedSandbox` (installed
   into transformers when this module is imported), which refuses any repetition,
-  concatenation with `+`, power, call or filter whose result or argument would exceed
-  `MAX_TEMPLATE_CHARS` characters (or a number of more than `MAX_POWER_BITS` bits)
-  before computing it; jinja2's own sandbox already bounds `range` to 100,000 items.
+  concatenation with `+` or `~`, power, call or filter whose result or argument would
+  exceed `MAX_TEMPLATE_CHARS` characters (or a number of more than `MAX_POWER_BITS`
+  bits) before computing it, and a rendered prompt past `MAX_TEMPLATE_CHARS` (a string
+  within the bound output many times in a loop) before joining it; jinja2's own sandbox
+  already bounds `range` to 100,000 items.
 - time: `render_bounded` runs the render in a thread and stops it (an exception raised
   into it) after `TEMPLATE_SECONDS`.
 
-Not bounded by size: joining strings with `~` (a template doubling one in a loop reaches
-the time bound after a few seconds, having taken up to a few GB by then) and Python's
-own `str.format` width inside a format string.
+Not bounded by size: Python's own `str.format` width inside a format string.
 """
 
 import ctypes
@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.utils import chat_template_utils
@@ -74,12 +75,60 @@ class _BoundedFilters(dict):
         super().__setitem__(name, _bounded_filter(name, f))
 
 
+def _bounded_text(what: str, parts) -> list[str]:
+    """`parts` as a list, refused once their text's total length (`str` of each) passes
+    `MAX_TEMPLATE_CHARS`: the bound of a join, checked before joining."""
+    out, total = [], 0
+    for part in parts:
+        text = str(part)
+        total += len(text)
+        if total > MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError(
+                f"{what} of more than {MAX_TEMPLATE_CHARS} characters: above the chat "
+                "template bound"
+            )
+        out.append(part)
+    return out
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """jinja2's code generator, with `a ~ b` compiled through
+    `BoundedSandbox.bounded_join` (jinja2 compiles it to a join the environment cannot
+    intercept otherwise): a template doubling a string with `~` in a loop grew to GBs."""
+
+    def visit_Concat(self, node, frame) -> None:
+        if frame.eval_ctx.volatile:
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        elif frame.eval_ctx.autoescape:
+            join = "markup_join"
+        else:
+            join = "str_join"
+        self.write(f"environment.bounded_join({join}, (")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """jinja2's immutable sandbox whose `*`, `+` and `**`, calls and filters refuse
     results or arguments past `MAX_TEMPLATE_CHARS` / `MAX_POWER_BITS` (raising
     `TemplateLimitError`) before computing them."""
 
     intercepted_binops = frozenset({"*", "+", "**"})
+    code_generator_class = _BoundedCodeGenerator
+
+    @staticmethod
+    def concat(parts) -> str:
+        """The rendered text (jinja2 joins a template's output with this), refused past
+        `MAX_TEMPLATE_CHARS`: a string within the bound output in a loop grew the
+        prompt to GBs."""
+        return "".join(_bounded_text("a rendered prompt", parts))
+
+    @staticmethod
+    def bounded_join(join: Callable, parts: tuple) -> str:
+        """`a ~ b ~ ...` (joined by jinja2's `join`), refused past `MAX_TEMPLATE_CHARS`."""
+        return join(_bounded_text("a join with ~", parts))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -107,8 +107,18 @@ class ToolCallStream:
                     arguments = json.loads(arguments)
                 except ValueError:
                     return [self._start + text + (self._end if finished else "")]
-            if not isinstance(arguments, dict):
+            if not isinstance(arguments, dict) or not _utf8(c["name"], arguments):
                 return [self._start + text + (self._end if finished else "")]
             out.append(ToolCall(c.get("id") or f"call_{uuid.uuid4().hex}", c["name"], arguments))
         self.calls += len(out)
         return out
+
+
+def _utf8(*values) -> bool:
+    """`values` (parsed JSON) can be written as UTF-8: JSON text can escape a lone UTF-16
+    surrogate ("\\ud800"), which parses to a string no reply can carry."""
+    try:
+        json.dumps(values, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

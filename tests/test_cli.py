@@ -2,6 +2,7 @@
 flag), its help, and the store cache (`expertstream cache`)."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -22,6 +23,13 @@ from engine.store_cache import store_cache_dir
 from engine.trace import load_trace, local_trace
 
 from factories import CHAT_TEMPLATE, write_tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _embedded_store():
+    """The embedded model converted before any test: a test run on its own (a fresh store
+    cache) met the first use's "converting ..." line first on stderr, and failed."""
+    resolve_store(default_model_path())
 
 
 def run(capfd, *argv) -> tuple[int, str, str]:
@@ -128,6 +136,10 @@ def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypa
         (["serve", "--port", "70000"], "argument --port: must be a TCP port in [0, 65535]"),
         (["serve", "--port", "-1"], "argument --port: must be a TCP port in [0, 65535]"),
         (["serve", "--max-queue", "0"], "argument --max-queue: must be an integer >= 1"),
+        (
+            ["serve", "--prompt-cache", "-5"],
+            "argument --prompt-cache: must be a size (e.g. 1GiB) or 0 (off), got '-5'",
+        ),
         (["advise", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1"),
         (
             ["advise", "--trace", "t.npz", "--save-trace", "/nonexistent/t.npz"],
@@ -400,3 +412,30 @@ def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(120) == 1 and err == "", err  # Python's "Note on SIGPIPE"
+
+
+def test_stderr_has_no_transformers_advice():
+    """transformers 5 without PyTorch printed "[transformers] PyTorch was not found.
+    Models won't be available ..." first on every command's stderr (mlx-lm loads the
+    tokenizer through it): alarming, and wrong here, where MLX runs the model."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--max-tokens", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[transformers]" not in out.stderr and "PyTorch" not in out.stderr, out.stderr
+
+
+def test_version(capfd):
+    """`expertstream --version`, a newcomer's first try, said "the following arguments
+    are required: command"."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capfd.readouterr().out == f"expertstream {version('expertstream')}\n"

@@ -312,6 +312,11 @@ HUGE_TEMPLATES = [
     "{{ 7 ** (10**9) }}",
     "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
     "{% endfor %}",
+    # joined with ~, and a string within the bound output in a loop: these grew a process
+    # to GBs (or ended it with SIGABRT under a memory limit) before the bound held for them
+    "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}",
+    "{% set big = 'x' * 16000000 %}{% for i in range(200) %}{{ big }}{% endfor %}",
 ]
 TEMPLATE_HEADROOM = 512 << 20  # what the child may still map past its start (RLIMIT_AS)
 

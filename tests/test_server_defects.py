@@ -65,6 +65,34 @@ def test_tiny_temperature_over_http(served):
         ),
         ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"prompt": PROMPT, "stop": ["\udfff"]}, "stop[0]"),
+        # in a key: the error named it as it was, and its JSON could not be written (500)
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x", "\ud800": "\udc01"}]},
+            "messages[0].\\ud800",
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "\ud800": 1}, "\\ud800"),
+        # escaped inside a call's JSON arguments text, which the body's check did not see:
+        # the chat template was blamed for what the tokenizer refused
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "a",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": '{"\\ud800": 1}'},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
     ],
 )
 def test_a_lone_surrogate_is_refused_naming_the_field(served, route, body, param):

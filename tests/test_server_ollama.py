@@ -139,6 +139,9 @@ def test_tool_calls_then_the_result(tool_model):
         ("/api/generate", {"prompt": PROMPT, "options": {"stop": [""]}}, "options.stop"),
         ("/api/generate", {"prompt": PROMPT, "options": {"seed": -3}}, "options.seed"),
         ("/api/generate", {"prompt": PROMPT, "options": ["num_predict"]}, "options"),
+        # an empty list (or 0, "") is no object either: it was taken as no options
+        ("/api/generate", {"prompt": PROMPT, "options": []}, "options"),
+        ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "options": 0}, "options"),
         ("/api/generate", {"prompt": PROMPT, "format": "json"}, "format"),
         ("/api/generate", {"prompt": 5}, "prompt"),
         ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}, "tools"),

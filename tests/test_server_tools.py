@@ -334,6 +334,11 @@ def test_the_split_keeps_every_character_the_model_wrote_outside_its_calls(tool_
         [],
     )
     assert split('<tool_call> {"name": "f"') == ('<tool_call> {"name": "f"', [])
+    # Arguments whose JSON escapes a lone surrogate ("\\ud800") parse to a string that no
+    # reply (UTF-8 JSON) can carry: every whole route answered 500 with a traceback. The
+    # call is given back as the text the model wrote, which can.
+    odd = '<tool_call> {"name": "get_weather", "arguments": {"city": "\\ud800"}} </tool_call>'
+    assert split(odd) == (odd, [])
 
 
 def test_n_choices_whole_and_streamed():
