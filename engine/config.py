@@ -19,6 +19,9 @@ EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
 # The longest read timeout, seconds (a day; the native cache refuses longer ones too).
 MAX_READ_TIMEOUT_S = 86400
 
+# More reader threads than this only add stacks: the disk's queue is full long before.
+MAX_READER_THREADS = 256
+
 # `expert_memory="auto"`: this fraction of the memory available when the model loads.
 AUTO_MEMORY_FRACTION = 0.5
 
@@ -222,10 +225,10 @@ class StreamConfig:
             "must be >= 1",
         )
         need(
-            self.reader_threads is None or self.reader_threads >= 1,
+            self.reader_threads is None or 1 <= self.reader_threads <= MAX_READER_THREADS,
             "reader_threads",
             self.reader_threads,
-            "must be >= 1",
+            f"must be in [1, {MAX_READER_THREADS}]",
         )
         need(
             0 <= self.read_timeout_s <= MAX_READ_TIMEOUT_S,

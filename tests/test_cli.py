@@ -68,7 +68,8 @@ def test_echoed_prompt_and_reply_keep_their_space(capfd):
         (["--temp", "nan"], "argument --temp: must be a finite number >= 0 (0: greedy), got 'nan'"),
         (["--temp", "inf"], "argument --temp: must be a finite number >= 0 (0: greedy), got 'inf'"),
         (["--expert-slots", "0"], "--expert-slots 0: must be >= 1"),
-        (["--reader-threads", "0"], "--reader-threads 0: must be >= 1"),
+        (["--reader-threads", "0"], "--reader-threads 0: must be in [1, 256]"),
+        (["--reader-threads", "100000"], "--reader-threads 100000: must be in [1, 256]"),
         (["--prefetch"], "--prefetch needs side-region slots to fill: add --side-slots N"),
         (["--prompt", "cat " * 5000], "prompt (5003 tokens) + max_tokens (64) exceeds"),
         (
