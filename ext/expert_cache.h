@@ -178,10 +178,12 @@ class ExpertCache {
   // thread rule as acquire. Returns the number of experts read.
   int fill(int li);
 
-  // Reads `experts` (at most `scratch`) into the scratch rows; returns their rows. Each
-  // one read is also copied into an empty real slot while there is one (acquire lists the
-  // missing experts most-routed first), so a cold cache keeps the prompt's busiest experts.
-  std::vector<int> load_scratch(int li, const std::vector<int>& experts);
+  // Reads `experts` into the scratch rows from scratch row `first` on (at most `scratch`
+  // rows in all); returns their rows. Each one read is also copied into an empty real slot
+  // while there is one (acquire lists the missing experts most-routed first), so a cold
+  // cache keeps the prompt's busiest experts. Thread-safe against the generation thread's
+  // calls on other layers (ScratchStream reads a layer's chunks on a thread of its own).
+  std::vector<int> load_scratch(int li, const std::vector<int>& experts, int first = 0);
 
   // Reserves side rows for the predicted experts of layer li and fills them (background,
   // or inline in SYNC mode). Called by the prefetch primitive.
