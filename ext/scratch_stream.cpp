@@ -76,6 +76,10 @@ void ScratchStream::step(size_t c) {
   if (c >= experts_.size())
     throw std::out_of_range("scratch chunk " + std::to_string(c) + " of " +
                             std::to_string(experts_.size()));
+  if (experts_.size() == 1) {  // nothing to read ahead (a small call): no thread
+    cache_->load_scratch(layer_, experts_[0], first_[0]);
+    return;
+  }
   std::unique_lock<std::mutex> lk(mu_);
   released_ = std::max(released_, std::min(experts_.size(), c + static_cast<size_t>(banks_)));
   if (!thread_.joinable()) thread_ = std::thread([this] { run(); });

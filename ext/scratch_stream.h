@@ -18,7 +18,8 @@
 //
 // A read error of chunk c goes to ExpertCache::set_stream_error (its type kept) for the
 // host to raise; the chunk's rows are still scratch rows (valid indices). Reads start at
-// the first step only, so a graph built and never evaluated reads nothing; a stream
+// the first step only, so a graph built and never evaluated reads nothing (a stream of
+// one chunk reads it in its step, with no thread: nothing to read ahead); a stream
 // dropped mid-way stops its thread (a read in progress finishes or times out first) and
 // no read of it writes a row afterwards.
 #pragma once
