@@ -395,34 +395,45 @@ def long_prompt(prompt: list[int], length: int = 1536) -> list[int]:
 
 
 def prefill_suite(
-    model, prompt: list[int], fractions=PREFILL_FRACTIONS, reps: int = 3, log=print
+    model,
+    prompt: list[int],
+    fractions=PREFILL_FRACTIONS,
+    reps: int = 3,
+    fields: dict | None = None,
+    log=print,
 ) -> dict:
     """Time to first token of `prompt` (a long one: `long_prompt`) for mlx-lm resident
     and the engine at each fraction of the experts (prefetch off: a prefill of several
-    tokens never prefetches), each repetition from a freshly loaded model (cold cache:
-    every expert the prompt routes to is read), in `reps` round-robin rounds after one
-    discarded warm-up of each path, as `decode_suite` does.
+    tokens never prefetches; `fields`: more StreamConfig fields for every engine run),
+    each repetition from a freshly loaded model (cold cache: every expert the prompt
+    routes to is read), in `reps` round-robin rounds after one discarded warm-up of each
+    path, as `decode_suite` does.
 
     Returns:
-        {"prompt_tokens", "rows"}: one row per run with "ttft_s" (median seconds) and
-        "ttft_s_spread" [min, max], "prefill_tps" (prompt tokens / median ttft),
-        "ratio_to_resident" (resident's median ttft / this one's: its prefill rate as a
-        fraction of resident's; None without a resident baseline), and for the engine
-        "fraction", "overcap_calls" and "bytes_read" (of the median repetition).
+        {"prompt_tokens", "baseline", "rows"}: one row per run with "ttft_s" (median
+        seconds) and "ttft_s_spread" [min, max], "prefill_tps" (prompt tokens / median
+        ttft), "ratio" (the baseline's median ttft / this one's: its prefill rate as a
+        fraction of the baseline's), and for the engine "fraction", "overcap_calls" and
+        "bytes_read" (of the median repetition). The baseline is the first row: resident,
+        or for an expert store (no mlx-lm model) the engine at the first fraction (at
+        100%: every expert cached).
+
+    Raises:
+        ValueError: reps < 1.
     """
     if reps < 1:
         raise ValueError(f"prefill_suite: reps is {reps}, at least 1 is needed")
     store = resolve_store(model)
     m = store.manifest
-    resident = not is_store(model)
     configs = {
-        f"streamed {f:.1%}": (f, stream_fields("off", f, m.num_experts, m.top_k)) for f in fractions
+        f"streamed {f:.1%}": (f, stream_fields("off", f, m.num_experts, m.top_k) | (fields or {}))
+        for f in fractions
     }
     runs = {
         name: lambda fields=fields: _streamed_once(store.path, fields, prompt, 1)
         for name, (_, fields) in configs.items()
     }
-    if resident:
+    if not is_store(model):
         runs = {"resident (mlx-lm)": lambda: _resident_once(model, prompt, 1), **runs}
     for run in runs.values():  # warm-up (discarded): kernels and allocations
         run()
@@ -433,7 +444,7 @@ def prefill_suite(
         start = rnd % len(names)
         for name in names[start:] + names[:start]:
             onces[name].append(runs[name]())
-    rows, base = [], None
+    rows = []
     for name in names:
         ttft, lo, hi = med_spread([o["timing"].prefill_s for o in onces[name]])
         row = {
@@ -441,6 +452,7 @@ def prefill_suite(
             "ttft_s": ttft,
             "ttft_s_spread": [lo, hi],
             "prefill_tps": len(prompt) / ttft,
+            "ratio": rows[0]["ttft_s"] / ttft if rows else 1.0,
             "reps": reps,
         }
         if name in configs:
@@ -450,12 +462,6 @@ def prefill_suite(
                 "overcap_calls": o["whole"]["overcap_calls"],
                 "bytes_read": o["whole"]["bytes_read"],
             }
-        else:
-            base = ttft
-        row["ratio_to_resident"] = base / ttft if base else None
         rows.append(row)
-        log(
-            f"{name}: time to first token {ttft * 1e3:.0f} ms"
-            + (f" ({row['ratio_to_resident']:.2f}x resident)" if base else "")
-        )
-    return {"prompt_tokens": len(prompt), "rows": rows}
+        log(f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})")
+    return {"prompt_tokens": len(prompt), "baseline": names[0], "rows": rows}

@@ -286,16 +286,15 @@ def prefill_markdown(p: dict) -> str:
         f"A {p['prompt_tokens']}-token prompt, each run from a freshly loaded model (the "
         "engine's cache cold: every expert the prompt routes to is read); median and "
         "spread (min..max) over the repetitions.\n",
-        "| run | time to first token, ms (min..max) | prefill tok/s | × resident | "
+        f"| run | time to first token, ms (min..max) | prefill tok/s | × {p['baseline']} | "
         "over-capacity calls | MB read |",
         "|---|---|---|---|---|---|",
     ]
     for r in p["rows"]:
         lo, hi = r["ttft_s_spread"]
-        ratio = r["ratio_to_resident"]
         out.append(
             f"| {r['name']} | {r['ttft_s'] * 1e3:.0f} ({lo * 1e3:.0f}..{hi * 1e3:.0f}) | "
-            f"{r['prefill_tps']:.1f} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+            f"{r['prefill_tps']:.1f} | {r['ratio']:.2f} | "
             f"{r.get('overcap_calls', '—')} | {_mb(r.get('bytes_read'))} |"
         )
     return "\n".join(out) + "\n"
