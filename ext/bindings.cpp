@@ -113,7 +113,8 @@ two side-region banks, scratch rows), the reader pool, the side ledgers and the 
 
 Thread safety: acquire, acquire_op, load_scratch, pin/unpin and reset belong to one
 thread at a time (the generation thread, or the MLX stream that evaluates acquire_op);
-snapshot, check, the properties and the live toggles may be used from any thread.)";
+a ScratchStream's thread runs load_scratch on the layer it streams meanwhile; snapshot,
+check, the properties and the live toggles may be used from any thread.)";
 
 const char* kInit = R"(Opens the blob files and allocates every pool.
 
@@ -196,7 +197,7 @@ Returns:
     int. When the call's distinct misses exceed the evictable slots (expert_slots minus
     pinned) nothing is loaded: the entries of those experts are -1 and `missing` lists
     them (distinct, the ones with the most entries first, ties by id), to be read
-    through load_scratch; otherwise `missing` is empty.
+    through a ScratchStream (or load_scratch); otherwise `missing` is empty.
 
 Precondition: plan() said PLAN_SYNC for this call (or a trace hook is set), and every
 earlier use of this layer's pool has been evaluated (the caller synchronised on `ids`),
@@ -237,7 +238,7 @@ Returns:
     PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
     one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
     most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
-    chunks through load_scratch.
+    chunks through a ScratchStream.
 
 Raises:
     IndexError: `layer` out of range.

@@ -12,8 +12,9 @@
 //   [cap + 2*spec, rows)          scratch rows that stream an over-capacity call's
 //                                  misses chunk by chunk, evicting nothing from the real
 //                                  region (they only fill its empty slots, by row copies)
-// Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
-// run on the reader pool or inline (SYNC); snapshots may be taken from any thread.
+// Threads: one caller (the generation thread) runs acquire/load_scratch, and a
+// ScratchStream's thread load_scratch on the layer it streams; prefetch fills run on the
+// reader pool or inline (SYNC); snapshots may be taken from any thread.
 // Reads: every record is read into a buffer of the reader's own (a reader thread's, or
 // the io_uring's of demand reads, see config.io_uring) and copied into a pool row only
 // after the read and its checksum succeeded, and only if nobody gave up on it: a read
