@@ -39,6 +39,7 @@ ScratchStream::ScratchStream(std::shared_ptr<ExpertCache> cache, int layer,
     start = end;
   }
   errors_.resize(experts_.size());
+  landed_.assign(experts_.size(), 0);
 }
 
 ScratchStream::~ScratchStream() {
@@ -50,25 +51,37 @@ ScratchStream::~ScratchStream() {
   if (thread_.joinable()) thread_.join();
 }
 
+void ScratchStream::read(size_t c) {
+  {
+    // In chunk order, as acquire listed them (most routed first): the empty real slots
+    // that load_scratch fills then go to the busiest experts.
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return c == 0 || landed_[c - 1] != 0; });
+  }
+  std::exception_ptr err;
+  try {
+    cache_->load_scratch(layer_, experts_[c], first_[c]);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    errors_[c] = err;
+    landed_[c] = 1;
+  }
+  cv_.notify_all();
+}
+
 void ScratchStream::run() {
-  for (size_t c = 0; c < experts_.size(); ++c) {
+  for (;;) {
+    size_t c;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stopping_ || released_ > c; });
-      if (stopping_) return;
+      cv_.wait(lk, [&] { return stopping_ || claimed_ < released_ || claimed_ == chunks(); });
+      if (stopping_ || claimed_ == chunks()) return;
+      c = claimed_++;
     }
-    std::exception_ptr err;
-    try {
-      cache_->load_scratch(layer_, experts_[c], first_[c]);
-    } catch (...) {
-      err = std::current_exception();
-    }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      errors_[c] = err;
-      landed_ = c + 1;
-    }
-    cv_.notify_all();
+    read(c);
   }
 }
 
@@ -76,15 +89,20 @@ void ScratchStream::step(size_t c) {
   if (c >= experts_.size())
     throw std::out_of_range("scratch chunk " + std::to_string(c) + " of " +
                             std::to_string(experts_.size()));
-  if (experts_.size() == 1) {  // nothing to read ahead (a small call): no thread
-    cache_->load_scratch(layer_, experts_[0], first_[0]);
-    return;
-  }
   std::unique_lock<std::mutex> lk(mu_);
   released_ = std::max(released_, std::min(experts_.size(), c + static_cast<size_t>(banks_)));
-  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  // A chunk no read has started yet is read here: waking the thread for it would only add
+  // its scheduling delay (on a loaded CPU, a time slice) to the wait.
+  const bool here = claimed_ == c;
+  if (here) ++claimed_;
+  if (claimed_ < released_ && !thread_.joinable()) thread_ = std::thread([this] { run(); });
   cv_.notify_all();
-  cv_.wait(lk, [&] { return landed_ > c; });
+  if (here) {
+    lk.unlock();
+    read(c);
+    lk.lock();
+  }
+  cv_.wait(lk, [&] { return landed_[c] != 0; });
   if (errors_[c]) std::rethrow_exception(errors_[c]);
 }
 

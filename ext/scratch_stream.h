@@ -6,7 +6,8 @@
 // order: most-routed first) takes bank c % banks, as many experts as the bank has rows. A
 // thread of the stream's own reads the chunks in order through ExpertCache::load_scratch
 // (io_uring or the reader pool, checksums, timeouts, empty real slots filled, counters),
-// each once its bank is released, so the generation thread never runs a read.
+// each once its bank is released; a step whose chunk no read has started yet reads it
+// itself instead of waiting for that thread to be scheduled.
 //
 // scratch_step_op(stream, c, rows, after) is the chunk's place in the lazy graph: when MLX
 // evaluates it, `after` (chunk c - 1's output) has been computed, so the bank of chunk
@@ -26,6 +27,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -62,7 +64,8 @@ class ScratchStream {
   void step(size_t c);
 
  private:
-  void run();  // the reading thread: each released chunk in order
+  void run();             // the reading thread: each released, unclaimed chunk in order
+  void read(size_t c);     // reads chunk c (claimed by the caller) after c - 1, marks it landed
 
   std::shared_ptr<ExpertCache> cache_;
   int layer_;
@@ -74,10 +77,11 @@ class ScratchStream {
   std::mutex mu_;
   std::condition_variable cv_;
   size_t released_ = 0;  // chunks [0, released_) may be read
-  size_t landed_ = 0;    // chunks [0, landed_) are read (or failed: errors_)
+  size_t claimed_ = 0;   // chunks [0, claimed_) are being or have been read
+  std::vector<uint8_t> landed_;  // per chunk: read (or failed: errors_)
   std::vector<std::exception_ptr> errors_;
   bool stopping_ = false;
-  std::thread thread_;  // started by the first step
+  std::thread thread_;  // started by the first step that leaves a chunk to read ahead
 };
 
 class ScratchStepPrimitive : public mx::Primitive {
