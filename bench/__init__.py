@@ -8,7 +8,9 @@
 - `full`: suite 1 (`decode`: decode/prefill vs resident, and the peers at the same
   memory budget), suite 2 (`policy`: cache policies on routing traces against Belady's
   MIN) and suite 3 (`disk`: engine reads against raw pread bandwidth);
-- `scale`: suite 4 (`scale`: a Qwen3-30B-A3B-shaped synthetic store under 4 GiB).
+- `scale`: suite 4 (`scale`: a Qwen3-30B-A3B-shaped synthetic store under 4 GiB);
+- `prefill`: time to first token of a long prompt (1,536 tokens) against resident at
+  100/25/12.5% of the experts (`bench.decode.prefill_suite`); `full` runs it too.
 
 docs/benchmarks.md explains each figure and what limits it.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from bench.common import PROMPT, machine_load, prompt_ids
 from engine.model import load_store_tokenizer
 
-SUITES = ("quick", "full", "scale")
+SUITES = ("quick", "full", "scale", "prefill")
 
 
 def routing_traces_dir() -> Path | None:
@@ -77,8 +79,19 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
 
         results["scale"] = scale_suite(model, log=log)
         results["model"] = results["scale"]["store"]
+    elif suite == "prefill":
+        from bench.decode import long_prompt, prefill_suite
+        from engine.resources import default_model_path
+
+        model = model or default_model_path()
+        results["model"] = str(model)
+        store = resolve_store(model)
+        prompt = prompt_ids(load_store_tokenizer(store), store.config["vocab_size"])
+        prompt = long_prompt(prompt)
+        log(f"time to first token ({len(prompt)}-token prompt)")
+        results["prefill"] = prefill_suite(model, prompt, log=log)
     else:
-        from bench.decode import decode_suite
+        from bench.decode import decode_suite, long_prompt, prefill_suite
         from bench.disk import io_suite
         from bench.policy import acquire_cost, policy_suite, trace_store
         from bench.prediction import prediction_suite
@@ -104,6 +117,8 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
             )
         else:
             results["decode"] = decode_suite(model, prompt, reps=5, log=log)
+            log(f"  time to first token ({len(long_prompt(prompt))}-token prompt)")
+            results["prefill"] = prefill_suite(model, long_prompt(prompt), log=log)
         log("[2/3] cache policies on routing traces")
         traces_out = out / "traces"
         traces_out.mkdir(exist_ok=True)

@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
         "--suite",
         choices=SUITES,
         default="quick",
-        help="quick: tiny pass (CI); full: decode, cache policies, I/O; scale: "
-        "Qwen3-30B-A3B-shaped synthetic store under 4 GiB (default: quick)",
+        help="quick: tiny pass (CI); full: decode, time to first token, cache policies, "
+        "I/O; scale: Qwen3-30B-A3B-shaped synthetic store under 4 GiB; prefill: time to "
+        "first token of a long prompt at 100/25/12.5%% of the experts (default: quick)",
     )
     p.add_argument("--out", default="bench-out", help="results folder (default: bench-out)")
     p.add_argument(

@@ -381,3 +381,87 @@ def decode_suite(
         "num_experts": m.num_experts,
         "top_k": m.top_k,
     }
+
+
+PREFILL_FRACTIONS = (1.0, 0.25, 0.125)
+
+
+def long_prompt(prompt: list[int], length: int = 1536) -> list[int]:
+    """`prompt` repeated and cut to `length` tokens: a pasted document's prefill, which at
+    partial capacity routes to nearly every expert of every layer."""
+    if not prompt:
+        raise ValueError("long_prompt: the prompt to repeat is empty")
+    return (prompt * (length // len(prompt) + 1))[:length]
+
+
+def prefill_suite(
+    model,
+    prompt: list[int],
+    fractions=PREFILL_FRACTIONS,
+    reps: int = 3,
+    fields: dict | None = None,
+    log=print,
+) -> dict:
+    """Time to first token of `prompt` (a long one: `long_prompt`) for mlx-lm resident
+    and the engine at each fraction of the experts (prefetch off: a prefill of several
+    tokens never prefetches; `fields`: more StreamConfig fields for every engine run),
+    each repetition from a freshly loaded model (cold cache: every expert the prompt
+    routes to is read), in `reps` round-robin rounds after one discarded warm-up of each
+    path, as `decode_suite` does.
+
+    Returns:
+        {"prompt_tokens", "baseline", "rows"}: one row per run with "ttft_s" (median
+        seconds) and "ttft_s_spread" [min, max], "prefill_tps" (prompt tokens / median
+        ttft), "ratio" (the baseline's median ttft / this one's: its prefill rate as a
+        fraction of the baseline's), and for the engine "fraction", "overcap_calls" and
+        "bytes_read" (of the median repetition). The baseline is the first row: resident,
+        or for an expert store (no mlx-lm model) the engine at the first fraction (at
+        100%: every expert cached).
+
+    Raises:
+        ValueError: reps < 1.
+    """
+    if reps < 1:
+        raise ValueError(f"prefill_suite: reps is {reps}, at least 1 is needed")
+    store = resolve_store(model)
+    m = store.manifest
+    configs = {
+        f"streamed {f:.1%}": (f, stream_fields("off", f, m.num_experts, m.top_k) | (fields or {}))
+        for f in fractions
+    }
+    runs = {
+        name: lambda fields=fields: _streamed_once(store.path, fields, prompt, 1)
+        for name, (_, fields) in configs.items()
+    }
+    if not is_store(model):
+        runs = {"resident (mlx-lm)": lambda: _resident_once(model, prompt, 1), **runs}
+    for run in runs.values():  # warm-up (discarded): kernels and allocations
+        run()
+    onces = {name: [] for name in runs}
+    names = list(runs)
+    for rnd in range(reps):
+        log(f"round {rnd + 1}/{reps}")
+        start = rnd % len(names)
+        for name in names[start:] + names[:start]:
+            onces[name].append(runs[name]())
+    rows = []
+    for name in names:
+        ttft, lo, hi = med_spread([o["timing"].prefill_s for o in onces[name]])
+        row = {
+            "name": name,
+            "ttft_s": ttft,
+            "ttft_s_spread": [lo, hi],
+            "prefill_tps": len(prompt) / ttft,
+            "ratio": rows[0]["ttft_s"] / ttft if rows else 1.0,
+            "reps": reps,
+        }
+        if name in configs:
+            o = sorted(onces[name], key=lambda o: o["timing"].prefill_s)[reps // 2]
+            row |= {
+                "fraction": configs[name][0],
+                "overcap_calls": o["whole"]["overcap_calls"],
+                "bytes_read": o["whole"]["bytes_read"],
+            }
+        rows.append(row)
+        log(f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})")
+    return {"prompt_tokens": len(prompt), "baseline": names[0], "rows": rows}

@@ -14,6 +14,12 @@ at all: the ceiling of any expert cache on these pools). Each row splits a decod
 time into the cache's acquire calls (demand reads included), the reads alone, and the
 rest (compute, graph building and any wait); `dd` gives the disk's own O_DIRECT rate.
 
+With --prefill, time to first token of a long prompt (issue 30): the embedded model's
+1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's
+2,048 tokens at 100% (every expert cached: the baseline) and 25%, buffered reads (the
+store in the page cache, i.e. host RAM) and O_DIRECT; each run from a fresh load, in
+alternated rounds (`bench.decode.prefill_suite`).
+
 Figures go to stdout and DIR/device.json.
 """
 
@@ -271,6 +277,30 @@ def synthetic(
     return res
 
 
+def prefill(store: Path | None, log, rounds: int) -> dict:
+    """Time to first token (module docstring): the embedded model, or `store`."""
+    from bench.common import prompt_ids
+    from bench.decode import long_prompt, prefill_suite
+    from engine.model import load_store_tokenizer, resolve_store
+    from engine.resources import default_model_path
+
+    if store is None:
+        model = default_model_path()
+        s = resolve_store(model)
+        prompt = prompt_ids(load_store_tokenizer(s), s.config["vocab_size"])
+        log("\n### Time to first token, embedded model\n")
+        return prefill_suite(model, long_prompt(prompt, 1536), reps=rounds, log=log)
+    vocab = resolve_store(store).config["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab, 2048).tolist()
+    out = {}
+    for reads, uncached in (("buffered", False), ("O_DIRECT", True)):
+        log(f"\n### Time to first token, synthetic store, {reads} reads\n")
+        out[reads] = prefill_suite(
+            store, prompt, (1.0, 0.25), rounds, {"uncached_io": uncached}, log=log
+        )
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for device.json")
@@ -290,6 +320,12 @@ def main(argv=None) -> int:
         help="then the headline comparisons (embedded: resident, 100%%, 25%%; synthetic: "
         "bare table, 100%%) in this many alternated rounds, with per-round ratios",
     )
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="also time the first token of a long prompt (embedded: 1,536 tokens against "
+        "resident; synthetic: 2,048 tokens against 100%%), in --rounds rounds (default 3)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -306,6 +342,11 @@ def main(argv=None) -> int:
         results["synthetic"] = synthetic(
             args.synthetic, args.tokens, log, args.fractions, args.rounds
         )
+    if args.prefill:
+        if not args.skip_embedded:
+            results["prefill_embedded"] = prefill(None, log, args.rounds or 3)
+        if args.synthetic:
+            results["prefill_synthetic"] = prefill(args.synthetic, log, args.rounds or 3)
     (args.out / "device.json").write_text(json.dumps(results, indent=1))
     (args.out / "device.md").write_text("\n".join(lines) + "\n")
     return 0

@@ -280,6 +280,26 @@ def scale_markdown(s: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def prefill_markdown(p: dict) -> str:
+    out = [
+        "## Time to first token\n",
+        f"A {p['prompt_tokens']}-token prompt, each run from a freshly loaded model (the "
+        "engine's cache cold: every expert the prompt routes to is read); median and "
+        "spread (min..max) over the repetitions.\n",
+        f"| run | time to first token, ms (min..max) | prefill tok/s | × {p['baseline']} | "
+        "over-capacity calls | MB read |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in p["rows"]:
+        lo, hi = r["ttft_s_spread"]
+        out.append(
+            f"| {r['name']} | {r['ttft_s'] * 1e3:.0f} ({lo * 1e3:.0f}..{hi * 1e3:.0f}) | "
+            f"{r['prefill_tps']:.1f} | {r['ratio']:.2f} | "
+            f"{r.get('overcap_calls', '—')} | {_mb(r.get('bytes_read'))} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     out = [
@@ -291,6 +311,8 @@ def markdown(results: dict) -> str:
     ]
     if "decode" in results:
         out.append(decode_markdown(results["decode"]))
+    if "prefill" in results:
+        out.append(prefill_markdown(results["prefill"]))
     if "policy" in results:
         out.append(policy_markdown(results["policy"]))
     if "policy_cost" in results:

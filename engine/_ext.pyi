@@ -116,6 +116,33 @@ class Router:
             ValueError: x's length is not hidden, or budget not in [1, num_experts].
         """
 
+class ScratchStream:
+    """
+    The misses of one over-capacity call streamed through the scratch rows
+    in banks (two when scratch_slots >= 2: the first ceil(scratch_slots / 2) rows and the
+    rest; else one), the reads of the next chunk in flight while the current one computes.
+    Made by ExpertCache.scratch_stream; each chunk's place in the graph is scratch_step. Its
+    own thread reads the chunks in order (load_scratch: io_uring or the reader threads,
+    checksums, timeouts, empty real slots filled, counters), from the first step on.
+    """
+
+    @property
+    def layer(self) -> int: ...
+
+    @property
+    def banks(self) -> int:
+        """
+        How many banks the scratch rows are split into: 2, or 1 when
+        scratch_slots is 1 (each chunk's read then waits for the previous chunk's compute).
+        """
+
+    @property
+    def chunks(self) -> list[tuple[list[int], list[int]]]:
+        """
+        Per chunk, in order: (experts, rows), the chunk's experts (the
+        misses in acquire's order) and the pool row each is read into (int lists).
+        """
+
 class ExpertCache:
     """
     The expert cache of one store: per MoE layer a pool of rows (real region,
@@ -123,7 +150,8 @@ class ExpertCache:
 
     Thread safety: acquire, acquire_op, load_scratch, pin/unpin and reset belong to one
     thread at a time (the generation thread, or the MLX stream that evaluates acquire_op);
-    snapshot, check, the properties and the live toggles may be used from any thread.
+    a ScratchStream's thread runs load_scratch on the layer it streams meanwhile; snapshot,
+    check, the properties and the live toggles may be used from any thread.
     """
 
     def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify_checksums: bool = True, uncached_io: bool = True, reader_threads: int = 2, read_timeout_s: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
@@ -244,7 +272,7 @@ class ExpertCache:
             int. When the call's distinct misses exceed the evictable slots (expert_slots minus
             pinned) nothing is loaded: the entries of those experts are -1 and `missing` lists
             them (distinct, the ones with the most entries first, ties by id), to be read
-            through load_scratch; otherwise `missing` is empty.
+            through a ScratchStream (or load_scratch); otherwise `missing` is empty.
 
         Precondition: plan() said PLAN_SYNC for this call (or a trace hook is set), and every
         earlier use of this layer's pool has been evaluated (the caller synchronised on `ids`),
@@ -294,7 +322,7 @@ class ExpertCache:
             PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
             one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
             most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
-            chunks through load_scratch.
+            chunks through a ScratchStream.
 
         Raises:
             IndexError: `layer` out of range.
@@ -368,6 +396,39 @@ class ExpertCache:
             ValueError: more experts than scratch_slots.
             IndexError: `layer` or an expert out of range.
             ExpertReadError: a read failed.
+        """
+
+    def scratch_stream(self, layer: int, experts: Sequence[int]) -> ScratchStream:
+        """
+        A ScratchStream for `experts` (acquire's `missing` of MoE
+        layer `layer`). Reads nothing until its first step is evaluated.
+
+        Raises:
+            IndexError: `layer` or an expert out of range.
+        """
+
+    def scratch_step(self, stream: ScratchStream, chunk: int, rows: mlx.core.array, cpu_stream: bool = False, after: mlx.core.array | None = None) -> mlx.core.array:
+        """
+        Lazy int32 `rows` (the pool rows of the pairs chunk `chunk` of
+        `stream` computes, any shape) returned as they are once that chunk's experts have landed
+        in them. When MLX evaluates it, `after` has been computed, so the bank of chunk - 1 is
+        free: it releases the next chunk into that bank (whose read then runs while this chunk
+        computes), then waits for this chunk's reads; the host never waits. On the default stream,
+        or the CPU stream if `cpu_stream` (needed on a GPU device).
+
+        Args:
+            rows: mx.array, int32.
+            after: the output of chunk - 1's compute (None only for chunk 0).
+
+        Returns:
+            mx.array, int32, `rows`' shape and values.
+
+        Raises:
+            IndexError: `chunk` out of range.
+            ValueError: `rows` not int32, `after` missing for chunk >= 1, or `stream` made by
+                another cache.
+            A read error while it is evaluated leaves the chunk's rows holding other bytes and is
+            raised by the next raise_stream_error() or plan().
         """
 
     def prefetch(self, layer: int, ids: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)]) -> None:

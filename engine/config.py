@@ -147,9 +147,10 @@ class StreamConfig:
         decay_every: acquire calls per layer between LFU halvings (0: never); the LFU
             frequencies (autopin's input) are counted under every policy.
         autopin_frac: fraction of `expert_slots` that autopin may pin (0 disables autopin).
-        scratch_slots: experts per over-capacity chunk: a call whose misses exceed the
-            evictable slots streams them through this many scratch rows, chunk by chunk
-            (None: top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk).
+        scratch_slots: scratch rows of an over-capacity call: one whose misses exceed the
+            evictable slots streams them through these rows in two banks (from 2 rows
+            on), a chunk per bank, the next chunk read while one computes (None: top-k).
+            It counts experts, not tokens (unlike mlx-lm's prefill chunk).
         reader_threads: background reader threads; None: `engine.cache.default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
             queue depth).

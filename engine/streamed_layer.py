@@ -17,8 +17,9 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
   built and evaluated without a pipeline drain per layer; a miss costs its read, inside
   the stream.
 - synchronous (calls that may hold more distinct experts than evictable slots: prefill):
-  the ids are read on the host once, and misses beyond the slots stream through the
-  scratch rows chunk by chunk (`_over_capacity`).
+  the ids are read on the host once (the layer's one host wait), and misses beyond the
+  slots stream through the scratch rows chunk by chunk, each read once, the next chunk's
+  reads in flight while a chunk computes (`_over_capacity`).
 """
 
 import mlx.core as mx
@@ -84,6 +85,9 @@ class StreamedExperts(nn.Module):
             y = self._experts(x, rows)
         else:
             ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
+            # It evaluated the layers before this one: a read that failed in their
+            # over-capacity chunks is raised here, before anything more is read.
+            self._cache.raise_stream_error()
             if hook is not None:
                 hook(self._index, ids.copy())
             rows, missing = self._cache.acquire(self._index, ids)
@@ -95,32 +99,42 @@ class StreamedExperts(nn.Module):
 
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,
-        misses stream through the scratch rows `scratch_slots` experts at a time, each read
-        once, each chunk evaluated before the next overwrites the scratch rows."""
+        misses stream through the scratch rows chunk by chunk (`engine._ext.ScratchStream`:
+        two banks, each expert read once, chunk c + 1 read while chunk c computes). The
+        layer stays one lazy graph: each chunk's rows come through a `scratch_step` op
+        ordered after the previous chunk's output, so the host never waits on a chunk."""
         k = ids.shape[-1]
         tokens = x.reshape(-1, x.shape[-1])
         flat_ids, flat_rows = ids.reshape(-1), rows.reshape(-1)
-        groups = [np.flatnonzero(flat_rows >= 0)]
-        outputs = []
-        if groups[0].size:
-            outputs.append(self._pairs(tokens, groups[0], flat_rows, k))
-        chunk = self._cache.scratch_slots
-        for start in range(0, len(missing), chunk):
-            self._predictor.check_stop(self._index)
-            experts = missing[start : start + chunk]
-            scratch_rows = self._cache.load_scratch(self._index, experts)
-            for e, r in zip(experts, scratch_rows, strict=True):
-                flat_rows[flat_ids == e] = r
-            pairs = np.flatnonzero(np.isin(flat_ids, experts))
-            y = self._pairs(tokens, pairs, flat_rows, k)
-            mx.eval(y)
+        stream = self._cache.scratch_stream(self._index, missing)
+        chunk_of = np.full(self._cache.num_experts, -1)
+        row_of = np.zeros(self._cache.num_experts, np.int32)
+        for c, (experts, scratch_rows) in enumerate(stream.chunks):
+            chunk_of[experts], row_of[experts] = c, scratch_rows
+        miss = flat_rows < 0
+        flat_rows = np.where(miss, row_of[flat_ids], flat_rows)
+        pair_chunk = np.where(miss, chunk_of[flat_ids], -1)
+        groups, outputs = [], []
+        resident = np.flatnonzero(~miss)
+        if resident.size:
+            groups.append(resident)
+            outputs.append(self._pairs(tokens, resident, mx.array(flat_rows[resident]), k))
+        y = None
+        for c in range(len(stream.chunks)):
+            pairs = np.flatnonzero(pair_chunk == c)
+            chunk_rows = mx.array(flat_rows[pairs])
+            chunk_rows = self._cache.scratch_step(
+                stream, c, chunk_rows, self._predictor.cpu_stream, y
+            )
+            y = self._pairs(tokens, pairs, chunk_rows, k)
             groups.append(pairs)
             outputs.append(y)
-        order = np.concatenate([g for g in groups if g.size])
+        order = np.concatenate(groups)
         y = mx.concatenate(outputs, axis=0)[mx.array(np.argsort(order))]
         return y.reshape(*ids.shape, y.shape[-1])
 
-    def _pairs(self, tokens, pairs, flat_rows, k):
-        """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs`."""
+    def _pairs(self, tokens, pairs, pair_rows, k):
+        """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs` (numpy
+        indices into the (tokens, k) ids), on `pair_rows` ((len(pairs),) int32 pool rows)."""
         x = tokens[mx.array(pairs // k)]
-        return self._experts(x, mx.array(flat_rows[pairs].reshape(-1, 1)))[:, 0]
+        return self._experts(x, pair_rows.reshape(-1, 1))[:, 0]

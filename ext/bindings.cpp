@@ -15,6 +15,7 @@
 #include "expert_cache.h"
 #include "primitives.h"
 #include "router.h"
+#include "scratch_stream.h"
 #include "segment_dtypes.h"
 #include "slot_state.h"
 
@@ -72,7 +73,8 @@ two side-region banks, scratch rows), the reader pool, the side ledgers and the 
 
 Thread safety: acquire, acquire_op, load_scratch, pin/unpin and reset belong to one
 thread at a time (the generation thread, or the MLX stream that evaluates acquire_op);
-snapshot, check, the properties and the live toggles may be used from any thread.)";
+a ScratchStream's thread runs load_scratch on the layer it streams meanwhile; snapshot,
+check, the properties and the live toggles may be used from any thread.)";
 
 const char* kInit = R"(Opens the blob files and allocates every pool.
 
@@ -170,7 +172,7 @@ Returns:
     int. When the call's distinct misses exceed the evictable slots (expert_slots minus
     pinned) nothing is loaded: the entries of those experts are -1 and `missing` lists
     them (distinct, the ones with the most entries first, ties by id), to be read
-    through load_scratch; otherwise `missing` is empty.
+    through a ScratchStream (or load_scratch); otherwise `missing` is empty.
 
 Precondition: plan() said PLAN_SYNC for this call (or a trace hook is set), and every
 earlier use of this layer's pool has been evaluated (the caller synchronised on `ids`),
@@ -211,7 +213,7 @@ Returns:
     PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
     one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
     most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
-    chunks through load_scratch.
+    chunks through a ScratchStream.
 
 Raises:
     IndexError: `layer` out of range.
@@ -374,6 +376,46 @@ Raises:
         [0, 1].
     IndexError: layer out of range.)";
 
+const char* kScratchStream = R"(The misses of one over-capacity call streamed through the scratch rows
+in banks (two when scratch_slots >= 2: the first ceil(scratch_slots / 2) rows and the
+rest; else one), the reads of the next chunk in flight while the current one computes.
+Made by ExpertCache.scratch_stream; each chunk's place in the graph is scratch_step. Its
+own thread reads the chunks in order (load_scratch: io_uring or the reader threads,
+checksums, timeouts, empty real slots filled, counters), from the first step on.)";
+
+const char* kScratchChunks = R"(Per chunk, in order: (experts, rows), the chunk's experts (the
+misses in acquire's order) and the pool row each is read into (int lists).)";
+
+const char* kScratchBanks = R"(How many banks the scratch rows are split into: 2, or 1 when
+scratch_slots is 1 (each chunk's read then waits for the previous chunk's compute).)";
+
+const char* kScratchStreamMake = R"(A ScratchStream for `experts` (acquire's `missing` of MoE
+layer `layer`). Reads nothing until its first step is evaluated.
+
+Raises:
+    IndexError: `layer` or an expert out of range.)";
+
+const char* kScratchStep = R"(Lazy int32 `rows` (the pool rows of the pairs chunk `chunk` of
+`stream` computes, any shape) returned as they are once that chunk's experts have landed
+in them. When MLX evaluates it, `after` has been computed, so the bank of chunk - 1 is
+free: it releases the next chunk into that bank (whose read then runs while this chunk
+computes), then waits for this chunk's reads; the host never waits. On the default stream,
+or the CPU stream if `cpu_stream` (needed on a GPU device).
+
+Args:
+    rows: mx.array, int32.
+    after: the output of chunk - 1's compute (None only for chunk 0).
+
+Returns:
+    mx.array, int32, `rows`' shape and values.
+
+Raises:
+    IndexError: `chunk` out of range.
+    ValueError: `rows` not int32, `after` missing for chunk >= 1, or `stream` made by
+        another cache.
+    A read error while it is evaluated leaves the chunk's rows holding other bytes and is
+    raised by the next raise_stream_error() or plan().)";
+
 }  // namespace doc
 
 // The Python object holds the cache through a shared_ptr that prefetch primitives share,
@@ -385,6 +427,11 @@ struct Cache {
 // A Router is held the same way: the prefetch primitives share it without the GIL.
 struct RouterHandle {
   std::shared_ptr<const es::Router> impl;
+};
+
+// A ScratchStream is held the same way: its step primitives share it.
+struct ScratchHandle {
+  std::shared_ptr<es::ScratchStream> impl;
 };
 
 using Ids = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
@@ -473,6 +520,20 @@ NB_MODULE(_ext, m) {
             return to_numpy(std::move(out), {n});
           },
           "x"_a, "budget"_a, doc::kRouterTop);
+
+  nb::class_<ScratchHandle>(m, "ScratchStream", doc::kScratchStream)
+      .def_prop_ro("layer", [](const ScratchHandle& h) { return h.impl->layer(); })
+      .def_prop_ro("banks", [](const ScratchHandle& h) { return h.impl->banks(); },
+                   doc::kScratchBanks)
+      .def_prop_ro(
+          "chunks",
+          [](const ScratchHandle& h) {
+            std::vector<std::pair<std::vector<int>, std::vector<int>>> out;
+            for (size_t c = 0; c < h.impl->chunks(); ++c)
+              out.emplace_back(h.impl->experts(c), h.impl->rows(c));
+            return out;
+          },
+          doc::kScratchChunks);
 
   nb::class_<Cache>(m, "ExpertCache", doc::kCache)
       .def(
@@ -595,6 +656,28 @@ NB_MODULE(_ext, m) {
             return c.impl->load_scratch(li, experts);
           },
           "layer"_a, "experts"_a, doc::kLoadScratch)
+      .def(
+          "scratch_stream",
+          [](Cache& c, int li, std::vector<int> experts) {
+            return ScratchHandle{std::make_shared<es::ScratchStream>(c.impl, li,
+                                                                     std::move(experts))};
+          },
+          "layer"_a, "experts"_a, doc::kScratchStreamMake)
+      .def(
+          "scratch_step",
+          [](Cache& c, const ScratchHandle& h, size_t chunk, const mx::array& rows,
+             bool cpu_stream, std::optional<mx::array> after) {
+            if (h.impl->cache() != c.impl)
+              throw std::invalid_argument("scratch_step: the stream belongs to another cache");
+            if (cpu_stream)
+              return es::scratch_step_op(h.impl, chunk, rows, after, mx::Device(mx::Device::cpu));
+            return es::scratch_step_op(h.impl, chunk, rows, after);
+          },
+          "stream"_a, "chunk"_a, "rows"_a, "cpu_stream"_a = false, "after"_a = nb::none(),
+          nb::sig("def scratch_step(self, stream: ScratchStream, chunk: int, rows: mlx.core.array, "
+                  "cpu_stream: bool = False, after: mlx.core.array | None = None) -> "
+                  "mlx.core.array"),
+          doc::kScratchStep)
       .def(
           "prefetch",
           [](Cache& c, int li, Ids ids) {

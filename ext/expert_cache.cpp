@@ -689,13 +689,13 @@ void ExpertCache::hint(int li, const float* probs, size_t n) {
   }
 }
 
-std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts) {
+std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& experts, int first) {
   check_layer(li, num_layers());
-  if (static_cast<int>(experts.size()) > config_.scratch_slots)
+  if (first < 0 || static_cast<int>(experts.size()) > config_.scratch_slots - first)
     throw std::invalid_argument("load_scratch: " + std::to_string(experts.size()) +
-                                " experts for " + std::to_string(config_.scratch_slots) +
-                                " scratch rows");
-  const int base = slots_[li] + 2 * side_slots_[li];
+                                " experts from scratch row " + std::to_string(first) + " of " +
+                                std::to_string(config_.scratch_slots) + " scratch rows");
+  const int base = slots_[li] + 2 * side_slots_[li] + first;
   std::vector<std::pair<int, int>> loads;
   std::vector<int> rows;
   for (size_t i = 0; i < experts.size(); ++i) {

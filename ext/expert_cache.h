@@ -13,8 +13,9 @@
 //   [slots + 2*side, rows)        scratch rows that stream an over-capacity call's
 //                                  misses chunk by chunk, evicting nothing from the real
 //                                  region (they only fill its empty slots, by row copies)
-// Threads: one caller (the generation thread) runs acquire/load_scratch; prefetch fills
-// run on the reader pool or inline (SYNC); snapshots may be taken from any thread.
+// Threads: one caller (the generation thread) runs acquire/load_scratch, and a
+// ScratchStream's thread load_scratch on the layer it streams; prefetch fills run on the
+// reader pool or inline (SYNC); snapshots may be taken from any thread.
 // Reads: every record is read into a buffer of the reader's own (a reader thread's, or
 // the io_uring's of demand reads, see config.io_uring) and copied into a pool row only
 // after the read and its checksum succeeded, and only if nobody gave up on it: a read
@@ -237,10 +238,12 @@ class ExpertCache {
   // thread rule as acquire. Returns the number of experts read.
   int fill(int li);
 
-  // Reads `experts` (at most scratch_slots) into the scratch rows; returns their rows. Each
-  // one read is also copied into an empty real slot while there is one (acquire lists the
-  // missing experts most-routed first), so a cold cache keeps the prompt's busiest experts.
-  std::vector<int> load_scratch(int li, const std::vector<int>& experts);
+  // Reads `experts` into the scratch rows from scratch row `first` on (at most
+  // `scratch_slots` rows in all); returns their rows. Each one read is also copied into an empty real slot
+  // while there is one (acquire lists the missing experts most-routed first), so a cold
+  // cache keeps the prompt's busiest experts. Thread-safe against the generation thread's
+  // calls on other layers (ScratchStream reads a layer's chunks on a thread of its own).
+  std::vector<int> load_scratch(int li, const std::vector<int>& experts, int first = 0);
 
   // Reserves side rows for the predicted experts of layer li and fills them (background,
   // or inline in SYNC mode). Called by the prefetch primitive.

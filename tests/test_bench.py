@@ -230,3 +230,35 @@ def test_bench_outside_a_checkout_says_it_needs_one(tmp_path, monkeypatch, capsy
     assert engine.cli.main(["bench", "--suite", "quick", "--out", str(tmp_path / "o")]) == 2
     assert "source checkout" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_prefill_suite_times_the_first_token_against_resident(model_dirs, tmp_path):
+    """`--suite prefill`: a 1,536-token prompt, resident then the engine at 100/25/12.5%;
+    at 100% the prefill fits the real region; at 25% (2 of 8 experts) each MoE layer's
+    prefill call is over capacity; at 12.5% (1 slot) also the calls of the prompt's last
+    token and of the next one, which mlx-lm starts before it yields the first (2 ids
+    each)."""
+    from bench.decode import long_prompt
+
+    out = tmp_path / "prefill"
+    results = run_suite("prefill", out, model_dirs("qwen3_moe"), log=lambda *_: None)
+    p = results["prefill"]
+    assert p["prompt_tokens"] == 1536
+    assert p["baseline"] == "resident (mlx-lm)"
+    names = [r["name"] for r in p["rows"]]
+    assert names == ["resident (mlx-lm)", "streamed 100.0%", "streamed 25.0%", "streamed 12.5%"]
+    base = p["rows"][0]["ttft_s"]
+    layers = load(model_dirs("qwen3_moe"), StreamConfig()).cache.num_layers
+    for r in p["rows"]:
+        lo, hi = r["ttft_s_spread"]
+        assert 0 < lo <= r["ttft_s"] <= hi and r["reps"] == 3
+        assert r["ratio"] == pytest.approx(base / r["ttft_s"])
+        assert r["prefill_tps"] == pytest.approx(1536 / r["ttft_s"])
+    assert [r["overcap_calls"] for r in p["rows"][1:]] == [0, layers, 3 * layers]
+    # 100%: every expert was read at load (as resident mlx-lm reads every weight), none after
+    assert [r["bytes_read"] > 0 for r in p["rows"][1:]] == [False, True, True]
+    md = (out / "results.md").read_text()
+    assert "## Time to first token" in md and "| streamed 12.5% |" in md
+    assert long_prompt([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(ValueError, match="empty"):
+        long_prompt([])
