@@ -27,21 +27,10 @@ SUITES = ("quick", "full", "scale", "prefill")
 
 
 def routing_traces_dir() -> Path | None:
-    """The HD-MoE Mixtral traces: `$EXPERTSTREAM_TRACES`, else
-    `<repo>/../shared/data/routing-traces/hdmoe-mixtral`; None when absent."""
+    """The folder of HD-MoE Mixtral routing traces that `$EXPERTSTREAM_TRACES` names;
+    None when unset or not a folder."""
     env = os.environ.get("EXPERTSTREAM_TRACES")
-    path = (
-        Path(env)
-        if env
-        else (
-            Path(__file__).resolve().parents[2]
-            / "shared"
-            / "data"
-            / "routing-traces"
-            / "hdmoe-mixtral"
-        )
-    )
-    return path if path.is_dir() else None
+    return Path(env) if env and Path(env).is_dir() else None
 
 
 def record_trace(store, prompts: list[list[int]], max_tokens: int, name: str):
