@@ -86,9 +86,11 @@ class ControlsPanel(QWidget):
         self.expert_slots = QSpinBox(minimum=1, maximum=1)
         self.expert_slots.setToolTip("Real-region slots per MoE layer.")
         self.expert_memory = QLineEdit()
-        self.expert_memory.setPlaceholderText("6GiB, auto, or empty: the slots above")
+        # short enough to show whole in the field; the tooltip says the rest
+        self.expert_memory.setPlaceholderText("e.g. 6GiB or auto")
         self.expert_memory.setToolTip(
-            "Memory for the real regions of all layers instead of a slot count: each layer "
+            "Memory for the real regions of all layers instead of a slot count (empty: the "
+            "expert slots above): each layer "
             f"gets slots by its record size; auto = {AUTO_MEMORY_FRACTION:.0%} of the memory "
             "available when the model loads."
         )
