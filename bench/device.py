@@ -14,7 +14,7 @@ at all: the ceiling of any expert cache on these pools). Each row splits a decod
 time into the cache's acquire calls (demand reads included), the reads alone, and the
 rest (compute, graph building and any wait); `dd` gives the disk's own O_DIRECT rate.
 
-With --prefill, time to first token of a long prompt (issue 30): the embedded model's
+With --prefill, time to first token of a long prompt: the embedded model's
 1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's
 2,048 tokens at 100% (every expert cached: the baseline) and 25%, buffered reads (the
 store in the page cache, i.e. host RAM) and O_DIRECT; each run from a fresh load, in

@@ -246,6 +246,22 @@ def openai_usage(usage: dict) -> dict:
     }
 
 
+def reply_object(reply, kind: str, choices: list, usage: dict | None) -> dict:
+    """The OpenAI object (`kind`: "chat.completion", "chat.completion.chunk" or
+    "text_completion") of `reply` (a ChatReply or TextReply: its id, created, served)
+    holding `choices`, and `usage` (the engine's) in OpenAI's shape when given."""
+    out = {
+        "id": reply.id,
+        "object": kind,
+        "created": reply.created,
+        "model": reply.served.model_id,
+        "choices": choices,
+    }
+    if usage is not None:
+        out["usage"] = openai_usage(usage)
+    return out
+
+
 def token_bytes(token: str) -> list[int]:
     """A token's text as the UTF-8 bytes OpenAI's logprobs entries carry."""
     return list(token.encode("utf-8", "replace"))
@@ -294,16 +310,8 @@ class ChatReply:
         self.created = int(time.time())
 
     def _object(self, choices: list, chunk: bool, usage: dict | None = None) -> dict:
-        out = {
-            "id": self.id,
-            "object": "chat.completion" + (".chunk" if chunk else ""),
-            "created": self.created,
-            "model": self.served.model_id,
-            "choices": choices,
-        }
-        if usage is not None:
-            out["usage"] = openai_usage(usage)
-        return out
+        kind = "chat.completion" + (".chunk" if chunk else "")
+        return reply_object(self, kind, choices, usage)
 
     def _split(self) -> ToolCallStream | None:
         return ToolCallStream(self.served.tokenizer, self.tools) if self.tools else None
@@ -405,16 +413,7 @@ class TextReply:
         self.created = int(time.time())
 
     def _object(self, choices: list, usage: dict | None = None) -> dict:
-        out = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.served.model_id,
-            "choices": choices,
-        }
-        if usage is not None:
-            out["usage"] = openai_usage(usage)
-        return out
+        return reply_object(self, "text_completion", choices, usage)
 
     def _logprobs(self, records: list[dict], offset: int) -> dict | None:
         if self.top is None:

@@ -588,8 +588,8 @@ def test_screenshot_is_taken_mid_reply(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    # Qt's offscreen platform printed "This plugin does not support propagateSizeHints()"
-    # four or five times, meaning nothing to a user.
+    # Qt's offscreen platform says "This plugin does not support propagateSizeHints()"
+    # several times a run, which means nothing to a user: the app drops that message.
     assert "propagateSizeHints" not in out.stderr, out.stderr
     # Exactly one grab, at the 18th token: a grab nested in another (through Qt's event
     # processing) used to save once per later token and run the reply to its end.

@@ -416,9 +416,9 @@ def test_plain_output_ends_its_line_and_a_closed_pipe_is_quiet(capfd):
 
 
 def test_stderr_has_no_transformers_advice():
-    """transformers 5 without PyTorch printed "[transformers] PyTorch was not found.
-    Models won't be available ..." first on every command's stderr (mlx-lm loads the
-    tokenizer through it): alarming, and wrong here, where MLX runs the model."""
+    """transformers 5 without PyTorch warns "[transformers] PyTorch was not found.
+    Models won't be available ..." as mlx-lm loads the tokenizer through it: alarming,
+    and wrong here, where MLX runs the model, so no command's stderr carries it."""
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     out = subprocess.run(
         [sys.executable, "-m", "engine.cli", "generate", "--max-tokens", "2"],
@@ -432,8 +432,8 @@ def test_stderr_has_no_transformers_advice():
 
 
 def test_version(capfd):
-    """`expertstream --version`, a newcomer's first try, said "the following arguments
-    are required: command"."""
+    """`expertstream --version`, a newcomer's first try, prints the installed version
+    (not argparse's "the following arguments are required: command")."""
     from importlib.metadata import version
 
     with pytest.raises(SystemExit) as exit_:

@@ -549,9 +549,9 @@ INCONSISTENT = {
 
 @pytest.mark.parametrize(("patch", "message"), INCONSISTENT.values(), ids=list(INCONSISTENT))
 def test_convert_refuses_what_load_would(model_dir, tmp_path, capsys, patch, message):
-    """Each input that converted before and was then refused by load (or generated empty
-    replies) is refused by convert in one bounded line naming the file, and nothing is
-    left behind; the command line prints that line."""
+    """Each input that load would refuse (or that would generate empty replies) is
+    refused by convert in one bounded line naming the file, and nothing is left behind;
+    the command line prints that line."""
     patch_config(model_dir, patch) if isinstance(patch, dict) else patch(model_dir)
     with pytest.raises(ModelFileError, match=message) as refused:
         convert(model_dir, tmp_path / "store")
@@ -611,8 +611,8 @@ def load_under_address_limit(store, config: str, headroom: int):
 def test_pools_beyond_the_address_space_limit_are_refused_first(model_dirs, tmp_path):
     """A process under `ulimit -v` whose pools (78 MB here) cannot fit in what the limit
     leaves (30 MiB) is refused by the planned-bytes check, naming the sizes, before any
-    pool is allocated: no system figure shows such a limit, so the pools were allocated
-    until the native allocation failed (and a config read allocated its 64 MiB bound)."""
+    pool is allocated: the process's own limits count as memory available, since no
+    system figure shows them."""
 
     model_dir = model_dirs(
         "qwen3_moe",

@@ -1,4 +1,4 @@
-"""The over-capacity prefill streamed through two scratch banks (issue 30).
+"""The over-capacity prefill streamed through two scratch banks.
 
 `ExpertCache.scratch_stream` splits a call's misses into chunks over the banks of the
 scratch rows; each chunk's `scratch_step` op, ordered after the previous chunk's output,

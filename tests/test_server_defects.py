@@ -26,9 +26,10 @@ from test_server import PROMPT, Served, http, raw_post
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, 1e-38])
 def test_tiny_temperatures_are_greedy(temperature):
-    """mlx-lm scales log-probabilities by 1 / temperature: past float32's range every one
-    became -inf and the tokens were garbage (1e-45), where 1e-38 still gave the greedy
-    text (`generate --temp` and the server both sample through engine.generate)."""
+    """mlx-lm scales log-probabilities by 1 / temperature: a temperature whose reciprocal
+    is past float32's range samples greedily, as its limit does, instead of turning every
+    log-probability into -inf (`generate --temp` and the server both sample through
+    engine.generate)."""
     sm = load(None, StreamConfig(expert_slots=8))
     ids = prompt_tokens(sm, PROMPT, chat=False)
     greedy = generate(sm, ids, 12)
@@ -37,7 +38,7 @@ def test_tiny_temperatures_are_greedy(temperature):
 
 
 def test_generate_temp_1e_300_is_greedy(capfd):
-    """`expertstream generate --temp 1e-300` printed garbage."""
+    """`expertstream generate --temp 1e-300` prints the greedy text."""
     from engine.cli import main
 
     def run(*flags) -> str:
@@ -96,16 +97,16 @@ def test_tiny_temperature_over_http(served):
     ],
 )
 def test_a_lone_surrogate_is_refused_naming_the_field(served, route, body, param):
-    """JSON can spell a lone surrogate ("\\ud800"), no text encoding takes it: the
-    tokenizer raised, and the client got a 500 (and stderr a traceback)."""
+    """JSON can spell a lone surrogate ("\\ud800"), which no text encoding takes: the
+    request gets a 400 naming the field, before the tokenizer sees it."""
     status, reply = http("POST", served.url + route, body)
     assert status == 400 and reply["error"]["param"] == param, reply
     assert "surrogate" in reply["error"]["message"]
 
 
 def test_a_disconnect_cancels_a_whole_reply(served):
-    """A non-streamed reply went on to its last token after its client left: the check
-    for a disconnect ran only when no token came for 0.5 s, never while generating."""
+    """A non-streamed reply whose client left is cancelled while it generates, not run
+    to its last token."""
     before = served.stats()["server"]
     client = served.client(max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
@@ -121,8 +122,8 @@ def test_a_disconnect_cancels_a_whole_reply(served):
 
 
 def test_a_body_longer_than_the_limit_is_refused_by_its_length(served):
-    """A Content-Length of 999999999 with a 2-byte body was never answered: the server
-    waited for the rest. It is refused from the header."""
+    """A Content-Length of 999999999 with a 2-byte body is refused from the header, not
+    waited for."""
     t0 = time.monotonic()
     answer = raw_post(served.url, b"{}", length=999_999_999)
     assert answer.startswith(b"HTTP/1.1 413 ") and b"over 1048576 bytes" in answer
@@ -145,7 +146,7 @@ def test_a_stalled_body_is_refused_in_time_and_a_leaving_client_is_quiet(
     served, monkeypatch, uvicorn_errors
 ):
     """A body that stops coming is answered 408 after BODY_TIMEOUT_S; a client that
-    leaves mid-body printed a ClientDisconnect traceback, one per client."""
+    leaves mid-body leaves no ClientDisconnect traceback."""
     monkeypatch.setattr(engine.server_requests, "BODY_TIMEOUT_S", 1.0)
     t0 = time.monotonic()
     answer = raw_post(served.url, b'{"prompt"', length=100)
@@ -182,8 +183,8 @@ def test_retry_after_counts_the_queued_replies_not_past_long_ones():
 
 
 def test_access_log_lines_go_to_stderr(capfd):
-    """uvicorn's access log (one line per request at --log-level info) went to stdout,
-    which is the command's output."""
+    """uvicorn's access log (one line per request at --log-level info) goes to stderr:
+    stdout is the command's output."""
 
     class Idle:
         def cancel_all(self):
