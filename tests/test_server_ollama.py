@@ -5,18 +5,7 @@ import ollama
 import pytest
 
 from test_server import PROMPT, Served, http
-from tool_model import ANSWER, CALL
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
+from tool_model import ANSWER, CALL, TOOLS
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,8 @@ from engine.generate import prompt_tokens
 from engine.model import load
 
 from test_server import PROMPT, Served, http
-from tool_model import ANSWER, CALL
+from tool_model import ANSWER, CALL, TOOLS
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 

@@ -19,6 +19,17 @@ from factories import _rewrite_weights, make_random_model
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 CALL_TEXT = f"<tool_call> {json.dumps(CALL)} </tool_call>"
 ANSWER = "The cat sat on mat"
+# The tool the model calls, as OpenAI's chat completions and Ollama's chat declare it.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": CALL["name"],
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 WORDS = [
     "[UNK]",
