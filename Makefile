@@ -28,6 +28,9 @@ asan:
 	ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		build/asan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 1 ))
+	ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:strict_string_checks=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		build/asan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 2 ))
 
 tsan:
 	$(CMAKE) -S ext -B build/tsan $(CMAKE_FLAGS) -DEXPERTSTREAM_SANITIZE=thread >/dev/null
@@ -36,6 +39,8 @@ tsan:
 		build/tsan/stress $(STRESS_SECONDS) $(STRESS_SEED)
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 		build/tsan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 1 ))
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+		build/tsan/stress $(STRESS_SECONDS) $$(( $(STRESS_SEED) + 2 ))
 
 # The long soak (docs/reliability.md), outside CI: asan and tsan as above with
 # SOAK_ASAN_SECONDS / SOAK_TSAN_SECONDS per run (>= 10^6 operations per sanitizer, else it

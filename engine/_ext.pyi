@@ -3,7 +3,7 @@ ExpertStream native core: blob I/O, reader pool, real region, side region.
 """
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Final
 
 import mlx.core
 import numpy
@@ -338,6 +338,30 @@ class ExpertCache:
             IndexError: `layer` out of range.
         """
 
+    def set_staging(self, on: bool) -> None:
+        """
+        Staged pool writes on (after the fills in flight landed) or off (what is staged is written now, by the host: only when no kernel of a forward is queued). Made by an AcquireMailbox, whose answers deliver what is staged.
+
+        Raises:
+            RuntimeError: on without a mailbox; a failed write (off).
+        """
+
+    @property
+    def staging_on(self) -> bool:
+        """Whether pool writes are staged now (set_staging)."""
+
+    @property
+    def staged(self) -> tuple[int, int]:
+        """
+        (copies pending, staging slots in use): what the next answer delivers and the slots it and the answers before it hold (0, 0 without a mailbox).
+        """
+
+    @property
+    def host_tier(self) -> tuple[int, int, int]:
+        """
+        (slots per MoE layer, experts held, bytes of host memory of the staging and the tier): the host-RAM tier of an AcquireMailbox ((0, 0, 0) without one).
+        """
+
     def table(self, layer: int) -> mlx.core.array:
         """
         (num_experts,) int32 mx.array: expert -> real slot of MoE layer `layer`,
@@ -560,4 +584,140 @@ class ExpertCache:
 
         Raises:
             ValueError: an unknown kind.
+        """
+
+class AcquireMailbox:
+    """
+    The acquire mailbox of a cache on a CUDA device (ext/mailbox.h).
+
+    A kernel on the GPU's stream (engine.device_acquire) writes a decode step's expert ids, and
+    optionally the last token's hidden state, into this mailbox in mapped host memory and spins
+    until the mailbox's thread has answered with their pool rows (ExpertCache.acquire: hits,
+    side hits, demand reads); the thread then prefetches what the hidden state predicts for
+    the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
+    writes are staged in mapped memory (ExpertCache.set_staging) and each answer delivers them
+    to its kernels, which copy them into the pools (ext/staged_copies.h).
+
+    Args:
+        cache: the ExpertCache whose acquire answers the requests.
+        hidden: the hidden size (floats) a request's hidden state has.
+        max_ids: the most ids of one request, in [1, MAX_IDS]; as many staging slots (of the
+            widest record, bytes) are kept for a request's demand reads.
+        fill_slots: staging slots for prefetch fills (a fill that finds none gives up).
+        tier_slots: host-tier slots per MoE layer (records kept in host memory after their
+            copies ran, evicted by the cache's policy; 0: none).
+
+    Where the cache's pools are not CUDA memory the mailbox is plain host memory (`mapped` is
+    False): only `post` reaches it, as the tests do.
+
+    Raises:
+        ValueError: hidden < 1, max_ids, fill_slots or tier_slots out of range.
+        RuntimeError: the cache's writes are already staged, or the CUDA runtime refused to
+            map the memory.
+    """
+
+    def __init__(self, cache: ExpertCache, hidden: int, max_ids: int, fill_slots: int, tier_slots: int = 0) -> None: ...
+
+    REQUEST: Final[int] = ...
+    """Word of the latest request's sequence number."""
+
+    REPLY: Final[int] = ...
+    """Word of the latest answered sequence number."""
+
+    LAYER: Final[int] = ...
+    """Word of the request's MoE layer."""
+
+    COUNT: Final[int] = ...
+    """Word of the request's number of ids."""
+
+    HAS_X: Final[int] = ...
+    """Word: 1 when the request carries a hidden state."""
+
+    ROW_COPIES: Final[int] = ...
+    """Word: the answer's row copies."""
+
+    RECORD_COPIES: Final[int] = ...
+    """Word: the answer's record copies."""
+
+    CHUNKS: Final[int] = ...
+    """Word: the record copies' chunks in all."""
+
+    IDS: Final[int] = ...
+    """First word of the ids (int32)."""
+
+    ROWS: Final[int] = ...
+    """First word of the rows (int32)."""
+
+    HIDDEN: Final[int] = ...
+    """First word of the hidden state (float32)."""
+
+    MAX_IDS: Final[int] = ...
+    """The most ids a mailbox's max_ids allows."""
+
+    CHUNK_BYTES: Final[int] = ...
+    """Bytes of a record copy's chunk (the last one of a copy may be short)."""
+
+    @property
+    def max_ids(self) -> int:
+        """The most ids of one request."""
+
+    @property
+    def copies_address(self) -> int:
+        """
+        The device address of the answer's copies: (src, dst, bytes, first_chunk) uint64 each, row copies first.
+        """
+
+    @property
+    def address(self) -> int:
+        """
+        The address kernels write to (the device pointer of the mapped memory).
+        """
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the memory is mapped for the pools' CUDA device."""
+
+    @property
+    def hidden(self) -> int:
+        """The hidden size (floats) of a request's hidden state."""
+
+    @property
+    def answered(self) -> int:
+        """Requests answered since creation."""
+
+    @property
+    def sequence(self) -> tuple[int, int]:
+        """
+        (request, reply): the sequence numbers of the latest request and the latest answer; equal when no request waits.
+        """
+
+    def set_prefetch(self, source: int, targets: Sequence[int], routers: Sequence[Router], budget: int) -> None:
+        """
+        What the thread prefetches after a request of MoE layer
+        `source` that carries a hidden state: for each of `targets` (MoE layers), the Router at the
+        same position ranks the experts for that hidden state and the top `budget` go to
+        ExpertCache.prefetch. Replaces the layer's earlier plan; empty lists: none.
+
+        Raises:
+            IndexError: a layer out of range.
+            ValueError: lengths differ, a router of another hidden size or expert count, or budget
+                outside [1, experts] with targets given.
+        """
+
+    def post(self, layer: int, ids: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], x: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> NDArray[numpy.int32]:
+        """
+        Posts a request as the kernel does and returns its rows.
+
+        Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
+        max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None), publishes
+        the request, waits for the answer and performs the pool copies it delivers. The host's
+        stand-in for the kernels (tests, pools in host memory): never while kernels post to this
+        mailbox.
+
+        Returns:
+            (len(ids),) int32 pool rows (all 0 after a failed acquire, whose error
+            ExpertCache.raise_stream_error raises).
+
+        Raises:
+            ValueError: more than max_ids ids, or x is not (hidden,).
         """

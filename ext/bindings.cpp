@@ -4,6 +4,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -13,6 +14,7 @@
 #include "checksum.h"
 #include "errors.h"
 #include "expert_cache.h"
+#include "mailbox.h"
 #include "primitives.h"
 #include "router.h"
 #include "scratch_stream.h"
@@ -415,6 +417,57 @@ Raises:
         another cache.
     A read error while it is evaluated leaves the chunk's rows holding other bytes and is
     raised by the next raise_stream_error() or plan().)";
+const char* kMailbox = R"(The acquire mailbox of a cache on a CUDA device (ext/mailbox.h).
+
+A kernel on the GPU's stream (engine.device_acquire) writes a decode step's expert ids, and
+optionally the last token's hidden state, into this mailbox in mapped host memory and spins
+until the mailbox's thread has answered with their pool rows (ExpertCache.acquire: hits,
+side hits, demand reads); the thread then prefetches what the hidden state predicts for
+the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
+writes are staged in mapped memory (ExpertCache.set_staging) and each answer delivers them
+to its kernels, which copy them into the pools (ext/staged_copies.h).
+
+Args:
+    cache: the ExpertCache whose acquire answers the requests.
+    hidden: the hidden size (floats) a request's hidden state has.
+    max_ids: the most ids of one request, in [1, MAX_IDS]; as many staging slots (of the
+        widest record, bytes) are kept for a request's demand reads.
+    fill_slots: staging slots for prefetch fills (a fill that finds none gives up).
+    tier_slots: host-tier slots per MoE layer (records kept in host memory after their
+        copies ran, evicted by the cache's policy; 0: none).
+
+Where the cache's pools are not CUDA memory the mailbox is plain host memory (`mapped` is
+False): only `post` reaches it, as the tests do.
+
+Raises:
+    ValueError: hidden < 1, max_ids, fill_slots or tier_slots out of range.
+    RuntimeError: the cache's writes are already staged, or the CUDA runtime refused to
+        map the memory.)";
+
+const char* kMailboxPost = R"(Posts a request as the kernel does and returns its rows.
+
+Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
+max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None), publishes
+the request, waits for the answer and performs the pool copies it delivers. The host's
+stand-in for the kernels (tests, pools in host memory): never while kernels post to this
+mailbox.
+
+Returns:
+    (len(ids),) int32 pool rows (all 0 after a failed acquire, whose error
+    ExpertCache.raise_stream_error raises).
+
+Raises:
+    ValueError: more than max_ids ids, or x is not (hidden,).)";
+
+const char* kMailboxSetPrefetch = R"(What the thread prefetches after a request of MoE layer
+`source` that carries a hidden state: for each of `targets` (MoE layers), the Router at the
+same position ranks the experts for that hidden state and the top `budget` go to
+ExpertCache.prefetch. Replaces the layer's earlier plan; empty lists: none.
+
+Raises:
+    IndexError: a layer out of range.
+    ValueError: lengths differ, a router of another hidden size or expert count, or budget
+        outside [1, experts] with targets given.)";
 
 }  // namespace doc
 
@@ -422,6 +475,10 @@ Raises:
 // so a queued primitive never outlives the state it writes to.
 struct Cache {
   std::shared_ptr<es::ExpertCache> impl;
+};
+
+struct MailboxHandle {
+  std::unique_ptr<es::AcquireMailbox> impl;
 };
 
 // A Router is held the same way: the prefetch primitives share it without the GIL.
@@ -633,6 +690,37 @@ NB_MODULE(_ext, m) {
           "layer"_a, "n"_a, "top_k"_a, doc::kPlan)
       .def("is_complete", [](const Cache& c, int li) { return c.impl->is_complete(li); },
            "layer"_a, doc::kIsComplete)
+      .def(
+          "set_staging",
+          [](Cache& c, bool on) {
+            nb::gil_scoped_release release;
+            c.impl->set_staging(on);
+          },
+          "on"_a,
+          "Staged pool writes on (after the fills in flight landed) or off (what is staged "
+          "is written now, by the host: only when no kernel of a forward is queued). Made "
+          "by an AcquireMailbox, whose answers deliver what is staged.\n\nRaises:\n"
+          "    RuntimeError: on without a mailbox; a failed write (off).")
+      .def_prop_ro(
+          "staging_on", [](const Cache& c) { return c.impl->staging_on(); },
+          "Whether pool writes are staged now (set_staging).")
+      .def_prop_ro(
+          "staged",
+          [](const Cache& c) {
+            auto s = c.impl->staging();
+            return s ? std::make_pair(s->pending(), s->busy()) : std::make_pair(size_t{0}, 0);
+          },
+          "(copies pending, staging slots in use): what the next answer delivers and the "
+          "slots it and the answers before it hold (0, 0 without a mailbox).")
+      .def_prop_ro(
+          "host_tier",
+          [](const Cache& c) {
+            auto s = c.impl->staging();
+            return s ? std::make_tuple(s->tier_slots(), s->tier_held(), s->bytes())
+                     : std::make_tuple(0, 0, size_t{0});
+          },
+          "(slots per MoE layer, experts held, bytes of host memory of the staging and the "
+          "tier): the host-RAM tier of an AcquireMailbox ((0, 0, 0) without one).")
       .def("table", [](const Cache& c, int li) { return c.impl->table(li); }, "layer"_a,
            nb::sig("def table(self, layer: int) -> mlx.core.array"), doc::kTable)
       .def(
@@ -761,4 +849,77 @@ NB_MODULE(_ext, m) {
             c.impl->inject_fault(li, es::fault_from_name(kind), expert, count, delay_ms);
           },
           "layer"_a, "kind"_a, "expert"_a = -1, "count"_a = 1, "delay_ms"_a = 0, doc::kInjectFault);
+
+  using Box = es::AcquireMailbox;
+  nb::class_<MailboxHandle>(m, "AcquireMailbox", doc::kMailbox)
+      .def(
+          "__init__",
+          [](MailboxHandle* self, const Cache& cache, int hidden, int max_ids, int fill_slots,
+             int tier_slots) {
+            new (self) MailboxHandle{
+                std::make_unique<Box>(cache.impl, hidden, max_ids, fill_slots, tier_slots)};
+          },
+          "cache"_a, "hidden"_a, "max_ids"_a, "fill_slots"_a, "tier_slots"_a = 0)
+      .def_ro_static("REQUEST", &Box::kRequest, "Word of the latest request's sequence number.")
+      .def_ro_static("REPLY", &Box::kReply, "Word of the latest answered sequence number.")
+      .def_ro_static("LAYER", &Box::kLayer, "Word of the request's MoE layer.")
+      .def_ro_static("COUNT", &Box::kCount, "Word of the request's number of ids.")
+      .def_ro_static("HAS_X", &Box::kHasX, "Word: 1 when the request carries a hidden state.")
+      .def_ro_static("ROW_COPIES", &Box::kRowCopies, "Word: the answer's row copies.")
+      .def_ro_static("RECORD_COPIES", &Box::kRecordCopies, "Word: the answer's record copies.")
+      .def_ro_static("CHUNKS", &Box::kChunks, "Word: the record copies' chunks in all.")
+      .def_ro_static("IDS", &Box::kIds, "First word of the ids (int32).")
+      .def_ro_static("ROWS", &Box::kRows, "First word of the rows (int32).")
+      .def_ro_static("HIDDEN", &Box::kHidden, "First word of the hidden state (float32).")
+      .def_ro_static("MAX_IDS", &Box::kMaxIds, "The most ids a mailbox's max_ids allows.")
+      .def_ro_static("CHUNK_BYTES", &es::StagedCopies::kChunkBytes,
+                     "Bytes of a record copy's chunk (the last one of a copy may be short).")
+      .def_prop_ro(
+          "max_ids", [](const MailboxHandle& b) { return b.impl->max_ids(); },
+          "The most ids of one request.")
+      .def_prop_ro(
+          "copies_address", [](const MailboxHandle& b) { return b.impl->copies_address(); },
+          "The device address of the answer's copies: (src, dst, bytes, first_chunk) uint64 "
+          "each, row copies first.")
+      .def_prop_ro(
+          "address", [](const MailboxHandle& b) { return b.impl->device_address(); },
+          "The address kernels write to (the device pointer of the mapped memory).")
+      .def_prop_ro(
+          "mapped", [](const MailboxHandle& b) { return b.impl->mapped(); },
+          "Whether the memory is mapped for the pools' CUDA device.")
+      .def_prop_ro(
+          "hidden", [](const MailboxHandle& b) { return b.impl->hidden(); },
+          "The hidden size (floats) of a request's hidden state.")
+      .def_prop_ro(
+          "answered", [](const MailboxHandle& b) { return b.impl->answered(); },
+          "Requests answered since creation.")
+      .def_prop_ro(
+          "sequence", [](const MailboxHandle& b) { return b.impl->sequence(); },
+          "(request, reply): the sequence numbers of the latest request and the latest "
+          "answer; equal when no request waits.")
+      .def(
+          "set_prefetch",
+          [](MailboxHandle& b, int source, const std::vector<int>& targets,
+             const std::vector<RouterHandle>& routers, int budget) {
+            std::vector<std::shared_ptr<const es::Router>> impls;
+            for (const auto& r : routers) impls.push_back(r.impl);
+            b.impl->set_prefetch(source, targets, impls, budget);
+          },
+          "source"_a, "targets"_a, "routers"_a, "budget"_a, doc::kMailboxSetPrefetch)
+      .def(
+          "post",
+          [](MailboxHandle& b, int layer, Ids ids, std::optional<Vector> x) {
+            if (x && static_cast<int>(x->shape(0)) != b.impl->hidden())
+              throw std::invalid_argument("x must hold " + std::to_string(b.impl->hidden()) +
+                                          " floats, got " + std::to_string(x->shape(0)));
+            std::vector<int32_t> rows;
+            {
+              nb::gil_scoped_release release;
+              rows = b.impl->post(layer, ids.data(), static_cast<int>(ids.size()),
+                                  x ? x->data() : nullptr);
+            }
+            const size_t n = rows.size();
+            return to_numpy(std::move(rows), {n});
+          },
+          "layer"_a, "ids"_a, "x"_a = nb::none(), doc::kMailboxPost);
 }

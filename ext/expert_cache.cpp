@@ -36,6 +36,9 @@ uint8_t* bounce_buffer(size_t bytes, const PoolWriter& writer) {
   return b.buf->data();
 }
 
+// demand_read's landed[i] for a record staged from the host tier (1: read).
+constexpr uint8_t kLandedFromTier = 2;
+
 void check_layer(int li, int n) {
   if (li < 0 || li >= n)
     throw std::out_of_range("MoE layer index " + std::to_string(li) + " out of range [0, " +
@@ -215,6 +218,29 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
   }
 }
 
+std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve,
+                                                          int tier_slots) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (staged_) throw std::logic_error("pool writes are already staged for this cache");
+  // A slot holds a record's segments each 16-byte aligned (the kernels' widest copies).
+  int64_t bytes = 0;
+  for (const auto& L : layers_)
+    bytes = std::max(bytes, L.record_bytes + 16 * static_cast<int64_t>(L.segments.size()));
+  staged_ = std::make_shared<StagedCopies>(writer_, static_cast<size_t>(bytes), slots, reserve,
+                                           num_layers(), tier_slots, num_experts_,
+                                           config_.policy);
+  return staged_;
+}
+
+void ExpertCache::set_staging(bool on) {
+  if (on && !staged_) throw std::logic_error("set_staging(true) before enable_staging");
+  if (!staged_ || on == staging_on()) return;
+  // Fills in flight wrote (or staged) under the old setting: let them land first.
+  drain();
+  staging_on_.store(on, std::memory_order_release);
+  if (!on) staged_->flush(writer_);
+}
+
 ExpertCache::~ExpertCache() {
   drain();
   readers_.reset();
@@ -233,7 +259,19 @@ std::vector<SideLedger> ExpertCache::side_ledgers(int li, bool lfu) const {
   return {SideLedger(side, num_experts_), SideLedger(side, num_experts_)};
 }
 
-void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
+bool ExpertCache::stage_from_tier(int li, int expert, int row) {
+  if (!staging_on_.load(std::memory_order_acquire) || staged_->tier_slots() == 0) return false;
+  const auto& L = layers_[li];
+  std::vector<Span> spans;
+  for (size_t s = 0; s < L.segments.size(); ++s) {
+    const auto& seg = L.segments[s];
+    spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, nullptr,
+                     static_cast<size_t>(seg.nbytes)});
+  }
+  return staged_->stage_cached(li, expert, spans);
+}
+
+void ExpertCache::copy_record(int li, int expert, const uint8_t* buf, int row, Write how) {
   const auto& L = layers_[li];
   std::vector<Span> spans;
   spans.reserve(L.segments.size());
@@ -243,14 +281,22 @@ void ExpertCache::copy_record(int li, const uint8_t* buf, int row) {
                      buf + seg.offset, static_cast<size_t>(seg.nbytes)});
   }
   try {
+    if (how != Write::kDirect && staging_on_.load(std::memory_order_acquire)) {
+      if (!staged_->stage_record(spans, how == Write::kDemand, li, expert))
+        throw StagingFull("no staging slot free for a " +
+                          std::string(how == Write::kDemand ? "demand read" : "prefetch fill"));
+      return;
+    }
     writer_.copy(spans);
+  } catch (const StagingFull&) {
+    throw;
   } catch (const std::exception& e) {
     throw ReadError(L.path + " (layer " + std::to_string(L.layer) + ", row " +
                     std::to_string(row) + "): " + e.what());
   }
 }
 
-void ExpertCache::copy_row(int li, int from, int to) {
+void ExpertCache::copy_row(int li, int from, int to, Write how) {
   const auto& L = layers_[li];
   std::vector<Span> spans;
   spans.reserve(L.segments.size());
@@ -259,24 +305,44 @@ void ExpertCache::copy_row(int li, int from, int to) {
     spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(to) * n,
                      pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n});
   }
-  writer_.copy(spans);
+  if (how != Write::kDirect && staging_on_.load(std::memory_order_acquire))
+    staged_->stage_rows(spans);
+  else
+    writer_.copy(spans);
 }
 
 std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<int, int>>& loads,
-                                            std::vector<uint8_t>& landed, ReadTally* tally) {
+                                            std::vector<uint8_t>& landed, ReadTally* tally,
+                                            Write how) {
   const auto t0 = std::chrono::steady_clock::now();
   const size_t n = loads.size();
   landed.assign(n, 0);
   if (n == 0) return nullptr;
-  std::vector<std::exception_ptr> errors(n);
+  // What the host tier holds is staged from there; the rest is read.
+  std::vector<std::pair<int, int>> rest;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < n; ++i) {
+    if (how == Write::kDemand && stage_from_tier(li, loads[i].first, loads[i].second)) {
+      landed[i] = kLandedFromTier;
+    } else {
+      rest.push_back(loads[i]);
+      at.push_back(i);
+    }
+  }
+  std::vector<uint8_t> got(rest.size(), 0);
+  std::vector<std::exception_ptr> errors(rest.size());
   std::exception_ptr first;  // a failed submission to the reader pool comes first
-  const bool ring = ring_ && ring_read(li, loads, landed, errors);
-  if (!ring) first = pool_read(li, loads, landed, errors);
-  for (size_t i = 0; i < n && !first; ++i) {
-    if (landed[i]) continue;
-    first = errors[i] ? errors[i]
+  bool ring = false;
+  if (!rest.empty()) {
+    ring = ring_ && ring_read(li, rest, got, errors, how);
+    if (!ring) first = pool_read(li, rest, got, errors, how);
+  }
+  for (size_t j = 0; j < rest.size(); ++j) landed[at[j]] = got[j];
+  for (size_t j = 0; j < rest.size() && !first; ++j) {
+    if (got[j]) continue;
+    first = errors[j] ? errors[j]
                       : std::make_exception_ptr(ReadTimeout(
-                            files_[li]->where(loads[i].first) +
+                            files_[li]->where(rest[j].first) +
                             ": read timed out (no read finished within " +
                             duration_text(read_timeout_ms_) +
                             "; is the storage responding?)"));
@@ -286,13 +352,14 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
                                                std::chrono::steady_clock::now() - t0)
                                                .count());
     if (ring)
-      tally->io_uring_reads += static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
+      tally->io_uring_reads += static_cast<uint64_t>(std::count(got.begin(), got.end(), 1));
   }
   return first;
 }
 
 bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& loads,
-                            std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors) {
+                            std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors,
+                            Write how) {
   std::vector<int> experts;
   for (auto [e, row] : loads) {
     if (e < 0 || e >= num_experts_) return false;  // the reader pool words the error
@@ -300,19 +367,20 @@ bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& load
   }
   return ring_->read(
       *files_[li], experts, config_.verify_checksums, read_timeout_ms_,
-      [&](size_t i, const uint8_t* bytes) { copy_record(li, bytes, loads[i].second); }, landed,
+      [&](size_t i, const uint8_t* bytes) { copy_record(li, loads[i].first, bytes, loads[i].second, how); }, landed,
       errors);
 }
 
 std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<int, int>>& loads,
                                           std::vector<uint8_t>& landed,
-                                          std::vector<std::exception_ptr>& errors) {
+                                          std::vector<std::exception_ptr>& errors,
+                                          Write how) {
   const size_t n = loads.size();
   auto batch = std::make_shared<DemandBatch>(n);
   std::vector<std::function<void()>> tasks;
   tasks.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    tasks.emplace_back([this, li, batch, i, e = loads[i].first, row = loads[i].second] {
+    tasks.emplace_back([this, li, batch, i, how, e = loads[i].first, row = loads[i].second] {
       auto& b = *batch;
       {
         std::lock_guard<std::mutex> lk(b.mu);
@@ -321,7 +389,7 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
       uint8_t* buf = nullptr;
       std::exception_ptr err;
       try {
-        buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), writer_);
+        buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), bounce_writer());
         files_[li]->read_record(e, buf, config_.verify_checksums);
       } catch (...) {
         err = std::current_exception();
@@ -339,7 +407,7 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
         b.state[i] = kCopying;
       }
       try {
-        copy_record(li, buf, row);
+        copy_record(li, e, buf, row, how);
       } catch (...) {
         err = std::current_exception();
       }
@@ -384,7 +452,17 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
 }
 
 void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
-  drain_locked(lk);
+  if (staging_on() && side_lfu_ && pending_lfu_ == side_lfu_) {
+    // Staged writes land in stream order, so a fill still reading may finish in this
+    // forward: its row is in flight (no acquire maps it) until its copy is staged, and
+    // the answer that maps it delivers the copy. Only the queued fills are stale (they
+    // were for the last forward's later layers); the mailbox's thread does not wait.
+    lk.unlock();
+    readers_->cancel_prefetches();
+    lk.lock();
+  } else {
+    drain_locked(lk);
+  }
   ++forward_;
   if (pending_lfu_ != side_lfu_) {
     side_lfu_ = pending_lfu_;
@@ -607,7 +685,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
       ++st.evictions;
       R.clear(slot);
     }
-    copy_row(li, row, slot);
+    copy_row(li, row, slot, Write::kDemand);
     R.assign(slot, e, tick_);  // this call still reads the side row (the fence holds it)
     ++st.promotions;
   }
@@ -628,7 +706,7 @@ std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<i
   lk.unlock();
   std::vector<uint8_t> landed;
   ReadTally tally;
-  std::exception_ptr err = demand_read(li, loads, landed, &tally);
+  std::exception_ptr err = demand_read(li, loads, landed, &tally, Write::kDemand);
   lk.lock();
   auto& st = stats_[li];
   st.read_seconds_us += tally.micros;
@@ -642,7 +720,12 @@ std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<i
     }
     real_[li].assign(slot, e, tick_);
     ++st.loads;
-    st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+    if (landed[i] == kLandedFromTier) {
+      ++st.host_hits;
+      st.host_bytes += static_cast<uint64_t>(layers_[li].record_bytes);
+    } else {
+      st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+    }
   }
   return err;
 }
@@ -708,7 +791,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   }
   std::vector<uint8_t> landed;
   ReadTally tally;
-  std::exception_ptr err = demand_read(li, loads, landed, &tally);
+  std::exception_ptr err = demand_read(li, loads, landed, &tally, Write::kDirect);
   const auto ok = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
   std::lock_guard<std::mutex> lk(mu_);
   // Experts read into scratch rows also fill the real region's empty slots, by a row copy
@@ -723,7 +806,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
     while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
     if (slot == slots_[li]) break;
     try {
-      copy_row(li, row, slot);
+      copy_row(li, row, slot, Write::kDirect);
     } catch (const std::exception&) {
       continue;  // the slot stays empty: no partial row is ever mapped
     }
@@ -743,13 +826,19 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
 
 void ExpertCache::fill_task(int li, int gen, int expert, int row,
                             const std::shared_ptr<FillTicket>& t, bool cancelled) {
-  bool landed = false;
-  if (!cancelled && t->state.load() == kPending) {
+  bool landed = false, from_tier = false;
+  int expect_tier = kPending;
+  if (!cancelled && staged_ && t->state.compare_exchange_strong(expect_tier, kCopying)) {
+    from_tier = landed =
+        stage_from_tier(li, expert, slots_[li] + gen * side_slots_[li] + row);
+    if (!landed) t->state.store(kPending);
+  }
+  if (!cancelled && !landed && t->state.load() == kPending) {
     t->reading = true;
     uint8_t* buf = nullptr;
     bool read = false;
     try {
-      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), writer_);
+      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), bounce_writer());
       files_[li]->read_record(expert, buf, config_.verify_checksums);
       read = true;
     } catch (...) {
@@ -758,8 +847,11 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     int expect = kPending;
     if (read && t->state.compare_exchange_strong(expect, kCopying)) {
       try {
-        copy_record(li, buf, slots_[li] + gen * side_slots_[li] + row);
+        copy_record(li, expert, buf, slots_[li] + gen * side_slots_[li] + row, Write::kFill);
         landed = true;
+      } catch (const StagingFull&) {
+        cancelled = true;  // no slot free for it: a later demand read costs what it saved
+        t->state.store(kPending);
       } catch (...) {
         t->state.store(kPending);  // settled Failed below, or Abandoned by a drain: released
       }
@@ -774,7 +866,12 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
   if (landed) {
     S.publish(expert, row);
     ++st.loads;
-    st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+    if (from_tier) {
+      ++st.host_hits;
+      st.host_bytes += static_cast<uint64_t>(layers_[li].record_bytes);
+    } else {
+      st.bytes_read += static_cast<uint64_t>(layers_[li].stride);
+    }
   } else if (cancelled) {
     S.abandon(expert, row);
     ++st.prefetch_cancelled;

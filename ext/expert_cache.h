@@ -23,6 +23,7 @@
 // progress) can never write a row, however late it returns.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -37,6 +38,7 @@
 #include "real_region.h"
 #include "ring_reader.h"
 #include "side_region.h"
+#include "staged_copies.h"
 
 namespace es {
 
@@ -123,6 +125,9 @@ struct LayerStats {
   uint64_t prefetch_late = 0;
   // Records demand-read through io_uring (counted among loads).
   uint64_t io_uring_reads = 0;
+  // Records (demand loads and prefetch fills) copied from the host tier instead of read
+  // (counted among loads, not in bytes_read), and their bytes.
+  uint64_t host_hits = 0, host_bytes = 0;
 };
 
 // The counters of LayerStats by name, in the order snapshots report them (the one list:
@@ -152,6 +157,8 @@ inline constexpr StatField kStatFields[] = {
     {"promotions_declined", &LayerStats::promotions_declined, false},
     {"prefetch_late", &LayerStats::prefetch_late, false},
     {"io_uring_reads", &LayerStats::io_uring_reads, false},
+    {"host_hits", &LayerStats::host_hits, false},
+    {"host_bytes", &LayerStats::host_bytes, false},
 };
 
 struct LayerSnapshot {
@@ -171,6 +178,20 @@ class ExpertCache {
   int num_layers() const { return static_cast<int>(layers_.size()); }
   // How records reach the pools: "memcpy", or "cuda" for MLX CUDA's managed memory.
   const char* pool_writes() const { return writer_.kind(); }
+  const PoolWriter& writer() const { return writer_; }
+  // Creates the staging of pool writes (staged_copies.h: `slots` transient slots of the
+  // widest record, `reserve` of them for demand reads, and `tier_slots` host-tier slots
+  // per MoE layer), off until set_staging(true). Once only (std::logic_error after);
+  // throws as StagedCopies' constructor does.
+  std::shared_ptr<StagedCopies> enable_staging(int slots, int reserve, int tier_slots);
+  std::shared_ptr<StagedCopies> staging() const { return staged_; }
+  // Staging on: from now on demand loads, promotions and prefetch fills are staged for
+  // the acquire kernels (after the fills in flight landed: drain). Off: they write the
+  // pools directly again, and what was staged is written now; only when no kernel of a
+  // forward is queued (the caller synchronised), since the staged copies are then
+  // written by the host. std::logic_error for `true` without enable_staging.
+  void set_staging(bool on);
+  bool staging_on() const { return staging_on_.load(std::memory_order_acquire); }
   int num_experts() const { return num_experts_; }
   const CacheConfig& config() const { return config_; }
   // Whether demand reads go through io_uring: config.io_uring and the kernel has it.
@@ -285,8 +306,19 @@ class ExpertCache {
   int fill_gen() const;
   // The side-region ledgers of MoE layer li in the LFU (true) or legacy (false) mode.
   std::vector<SideLedger> side_ledgers(int li, bool lfu) const;
-  void copy_record(int li, const uint8_t* buf, int row);
-  void copy_row(int li, int from, int to);
+  // Who a pool write is for, which decides whether it may be staged (set_staging):
+  // demand loads may use the staging reserve, prefetch fills give up when no slot is
+  // free, and the over-capacity path's scratch rows are always written directly (their
+  // kernels come through the CPU stream, not the acquire kernels).
+  enum class Write { kDemand, kFill, kDirect };
+  void copy_record(int li, int expert, const uint8_t* buf, int row, Write how);
+  // Stages expert e of layer li into `row` from the host tier when it holds it.
+  bool stage_from_tier(int li, int expert, int row);
+  void copy_row(int li, int from, int to, Write how);
+  // The writer reader threads page-lock their read buffers with: none while writes are
+  // staged (the runtime call could wait for a spinning kernel; the buffers are only
+  // copied into staging slots by the host).
+  const PoolWriter& bounce_writer() const { return staged_ ? host_writer_ : writer_; }
   // What demand_read adds to a layer's counters.
   struct ReadTally {
     uint64_t micros = 0;          // wall time
@@ -297,15 +329,16 @@ class ExpertCache {
   // now holds its expert. Returns the first error (in load order) once every read has
   // landed, failed or been given up, else null; adds to *tally when given.
   std::exception_ptr demand_read(int li, const std::vector<std::pair<int, int>>& loads,
-                                 std::vector<uint8_t>& landed, ReadTally* tally = nullptr);
+                                 std::vector<uint8_t>& landed, ReadTally* tally, Write how);
   // The two ways of demand_read: each fills landed[i] and, for a failed read, errors[i]
   // (neither: given up on timeout). ring_read returns false (nothing read) when the ring
   // is in use by another thread; pool_read returns a failed submission's error.
   bool ring_read(int li, const std::vector<std::pair<int, int>>& loads,
-                 std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors);
+                 std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors,
+                 Write how);
   std::exception_ptr pool_read(int li, const std::vector<std::pair<int, int>>& loads,
                                std::vector<uint8_t>& landed,
-                               std::vector<std::exception_ptr>& errors);
+                               std::vector<std::exception_ptr>& errors, Write how);
   // Demand loads into real slots: marks `loads` ((expert, slot) pairs) loading, reads them
   // with `lk` (on mu_) released, then under it again clears the marks, assigns each slot
   // whose record landed (a failed one stays empty: no wrong bytes mapped) and counts
@@ -350,6 +383,9 @@ class ExpertCache {
   bool sync_;
 
   PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
+  PoolWriter host_writer_{nullptr};
+  std::shared_ptr<StagedCopies> staged_;  // see enable_staging
+  std::atomic<bool> staging_on_{false};
   std::unique_ptr<ReaderPool> readers_;
   std::unique_ptr<RingReader> ring_;  // null: demand reads use readers_
 };

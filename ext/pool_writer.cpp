@@ -16,7 +16,7 @@ namespace {
 // The few CUDA runtime entry points the writer uses, declared here so that nothing is
 // linked against (cuda_runtime_api.h gives the same signatures; the enum values are
 // CUDA's: cudaMemcpyDefault 4, cudaMemoryTypeDevice 2, cudaMemoryTypeManaged 3,
-// cudaStreamNonBlocking 1).
+// cudaStreamNonBlocking 1, cudaHostRegisterPortable | cudaHostRegisterMapped 3).
 using Stream = void*;
 struct PointerAttributes {
   int type;
@@ -35,6 +35,7 @@ struct Cuda {
   int (*stream_sync)(Stream) = nullptr;
   int (*host_register)(void*, size_t, unsigned) = nullptr;
   int (*host_unregister)(void*) = nullptr;
+  int (*host_device_pointer)(void**, void*, unsigned) = nullptr;
   const char* (*error_string)(int) = nullptr;
 };
 
@@ -60,6 +61,7 @@ const Cuda* cuda() {
           sym(table.stream_sync, "cudaStreamSynchronize") &&
           sym(table.host_register, "cudaHostRegister") &&
           sym(table.host_unregister, "cudaHostUnregister") &&
+          sym(table.host_device_pointer, "cudaHostGetDevicePointer") &&
           sym(table.error_string, "cudaGetErrorString")) {
         found = &table;
         return;
@@ -152,6 +154,18 @@ void PoolWriter::copy(const std::vector<Span>& spans) const {
 bool PoolWriter::pin(void* p, size_t bytes) const {
   if (device_ < 0 || !p || bytes == 0) return false;
   return cuda()->host_register(p, bytes, 0) == 0;
+}
+
+uintptr_t PoolWriter::map(void* p, size_t bytes) const {
+  if (device_ < 0 || !p || bytes == 0) return 0;
+  const Cuda* c = cuda();
+  if (c->set_device(device_) != 0 || c->host_register(p, bytes, 3) != 0) return 0;
+  void* device_pointer = nullptr;
+  if (c->host_device_pointer(&device_pointer, p, 0) != 0) {
+    c->host_unregister(p);
+    return 0;
+  }
+  return reinterpret_cast<uintptr_t>(device_pointer);
 }
 
 void PoolWriter::unpin(void* p) {

@@ -45,6 +45,11 @@ class PoolWriter {
   bool pin(void* p, size_t bytes) const;
   static void unpin(void* p);
 
+  // Page-locks `bytes` of host memory at `p` and maps it for the pools' device: returns
+  // the address at which a kernel reads and writes it, or 0, doing nothing, on the memcpy
+  // path or when the runtime refuses. Undo a mapping with unpin(p).
+  uintptr_t map(void* p, size_t bytes) const;
+
   // "cuda" or "memcpy": the path copy() takes.
   const char* kind() const { return device_ < 0 ? "memcpy" : "cuda"; }
 

@@ -63,6 +63,7 @@ int cudaStreamSynchronize(void* s) {
 }
 int cudaHostRegister(void* p, size_t n, unsigned f) { (void)p, (void)n, (void)f; return 0; }
 int cudaHostUnregister(void* p) { (void)p; return 0; }
+int cudaHostGetDevicePointer(void** d, void* p, unsigned f) { (void)f; *d = p; return 0; }
 const char* cudaGetErrorString(int e) { return e == 1 ? "invalid argument" : "error"; }
 
 void fake_fail_at(int n) {

@@ -9,7 +9,11 @@
 // read: must be invisible) and persistent or hung ones (past the read timeout: must give
 // a clean error). Meanwhile two threads poll snapshot() and check(). Every row handed out,
 // and after each drain every mapped slot and published side row, is compared byte for byte
-// with its record; a late write by a read given up on would show up there.
+// with its record; a late write by a read given up on would show up there. Seeds 3, 7,
+// 11, ... stage the pool writes as the acquire kernels need them (staged_copies.h, with a
+// host tier of two slots per layer), and the driving thread performs each delivery right
+// after its acquire, as the kernels would, and sometimes turns staging off and on (the
+// host then writes what is staged).
 //
 // Usage: stress [seconds=8] [seed=1]. Prints "N operations, M violations" and exits 1 on
 // any violation.
@@ -33,6 +37,7 @@
 #include "checksum.h"
 #include "errors.h"
 #include "expert_cache.h"
+#include "staged_copies.h"
 
 namespace {
 
@@ -114,6 +119,11 @@ class Stress {
     // 2, 3, 6, 7, ...: the reader threads (make asan / tsan run one seed of each).
     c.io_uring = (seed / 2) % 2 == 0;
     cache_ = std::make_unique<es::ExpertCache>(specs_, kExperts, c);
+    if (seed % 4 == 3) {
+      staging_ = cache_->enable_staging(10, 6, 2);  // a call misses at most 6 experts
+      deliveries_.resize(staging_->capacity(2, 16));
+      cache_->set_staging(true);
+    }
   }
 
   ~Stress() {
@@ -153,6 +163,13 @@ class Stress {
   }
   void verify_all(const char* when);
   void error(int li, const std::exception& e);
+  // What the acquire kernels do after an answer: every staged copy made (staged seeds).
+  void settle() {
+    if (!staging_) return;
+    staging_->completed();
+    es::StagedCopies::execute(deliveries_.data(),
+                              staging_->deliver(deliveries_.data(), deliveries_.size()));
+  }
 
   void op_acquire();
   void op_prefetch();
@@ -163,6 +180,8 @@ class Stress {
   std::vector<std::string> paths_;
   std::vector<uint8_t> records_[kLayers][kExperts];
   std::unique_ptr<es::ExpertCache> cache_;
+  std::shared_ptr<es::StagedCopies> staging_;  // staged seeds
+  std::vector<es::StagedCopy> deliveries_;
   int next_li_ = 0;
   bool hard_[kLayers] = {};       // a fault that may fail reads is armed on the layer
   Clock::time_point hang_until_;  // a hung read may hold a reader thread until then
@@ -170,6 +189,7 @@ class Stress {
 };
 
 void Stress::verify_all(const char* when) {
+  settle();
   const int cap = cache_->config().expert_slots;
   for (int li = 0; li < kLayers; ++li) {
     auto s = cache_->snapshot(li);
@@ -228,9 +248,11 @@ void Stress::op_acquire() {
   try {
     missing = cache_->acquire(li, ids.data(), local.data(), ids.size());
   } catch (const es::ReadError& e) {
+    settle();
     error(li, e);
     return;
   }
+  settle();
   if (plan == es::ExpertCache::kPlanStream && !missing.empty())
     violations.add("plan said stream-ordered but the call was over capacity");
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -322,10 +344,17 @@ uint64_t Stress::drive(double seconds) {
         cache_->set_sync(chance(0.3));
       } else if (p < 0.84) {
         cache_->set_policy(static_cast<es::Policy>(randint(0, 4)));
+        if (staging_ && chance(0.5)) {  // the host writes what is staged, then stages again
+          staging_->completed();
+          cache_->set_staging(false);
+          verify_all("after staging off");
+          cache_->set_staging(true);
+        }
       } else if (p < 0.90) {
         int li = randint(0, kLayers - 1), e = randint(0, kExperts - 1);
         try {
           cache_->pin(li, e);
+          settle();
           auto s = cache_->snapshot(li);
           for (int slot = 0; slot < cache_->config().expert_slots; ++slot)
             if (s.slot_expert[slot] == e) expect_row(li, slot, e, "pin");

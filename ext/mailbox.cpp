@@ -1,0 +1,270 @@
+#include "mailbox.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
+namespace es {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The thread spins this long after a request, so that the next layer's request is seen
+// within a fraction of a microsecond; past it it sleeps between polls (a nap costs the
+// next request tens of microseconds: the timer's slack). Longer than a token of a slow
+// decode, so that only a pause in generation lets it sleep: a core spins while decoding.
+constexpr auto kSpin = std::chrono::milliseconds(100);
+constexpr auto kNap = std::chrono::microseconds(20);
+
+inline void relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Words the device writes are read with acquire order and words it reads are written
+// with release order: the device publishes a request's fields before its sequence
+// number (__threadfence_system), and reads the rows only after seeing the reply's.
+inline int32_t load(volatile int32_t* p) {
+  return __atomic_load_n(const_cast<int32_t*>(p), __ATOMIC_ACQUIRE);
+}
+inline void store(volatile int32_t* p, int32_t v) {
+  __atomic_store_n(const_cast<int32_t*>(p), v, __ATOMIC_RELEASE);
+}
+
+}  // namespace
+
+AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids,
+                               int fill_slots, int tier_slots)
+    : cache_(std::move(cache)), hidden_(hidden), max_ids_(max_ids) {
+  if (hidden < 1) throw std::invalid_argument("mailbox hidden size must be >= 1");
+  if (max_ids < 1 || max_ids > kMaxIds)
+    throw std::invalid_argument("mailbox max_ids must be in [1, " + std::to_string(kMaxIds) +
+                                "], got " + std::to_string(max_ids));
+  if (fill_slots < 1)
+    throw std::invalid_argument("mailbox fill_slots must be >= 1, got " +
+                                std::to_string(fill_slots));
+  // A request's misses each take a reserved slot; a promotion is one row copy per segment.
+  staged_ = cache_->enable_staging(max_ids + fill_slots, max_ids, tier_slots);
+  size_t segments = 1;
+  for (int li = 0; li < cache_->num_layers(); ++li)
+    segments = std::max(segments, cache_->pool(li).size());
+  capacity_ = staged_->capacity(segments, segments * static_cast<size_t>(max_ids));
+  const size_t page = 4096;
+  copies_offset_ = (static_cast<size_t>(kHidden + hidden) * sizeof(int32_t) + 255) / 256 * 256;
+  bytes_ = (copies_offset_ + capacity_ * sizeof(StagedCopy) + page - 1) / page * page;
+  words_ = std::aligned_alloc(page, bytes_);
+  if (!words_) throw std::bad_alloc();
+  std::memset(words_, 0, bytes_);
+  if (staged_->mapped()) {
+    device_address_ = cache_->writer().map(words_, bytes_);
+    if (!device_address_) {
+      std::free(words_);
+      throw std::runtime_error("the CUDA runtime refused to map " + std::to_string(bytes_) +
+                               " bytes of host memory for the acquire mailbox");
+    }
+    mapped_ = true;
+  } else {
+    device_address_ = reinterpret_cast<uintptr_t>(words_);
+  }
+  const size_t layers = static_cast<size_t>(cache_->num_layers());
+  plan_.resize(layers);
+  budget_.resize(layers, 0);
+  ids_.resize(kMaxIds);
+  rows_.resize(kMaxIds);
+  x_.resize(static_cast<size_t>(hidden));
+  thread_ = std::thread([this] { run(); });
+}
+
+AcquireMailbox::~AcquireMailbox() {
+  stop_.store(true, std::memory_order_release);
+  thread_.join();
+  const int32_t request = load(word(kRequest));
+  if (request != load(word(kReply))) {
+    // A kernel is waiting: answer it with valid rows and fail the forward, and keep the
+    // memory, which it reads after this returns.
+    cache_->set_stream_error(std::make_exception_ptr(
+        std::runtime_error("the acquire mailbox closed while a forward was running")));
+    for (int i = 0; i < kMaxIds; ++i) word(kRows)[i] = 0;
+    store(word(kRowCopies), 0);
+    store(word(kRecordCopies), 0);
+    store(word(kChunks), 0);
+    store(word(kReply), request);
+    return;
+  }
+  try {
+    cache_->set_staging(false);  // what is staged is written now, and writes go direct
+  } catch (const std::exception&) {
+    // a failed write leaves rows that no table maps; the next acquire reads them again
+  }
+  if (mapped_) PoolWriter::unpin(words_);
+  std::free(words_);
+}
+
+void AcquireMailbox::set_prefetch(int source, const std::vector<int>& targets,
+                                  const std::vector<std::shared_ptr<const Router>>& routers,
+                                  int budget) {
+  const int layers = cache_->num_layers();
+  if (source < 0 || source >= layers)
+    throw std::out_of_range("MoE layer " + std::to_string(source) + " out of range [0, " +
+                            std::to_string(layers) + ")");
+  if (targets.size() != routers.size())
+    throw std::invalid_argument("prefetch plan: " + std::to_string(targets.size()) +
+                                " targets but " + std::to_string(routers.size()) + " routers");
+  std::vector<Target> plan;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const int t = targets[i];
+    if (t < 0 || t >= layers)
+      throw std::out_of_range("prefetch target MoE layer " + std::to_string(t) +
+                              " out of range [0, " + std::to_string(layers) + ")");
+    const auto& r = routers[i];
+    if (!r || r->hidden() != hidden_ || r->num_experts() != cache_->num_experts())
+      throw std::invalid_argument("prefetch target MoE layer " + std::to_string(t) +
+                                  ": the router must take " + std::to_string(hidden_) +
+                                  " inputs and rank " +
+                                  std::to_string(cache_->num_experts()) + " experts");
+    plan.push_back({t, r});
+  }
+  if (!plan.empty() && (budget < 1 || budget > cache_->num_experts()))
+    throw std::invalid_argument("prefetch budget must be in [1, " +
+                                std::to_string(cache_->num_experts()) + "], got " +
+                                std::to_string(budget));
+  std::lock_guard<std::mutex> lk(plan_mu_);
+  plan_[static_cast<size_t>(source)] = std::move(plan);
+  budget_[static_cast<size_t>(source)] = budget;
+}
+
+void AcquireMailbox::run() {
+#if defined(__linux__)
+  pthread_setname_np(pthread_self(), "es-mailbox");  // for ps, gdb and /proc
+#endif
+  // The latest answer, not the latest request: one posted before this thread ran is
+  // answered too.
+  int32_t seen = load(word(kReply));
+  auto last = Clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    const int32_t request = load(word(kRequest));
+    if (request != seen) {
+      answer(static_cast<uint32_t>(request));
+      seen = request;
+      last = Clock::now();
+    } else if (Clock::now() - last < kSpin) {
+      relax();
+    } else {
+      std::this_thread::sleep_for(kNap);
+    }
+  }
+}
+
+void AcquireMailbox::answer(uint32_t seq) {
+  // The kernel that posted this request runs after the kernels of every earlier answer,
+  // so the copies those delivered are done: their staging slots are free again.
+  staged_->completed();
+  const int li = load(word(kLayer));
+  const int n = load(word(kCount));
+  const bool has_x = load(word(kHasX)) != 0;
+  const bool valid = li >= 0 && li < cache_->num_layers() && n >= 0 && n <= max_ids_;
+  if (valid) {
+    for (int i = 0; i < n; ++i) ids_[static_cast<size_t>(i)] = word(kIds)[i];
+    if (has_x) {
+      const volatile float* x = reinterpret_cast<const volatile float*>(word(kHidden));
+      for (int i = 0; i < hidden_; ++i) x_[static_cast<size_t>(i)] = x[i];
+    }
+  }
+  if (n > 0) {
+    const int count = std::min(n, kMaxIds);
+    Delivery delivery;
+    try {
+      if (!valid)
+        throw std::logic_error("acquire mailbox: a request for MoE layer " +
+                               std::to_string(li) + " with " + std::to_string(n) + " ids");
+      if (!cache_->staging_on())
+        throw std::logic_error("acquire mailbox: a request while pool writes are not staged");
+      if (!cache_->acquire(li, ids_.data(), rows_.data(), static_cast<size_t>(n)).empty())
+        throw std::logic_error("MoE layer " + std::to_string(li) + ": " + std::to_string(n) +
+                               " expert ids exceed the evictable slots in a device acquire "
+                               "(pinned after the graph was built?)");
+      delivery = staged_->deliver(copies(), capacity_);
+    } catch (...) {
+      // Valid rows (0) and no copies, so the kernels that read them stay inside the pool;
+      // the host raises the error before it uses the forward's result
+      // (ExpertCache::set_stream_error). What stays staged is written by the next answer.
+      std::fill(rows_.begin(), rows_.begin() + count, 0);
+      delivery = Delivery{};
+      cache_->set_stream_error(std::current_exception());
+    }
+    for (int i = 0; i < count; ++i) word(kRows)[i] = rows_[static_cast<size_t>(i)];
+    word(kRowCopies)[0] = static_cast<int32_t>(delivery.rows);
+    word(kRecordCopies)[0] = static_cast<int32_t>(delivery.records);
+    word(kChunks)[0] = static_cast<int32_t>(delivery.chunks);
+  }
+  store(word(kReply), static_cast<int32_t>(seq));
+  answered_.fetch_add(1, std::memory_order_relaxed);
+  if (!valid || !has_x) return;
+  // After the answer, while the device computes this layer: the next request waits for
+  // it, so the fills are reserved before any later layer's acquire, as on the CPU stream.
+  std::vector<Target> plan;
+  int budget;
+  {
+    std::lock_guard<std::mutex> lk(plan_mu_);
+    plan = plan_[static_cast<size_t>(li)];
+    budget = budget_[static_cast<size_t>(li)];
+  }
+  std::vector<int32_t> top(static_cast<size_t>(std::max(budget, 0)));
+  for (const auto& t : plan) {
+    try {
+      t.router->top(x_.data(), x_.size(), budget, top.data());
+      cache_->prefetch(t.layer, top.data(), top.size());
+    } catch (const std::exception&) {
+      // A failed prediction or reservation only costs the demand reads it would have saved.
+    }
+  }
+}
+
+std::pair<uint32_t, uint32_t> AcquireMailbox::sequence() const {
+  return {static_cast<uint32_t>(load(word(kRequest))), static_cast<uint32_t>(load(word(kReply)))};
+}
+
+std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, const float* x) {
+  if (n < 0 || n > max_ids_)
+    throw std::invalid_argument("a mailbox request holds at most " + std::to_string(max_ids_) +
+                                " ids, got " + std::to_string(n));
+  const int32_t previous = load(word(kRequest));
+  while (load(word(kReply)) != previous) std::this_thread::yield();
+  store(word(kLayer), layer);
+  store(word(kCount), n);
+  store(word(kHasX), x ? 1 : 0);
+  for (int i = 0; i < n; ++i) word(kIds)[i] = ids[i];
+  if (x) {
+    volatile float* dst = reinterpret_cast<volatile float*>(word(kHidden));
+    for (int i = 0; i < hidden_; ++i) dst[i] = x[i];
+  }
+  const int32_t seq = static_cast<int32_t>(static_cast<uint32_t>(previous) + 1);
+  store(word(kRequest), seq);
+  while (load(word(kReply)) != seq) std::this_thread::yield();
+  if (n > 0) {
+    Delivery d;
+    d.rows = static_cast<uint32_t>(load(word(kRowCopies)));
+    d.records = static_cast<uint32_t>(load(word(kRecordCopies)));
+    d.chunks = static_cast<uint64_t>(load(word(kChunks)));
+    StagedCopies::execute(copies(), d);
+  }
+  std::vector<int32_t> rows(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) rows[static_cast<size_t>(i)] = load(word(kRows) + i);
+  return rows;
+}
+
+}  // namespace es

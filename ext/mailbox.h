@@ -1,0 +1,155 @@
+// AcquireMailbox: a GPU kernel's acquire answered by a host thread, with no MLX
+// cross-stream event in between.
+//
+// On a GPU the router's ids exist only on the device. Created on MLX's CPU stream, an
+// acquire makes the GPU signal an event that a CPU-stream thread waits for, and the GPU
+// then waits for that thread's own signal: two graph commits and two thread wake-ups per
+// MoE layer, hit or miss. Here the acquire is a kernel on the GPU's own stream
+// (engine/device_acquire.py) that writes the layer's ids, and optionally the last token's
+// hidden state, into this mailbox in mapped host memory and spins until the mailbox's
+// thread has written the rows back; that thread polls the mailbox, runs
+// ExpertCache::acquire (hits, side hits, demand reads: the same calls acquire_op makes)
+// and answers, then ranks and queues the prefetch predicted from the hidden state.
+//
+// Ordering is the CPU stream's: a request is posted only when every kernel it depends on
+// has run, so every earlier use of the layer's pool has run too (its rows can be
+// evicted), and the thread answers requests one at a time in the order they are posted,
+// a layer's prefetch before the next request. Requests are posted by kernels ordered by
+// the forward's data dependencies, one at a time per mailbox: a kernel first waits until
+// the previous request was answered.
+//
+// Layout (32-bit words from the mapped address; kernel and host agree on it through the
+// constants below, which engine/device_acquire.py reads from the bindings):
+//   [kRequest]  sequence number of the latest request, written by the device
+//   [kReply]    sequence number of the latest request answered, written by the host
+//   [kLayer]    the request's MoE layer
+//   [kCount]    its number of ids (0: a prefetch-only request, answered at once)
+//   [kHasX]     1 when the request carries a hidden state
+//   [kRowCopies], [kRecordCopies], [kChunks]  the answer's delivery of staged pool
+//               writes (staged_copies.h): counts of row and record copies, and of the
+//               record copies' chunks
+//   [kIds, kIds + kMaxIds)     ids (int32)
+//   [kRows, kRows + kMaxIds)   rows (int32), written by the host
+//   [kHidden, kHidden + hidden) hidden state of the last token (float32)
+// and, from copies_address(), the delivery's StagedCopy entries: row copies, then records.
+//
+// Pool writes: while the mailbox is in use the cache stages them (ExpertCache::
+// set_staging), so that neither this thread nor a reader thread calls the CUDA runtime
+// while a kernel spins; every answer to an acquire delivers what is staged, and its
+// kernels copy it into the pools before the rows are read.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "expert_cache.h"
+#include "router.h"
+
+namespace es {
+
+class AcquireMailbox {
+ public:
+  static constexpr int kRequest = 0;  // own 128-byte line: device-written
+  static constexpr int kReply = 32;   // own line: host-written
+  static constexpr int kLayer = 64;
+  static constexpr int kCount = 65;
+  static constexpr int kHasX = 66;
+  static constexpr int kRowCopies = 67;
+  static constexpr int kRecordCopies = 68;
+  static constexpr int kChunks = 69;
+  static constexpr int kMaxIds = 256;
+  static constexpr int kIds = 96;
+  static constexpr int kRows = kIds + kMaxIds;
+  static constexpr int kHidden = kRows + kMaxIds;
+
+  // hidden: the longest hidden state a request carries (floats); max_ids: the most ids
+  // of one request (at most kMaxIds), which is also how many staging slots are kept for
+  // a request's demand reads; fill_slots: staging slots for prefetch fills; tier_slots:
+  // host-tier slots per MoE layer (staged_copies.h; 0: no tier). Allocates the
+  // mailbox and the staging (ExpertCache::enable_staging) in host memory mapped for the
+  // pools' CUDA device (plain host memory where the pools are not CUDA memory: for tests
+  // of the host side, `post`) and starts its thread. Throws std::invalid_argument for
+  // hidden < 1, max_ids outside [1, kMaxIds] or fill_slots < 1, std::logic_error when the
+  // cache already stages its writes, std::runtime_error when the CUDA runtime refuses to
+  // map the memory.
+  AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
+                 int tier_slots = 0);
+  // Answers a request still posted (rows 0, an error for the host), then stops the thread.
+  // Kernels of a forward still queued must not run after this (the cache's pools have
+  // the same rule).
+  ~AcquireMailbox();
+  AcquireMailbox(const AcquireMailbox&) = delete;
+  AcquireMailbox& operator=(const AcquireMailbox&) = delete;
+
+  // The address kernels write to: the device pointer of the mapped memory.
+  uintptr_t device_address() const { return device_address_; }
+  int hidden() const { return hidden_; }
+  int max_ids() const { return max_ids_; }
+  // The device address of the delivery's StagedCopy entries.
+  uintptr_t copies_address() const { return device_address_ + copies_offset_; }
+  // Whether the memory is mapped for a CUDA device (false: plain host memory).
+  bool mapped() const { return mapped_; }
+
+  // What the thread prefetches after answering a request of MoE layer `source` that
+  // carries a hidden state: for each target, `router` ranks the experts and the top
+  // `budget` go to ExpertCache::prefetch. Replaces the layer's earlier plan; empty: none.
+  // Throws std::out_of_range for a layer the cache does not have, std::invalid_argument
+  // for mismatched lengths, a router of another hidden size or expert count, or a budget
+  // outside [1, experts].
+  void set_prefetch(int source, const std::vector<int>& targets,
+                    const std::vector<std::shared_ptr<const Router>>& routers, int budget);
+
+  // Does on the host what the kernels do (waits for the previous answer, posts, waits for
+  // this one, performs the delivered copies) and returns the rows: the tests' stand-in for
+  // the device, on any build (pools in host memory). n ids (at most max_ids; 0: prefetch
+  // only), x: hidden floats or null.
+  std::vector<int32_t> post(int layer, const int32_t* ids, int n, const float* x);
+
+  // The sequence numbers of the latest request and of the latest answer (equal when no
+  // request waits).
+  std::pair<uint32_t, uint32_t> sequence() const;
+
+  // Requests answered since creation.
+  uint64_t answered() const { return answered_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Target {
+    int layer;
+    std::shared_ptr<const Router> router;
+  };
+  volatile int32_t* word(int i) const { return static_cast<volatile int32_t*>(words_) + i; }
+  StagedCopy* copies() const {
+    return reinterpret_cast<StagedCopy*>(static_cast<uint8_t*>(words_) + copies_offset_);
+  }
+  void run();
+  void answer(uint32_t seq);
+
+  std::shared_ptr<ExpertCache> cache_;
+  int hidden_;
+  int max_ids_;
+  std::shared_ptr<StagedCopies> staged_;
+  size_t copies_offset_ = 0;  // bytes from the mailbox's start
+  size_t capacity_ = 0;       // StagedCopy entries there
+  size_t bytes_;
+  void* words_ = nullptr;
+  uintptr_t device_address_ = 0;
+  bool mapped_ = false;
+
+  std::mutex plan_mu_;
+  std::vector<std::vector<Target>> plan_;  // [source layer]
+  std::vector<int> budget_;                // [source layer]
+  std::vector<int32_t> ids_, rows_;        // the request being answered
+  std::vector<float> x_;
+
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> answered_{0};
+  std::thread thread_;
+};
+
+}  // namespace es

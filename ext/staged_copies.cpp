@@ -1,0 +1,258 @@
+#include "staged_copies.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+namespace es {
+
+StagedCopies::StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slots, int reserve,
+                           int layers, int tier_slots, int num_experts, Policy policy)
+    : writer_(writer), slot_bytes_(slot_bytes), reserve_(reserve),
+      tier_slots_(layers > 0 ? tier_slots : 0) {
+  if (tier_slots < 0)
+    throw std::invalid_argument("host tier: " + std::to_string(tier_slots) + " slots per layer");
+  if (reserve < 1 || slots <= reserve)
+    throw std::invalid_argument("staging: " + std::to_string(slots) + " slots with " +
+                                std::to_string(reserve) +
+                                " reserved for demand reads (need slots > reserve >= 1)");
+  if (slot_bytes == 0) throw std::invalid_argument("staging: slots of 0 bytes");
+  const size_t page = 4096;
+  slot_bytes_ = (slot_bytes + 255) / 256 * 256;  // every slot 256-byte aligned
+  const int tier_total = tier_slots_ * std::max(layers, 0);
+  const int total = tier_total + slots;
+  bytes_ = (slot_bytes_ * static_cast<size_t>(total) + page - 1) / page * page;
+  memory_ = static_cast<uint8_t*>(std::aligned_alloc(page, bytes_));
+  if (!memory_) throw std::bad_alloc();
+  if (std::strcmp(writer_.kind(), "cuda") == 0) {
+    device_base_ = writer_.map(memory_, bytes_);
+    if (!device_base_) {
+      std::free(memory_);
+      throw std::runtime_error("the CUDA runtime refused to map " + std::to_string(bytes_) +
+                               " bytes of host memory for staged pool writes");
+    }
+    mapped_ = true;
+  } else {
+    device_base_ = reinterpret_cast<uintptr_t>(memory_);
+  }
+  refs_.assign(static_cast<size_t>(total), 0);
+  for (int s = total - 1; s >= tier_total; --s) free_.push_back(s);
+  filling_.assign(static_cast<size_t>(tier_total), 0);
+  if (tier_slots_ > 0)
+    for (int li = 0; li < layers; ++li) tier_.emplace_back(tier_slots_, num_experts, policy, 256);
+}
+
+StagedCopies::~StagedCopies() {
+  if (mapped_) PoolWriter::unpin(memory_);
+  std::free(memory_);
+}
+
+size_t StagedCopies::capacity(size_t spans_per_record, size_t row_copies) const {
+  // A tier slot may be the source of copies to several rows (a real slot and a side
+  // row): twice the slots bounds what one delivery holds in practice; more is an error.
+  return 2 * refs_.size() * spans_per_record + row_copies;
+}
+
+uint64_t StagedCopies::device(const uint8_t* p) const {
+  if (p >= memory_ && p < memory_ + bytes_)
+    return device_base_ + static_cast<uint64_t>(p - memory_);
+  return reinterpret_cast<uint64_t>(p);  // pool memory: one address for host and device
+}
+
+void StagedCopies::release(int slot) {
+  const int tier_total = static_cast<int>(filling_.size());
+  if (slot >= 0 && --refs_[static_cast<size_t>(slot)] == 0 && slot >= tier_total)
+    free_.push_back(slot);  // a tier slot keeps its record
+}
+
+void StagedCopies::add_copies(int slot, const std::vector<Span>& spans) {
+  size_t off = 0;
+  for (const auto& s : spans) {
+    drop_target(s.dst);
+    // A row copy still pending that writes this row was staged earlier: it runs first
+    // (row copies go before records), so it may stay.
+    pending_.push_back({s.dst, slot_memory(slot) + off, s.bytes, slot, true});
+    ++refs_[static_cast<size_t>(slot)];
+    off += (s.bytes + 15) / 16 * 16;  // each span 16-byte aligned for the kernels
+  }
+}
+
+bool StagedCopies::stage_cached(int layer, int expert, const std::vector<Span>& spans) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return false;
+  auto& R = tier_[static_cast<size_t>(layer)];
+  const int at = R.slot_of(expert);
+  if (at < 0) return false;
+  const int slot = layer * tier_slots_ + at;
+  if (filling_[static_cast<size_t>(slot)]) return false;
+  R.use({expert}, ++tick_, CallContext{});
+  R.end_call();
+  add_copies(slot, spans);
+  return true;
+}
+
+int StagedCopies::tier_held() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  int n = 0;
+  for (const auto& R : tier_)
+    for (int s = 0; s < R.slots(); ++s) n += R.expert_at(s) >= 0;
+  return n;
+}
+
+void StagedCopies::drop_target(uint8_t* dst) {
+  for (auto& p : pending_) {
+    if (!p.live || p.dst != dst || p.slot < 0) continue;
+    p.live = false;
+    release(p.slot);
+  }
+}
+
+bool StagedCopies::stage_record(const std::vector<Span>& spans, bool demand, int layer,
+                                int expert) {
+  size_t total = 0;
+  for (const auto& s : spans) total += (s.bytes + 15) / 16 * 16;
+  if (total > slot_bytes_)
+    throw std::invalid_argument("staging: a record of " + std::to_string(total) +
+                                " bytes for slots of " + std::to_string(slot_bytes_));
+  int slot = -1;
+  bool tier = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (tier_slots_ > 0 && layer >= 0 && layer < static_cast<int>(tier_.size())) {
+      auto& R = tier_[static_cast<size_t>(layer)];
+      if (R.slot_of(expert) < 0) {  // else it is being filled: this copy goes transient
+        const int base = layer * tier_slots_;
+        std::vector<uint8_t> busy(static_cast<size_t>(tier_slots_));
+        for (int s = 0; s < tier_slots_; ++s)
+          busy[static_cast<size_t>(s)] = refs_[static_cast<size_t>(base + s)] > 0;
+        R.use({expert}, ++tick_, CallContext{});
+        const int victim = R.choose_victim(busy);
+        R.end_call();
+        if (victim >= 0) {
+          R.assign(victim, expert, tick_);
+          slot = base + victim;
+          tier = true;
+          filling_[static_cast<size_t>(slot)] = 1;
+        }
+      }
+    }
+    if (slot < 0) {
+      if (free_.empty() || (!demand && static_cast<int>(free_.size()) <= reserve_)) return false;
+      slot = free_.back();
+      free_.pop_back();
+    }
+    refs_[static_cast<size_t>(slot)] = 1;  // held while the bytes are copied in
+  }
+  uint8_t* base = slot_memory(slot);
+  size_t off = 0;
+  for (const auto& s : spans) {
+    std::memcpy(base + off, s.src, s.bytes);
+    off += (s.bytes + 15) / 16 * 16;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  add_copies(slot, spans);
+  if (tier) filling_[static_cast<size_t>(slot)] = 0;
+  release(slot);  // the hold taken above
+  return true;
+}
+
+void StagedCopies::stage_rows(const std::vector<Span>& spans) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const auto& s : spans) {
+    // Reads a row whose record is pending: read that record's slot instead (the record
+    // would land only after this copy ran).
+    const Pending* from = nullptr;
+    for (const auto& p : pending_)
+      if (p.live && p.slot >= 0 && p.dst == s.src) from = &p;
+    Pending copy{s.dst, s.src, s.bytes, -1, true};
+    if (from) {
+      copy.src = from->src;
+      copy.slot = from->slot;
+    }
+    drop_target(s.dst);  // a record pending for this row would land after this copy
+    if (copy.slot >= 0) ++refs_[static_cast<size_t>(copy.slot)];
+    pending_.push_back(copy);
+  }
+}
+
+Delivery StagedCopies::deliver(StagedCopy* out, size_t capacity) {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t live = 0;
+  for (const auto& p : pending_) live += p.live;
+  if (live > capacity)
+    throw std::length_error("staging: " + std::to_string(live) + " pool copies pending for " +
+                            std::to_string(capacity) + " places");
+  Delivery d;
+  size_t i = 0;
+  for (const auto& p : pending_)
+    if (p.live && p.slot < 0)
+      out[i++] = {device(p.src), device(p.dst), p.bytes, 0}, ++d.rows;
+  for (const auto& p : pending_) {
+    if (!p.live || p.slot < 0) continue;
+    out[i++] = {device(p.src), device(p.dst), p.bytes, d.chunks};
+    ++d.records;
+    d.chunks += (p.bytes + kChunkBytes - 1) / kChunkBytes;
+    delivered_.push_back(p.slot);
+  }
+  pending_.clear();
+  return d;
+}
+
+void StagedCopies::completed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (int slot : delivered_) release(slot);
+  delivered_.clear();
+}
+
+void StagedCopies::flush(const PoolWriter& writer) {
+  std::vector<Pending> todo;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int slot : delivered_) release(slot);
+    delivered_.clear();
+    todo.swap(pending_);
+  }
+  // Row copies one at a time in order (a later one may read what an earlier wrote),
+  // then the records.
+  for (const auto& p : todo)
+    if (p.live && p.slot < 0) writer.copy({{p.dst, p.src, p.bytes}});
+  std::vector<Span> records;
+  for (const auto& p : todo)
+    if (p.live && p.slot >= 0) records.push_back({p.dst, p.src, p.bytes});
+  std::exception_ptr err;
+  try {
+    if (!records.empty()) writer.copy(records);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& p : todo)
+      if (p.live && p.slot >= 0) release(p.slot);
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+void StagedCopies::execute(const StagedCopy* copies, const Delivery& d) {
+  for (uint32_t i = 0; i < d.rows + d.records; ++i) {
+    const auto& c = copies[i];
+    std::memmove(reinterpret_cast<void*>(c.dst), reinterpret_cast<const void*>(c.src), c.bytes);
+  }
+}
+
+size_t StagedCopies::pending() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t n = 0;
+  for (const auto& p : pending_) n += p.live;
+  return n;
+}
+
+int StagedCopies::busy() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return slots() - static_cast<int>(free_.size());
+}
+
+}  // namespace es

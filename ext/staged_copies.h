@@ -1,0 +1,164 @@
+// StagedCopies: pool writes that a kernel on the GPU's own stream performs.
+//
+// With the acquire mailbox (mailbox.h) a kernel of the forward spins until a host thread
+// answers it. That thread, and the reader threads whose prefetch fills it may wait for,
+// must then never call the CUDA runtime: a runtime call can wait for work queued behind
+// the spinning kernel, which waits for the thread. So while staging is on, a pool write
+// is not made by the host: a record is copied into a slot of page-locked host memory
+// mapped for the device (`stage_record`), a row-to-row copy is noted (`stage_rows`), and
+// the mailbox's next answer hands every pending copy to its kernels (`deliver`), which
+// copy them into the pools before any kernel reads the rows the answer gives. Stream
+// order makes that safe: the kernels run after every earlier use of the pools, and a row
+// the cache hands out is only ever read after the answer that handed it out.
+//
+// Ordering: row-to-row copies (side-row promotions) run first, one after the other in
+// the order staged; records run after them, all at once. So a record staged for row X
+// after a promotion that reads X lands after the promotion read X's old bytes; a record
+// staged for a row that a later copy targets is dropped (the later write wins); and a
+// promotion that reads a row whose record is still pending reads that record's slot
+// instead. A slot is free again once the kernels of the answer that delivered it have
+// run, which the mailbox learns from the next request (`completed`).
+//
+// Host-RAM tier: with tier_slots > 0, each MoE layer also owns that many slots that keep
+// the records read into them after their copies ran, chosen by the cache's eviction
+// policy (a RealRegion per layer). A miss whose record a tier slot holds is staged from
+// that slot (stage_cached): no read, and no host copy; the kernels copy it from host
+// memory at the host-to-device rate. Without a free tier slot a record goes through the
+// transient slots as before.
+//
+// Where the pools are host memory (the CPU backend, tests) the slots are plain host
+// memory and `execute` performs a delivery on the host, as the kernels would.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "pool_writer.h"
+#include "real_region.h"
+
+namespace es {
+
+// One copy a kernel performs: `bytes` bytes from `src` (device address: a staging slot,
+// or pool memory) to `dst` (pool memory). `first_chunk` numbers the kernel's work: the
+// record copies of one delivery are cut into kChunkBytes chunks, numbered in order.
+struct StagedCopy {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t bytes;
+  uint64_t first_chunk;
+};
+static_assert(sizeof(StagedCopy) == 32, "the kernels read StagedCopy as four uint64");
+
+// What one delivery holds: `rows` row copies, then `records` record copies cut into
+// `chunks` chunks.
+struct Delivery {
+  uint32_t rows = 0;
+  uint32_t records = 0;
+  uint64_t chunks = 0;
+};
+
+// No staging slot was free for a record (a prefetch fill gives up; a demand read fails).
+struct StagingFull : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class StagedCopies {
+ public:
+  static constexpr uint64_t kChunkBytes = 64 * 1024;
+
+  // `slots` transient staging slots of `slot_bytes` bytes each (a record's stride, its
+  // segments 16-byte aligned), of which the last `reserve` go only to demand reads (a
+  // request's misses must always find one; prefetch fills give up instead), and
+  // `tier_slots` host-tier slots for each of `layers` MoE layers of `num_experts` experts,
+  // evicted by `policy`. Maps them for the device where `writer` writes CUDA memory.
+  // Throws std::invalid_argument for slots <= reserve, reserve < 1 or tier_slots < 0,
+  // std::bad_alloc, std::runtime_error when the CUDA runtime refuses to map them.
+  StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slots, int reserve,
+               int layers = 0, int tier_slots = 0, int num_experts = 0,
+               Policy policy = Policy::kLRU);
+  ~StagedCopies();
+  StagedCopies(const StagedCopies&) = delete;
+  StagedCopies& operator=(const StagedCopies&) = delete;
+
+  int slots() const { return static_cast<int>(refs_.size()); }
+  int tier_slots() const { return tier_slots_; }
+  // Bytes of host memory the slots take (transient and tier).
+  size_t bytes() const { return bytes_; }
+  int reserve() const { return reserve_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  bool mapped() const { return mapped_; }
+  // The most copies one delivery can hold, for the mailbox's copy region: every slot's
+  // spans and `row_copies` row copies.
+  size_t capacity(size_t spans_per_record, size_t row_copies) const;
+
+  // Stages one record, expert `expert` of MoE layer `layer`: `spans` with host sources
+  // (its segments in order, at most slot_bytes in all) are copied into a tier slot of the
+  // layer (which then keeps it), else into a free transient slot. demand: the reserve
+  // may be used. Returns false, staging nothing, when no slot is free.
+  bool stage_record(const std::vector<Span>& spans, bool demand, int layer, int expert);
+  // Stages the copies of expert `expert` of MoE layer `layer` from the tier slot that
+  // holds it into `spans`' destinations (their sources are ignored; sizes as for
+  // stage_record), counting a use for the tier's policy. False when no tier slot holds
+  // it (or one is still being filled).
+  bool stage_cached(int layer, int expert, const std::vector<Span>& spans);
+  // Stages row copies (`spans` with pool sources).
+  void stage_rows(const std::vector<Span>& spans);
+
+  // Writes every pending copy into out[0, capacity) (row copies first) and returns their
+  // counts; their slots stay taken until completed(). Throws std::length_error when more
+  // are pending than `capacity` (then nothing is delivered).
+  Delivery deliver(StagedCopy* out, size_t capacity);
+  // Every delivery made so far has been performed: frees its slots.
+  void completed();
+  // Performs every pending copy with `writer` now (host paths: the device is idle), after
+  // completed(). Throws std::runtime_error as PoolWriter::copy does.
+  void flush(const PoolWriter& writer);
+  // Performs `d` (written by deliver into `copies`) on the host, as the kernels do: what
+  // tests and host-memory pools use instead of a device.
+  static void execute(const StagedCopy* copies, const Delivery& d);
+
+  size_t pending() const;
+  // Slots in use (pending or delivered and not yet completed).
+  int busy() const;
+  // Experts the host tier holds now.
+  int tier_held() const;
+
+ private:
+  struct Pending {
+    uint8_t* dst;
+    const uint8_t* src;  // host address (a slot or pool memory)
+    size_t bytes;
+    int slot;            // -1: a row copy
+    bool live;
+  };
+  uint64_t device(const uint8_t* p) const;
+  uint8_t* slot_memory(int slot) const { return memory_ + static_cast<size_t>(slot) * slot_bytes_; }
+  // Adds the copies of `spans` from `slot`'s segments (a reference each).
+  void add_copies(int slot, const std::vector<Span>& spans);
+  void release(int slot);
+  void drop_target(uint8_t* dst);
+
+  PoolWriter writer_;
+  size_t slot_bytes_;
+  int reserve_;
+  uint8_t* memory_ = nullptr;
+  size_t bytes_ = 0;
+  uintptr_t device_base_ = 0;
+  bool mapped_ = false;
+
+  mutable std::mutex mu_;
+  std::vector<int> refs_;        // per slot: pending or delivered copies reading it
+  std::vector<int> free_;        // free transient slots
+  // The host tier: slots [0, layers * tier_slots_), layer li's from li * tier_slots_.
+  int tier_slots_ = 0;
+  std::vector<RealRegion> tier_;     // per layer
+  std::vector<uint8_t> filling_;     // per tier slot: its bytes are being copied in
+  uint64_t tick_ = 0;
+  std::vector<Pending> pending_;  // in the order staged
+  std::vector<int> delivered_;   // slots of deliveries not yet completed (one entry per ref)
+};
+
+}  // namespace es

@@ -1,0 +1,185 @@
+"""Staged pool writes (ext/staged_copies.h) delivered through the acquire mailbox.
+
+On a GPU the acquire kernels copy what an answer delivers into the pools; here the pools
+are host memory and `AcquireMailbox.post` performs the delivered copies as those kernels
+would (row copies in order, then records). What must hold on any device: a row handed
+out holds its expert's record once its answer's copies ran; a write staged for a row
+that is written again later never lands over the later one; a promotion that reads a
+side row whose fill is still staged copies that fill's bytes; a fill that finds no
+staging slot gives up (a cancelled prefetch, never an error); turning staging off
+writes everything staged, after which every mapped row holds its expert; and a record
+the host tier holds is staged from there, not read again.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine._ext import AcquireMailbox
+from engine.cache import open_cache
+from engine.config import StreamConfig
+from engine.predictor import host_tier_slots
+
+from rowcheck import RowChecker
+
+HIDDEN = 16  # any: the requests here carry no hidden state
+
+
+def staged_cache(store, fill_slots=4, tier_slots=0, **config):
+    cache = open_cache(store, StreamConfig(reader_threads=1, **config))
+    mailbox = AcquireMailbox(cache, HIDDEN, max_ids=4, fill_slots=fill_slots, tier_slots=tier_slots)
+    cache.set_staging(True)
+    return cache, mailbox
+
+
+def test_a_demand_read_lands_with_its_answer_not_before(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, expert_slots=2, side_slots=0)
+    checker = RowChecker(qwen_store, cache)
+    rows, missing = cache.acquire(0, np.array([[3]], np.int32))
+    assert missing == []
+    row = int(rows[0, 0])
+    assert checker.row_bytes(0, row) != checker.records[(0, 3)]  # staged, not written
+    assert cache.staged[0] > 0 and cache.staged[1] == 1  # one slot, copies pending
+    # The next answer delivers it (with the new request's own read).
+    assert mailbox.post(1, np.array([5], np.int32)).tolist() != []
+    checker.assert_row(0, row, 3)
+    assert cache.staged[0] == 0
+    del mailbox  # staging off: nothing left staged
+    assert not cache.staging_on and cache.staged == (0, 0)
+    checker.assert_all_published()
+
+
+def test_turning_staging_off_writes_what_is_staged(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, expert_slots=2, side_slots=2, sync=True)
+    checker = RowChecker(qwen_store, cache)
+    cache.prefetch(2, np.array([1, 6], np.int32))  # fills inline, staged
+    assert cache.staged[0] > 0
+    cache.set_staging(False)
+    assert cache.staged[0] == 0 and cache.snapshot(2)["stats"]["loads"] == 2
+    assert checker.assert_all_published() == 2
+    assert cache.check() == ""
+
+
+def test_a_promotion_reads_the_fill_still_staged(qwen_store):
+    # The side hit is copied into a real slot by a row copy; its fill has not been
+    # delivered yet, so the copy must take the staging slot's bytes, not the side row's.
+    cache, mailbox = staged_cache(qwen_store, expert_slots=2, side_slots=2, sync=True)
+    checker = RowChecker(qwen_store, cache)
+    cache.prefetch(1, np.array([7], np.int32))
+    rows = mailbox.post(1, np.array([7, 2], np.int32))
+    s = cache.snapshot(1)
+    assert s["stats"]["side_hits"] == 1 and s["stats"]["promotions"] == 1
+    slot = s["slot_expert"].tolist().index(7)
+    checker.assert_row(1, slot, 7)  # the promoted copy
+    checker.assert_row(1, int(rows[0]), 7)  # the row handed out (the side row)
+    checker.assert_row(1, int(rows[1]), 2)
+
+
+def test_a_fill_without_a_staging_slot_gives_up(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, fill_slots=1, expert_slots=2, side_slots=4, sync=True)
+    checker = RowChecker(qwen_store, cache)
+    cache.prefetch(3, np.array([0, 1, 2, 3], np.int32))
+    st_ = cache.snapshot(3)["stats"]
+    assert (st_["loads"], st_["prefetch_cancelled"], st_["read_errors"]) == (1, 3, 0)
+    cache.set_staging(False)
+    assert checker.assert_all_published() == 1
+    assert cache.check() == ""
+
+
+def test_the_host_tier_serves_a_miss_again_without_a_read(qwen_store):
+    cache, mailbox = staged_cache(
+        qwen_store, tier_slots=2, expert_slots=1, side_slots=0, policy="lru"
+    )
+    checker = RowChecker(qwen_store, cache)
+    stride = qwen_store.manifest.layers[0].stride
+    for expert in (3, 5, 3, 5, 6, 3):
+        (row,) = mailbox.post(0, np.array([expert], np.int32))
+        checker.assert_row(0, int(row), expert)
+    s = cache.snapshot(0)["stats"]
+    # 3 and 5 read once each, then served from the tier; 6 evicts 3 there (LRU among
+    # two), so the last 3 is read again.
+    assert (s["loads"], s["host_hits"], s["bytes_read"]) == (6, 2, 4 * stride)
+    assert cache.host_tier[:2] == (2, 2)
+
+
+def test_a_prefetch_fill_comes_from_the_host_tier(qwen_store):
+    cache, mailbox = staged_cache(
+        qwen_store, tier_slots=4, expert_slots=1, side_slots=2, sync=True, policy="lru"
+    )
+    checker = RowChecker(qwen_store, cache)
+    mailbox.post(2, np.array([4], np.int32))  # read into the real slot and the tier
+    mailbox.post(2, np.array([1], np.int32))  # evicts 4 from the real slot
+    cache.prefetch(2, np.array([4], np.int32))  # a fill the tier serves
+    s = cache.snapshot(2)["stats"]
+    assert (s["host_hits"], s["prefetch_issued"]) == (1, 1)
+    rows = mailbox.post(2, np.array([4], np.int32))
+    checker.assert_row(2, int(rows[0]), 4)
+    assert cache.snapshot(2)["stats"]["side_hits"] == 1
+
+
+def test_a_mailbox_is_made_once_per_cache(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, expert_slots=2)
+    with pytest.raises(RuntimeError, match="already staged"):
+        AcquireMailbox(cache, HIDDEN, max_ids=4, fill_slots=4)
+    with pytest.raises(ValueError, match="max_ids must be in"):
+        AcquireMailbox(open_cache(qwen_store, StreamConfig()), HIDDEN, max_ids=0, fill_slots=4)
+    with pytest.raises(ValueError, match="at most 4 ids"):
+        mailbox.post(0, np.arange(5, dtype=np.int32))
+
+
+# Requests as a decode makes them (layers in order, one token's distinct top-2 ids),
+# with prefetch fills (inline or on the reader thread) staged between them.
+request = st.tuples(st.integers(0, 7), st.integers(0, 7)).filter(lambda p: p[0] != p[1])
+token = st.lists(request, min_size=4, max_size=4)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tokens=st.lists(token, min_size=1, max_size=6),
+    fills=st.lists(st.lists(st.integers(0, 7), max_size=3), min_size=24, max_size=24),
+    slots=st.integers(2, 8),
+    side=st.integers(0, 3),
+    sync=st.booleans(),
+    side_lfu=st.booleans(),
+    fill_slots=st.integers(1, 6),
+    tier_slots=st.integers(0, 3),
+)
+def test_every_answer_holds_its_experts(
+    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots
+):
+    cache, mailbox = staged_cache(
+        qwen_store,
+        fill_slots=fill_slots,
+        tier_slots=tier_slots,
+        expert_slots=slots,
+        side_slots=side,
+        sync=sync,
+        side_lfu=side_lfu,
+        io_uring=False,
+    )
+    checker = RowChecker(qwen_store, cache)
+    step = 0
+    for t in tokens:
+        for li, ids in enumerate(t):
+            rows = mailbox.post(li, np.array(ids, np.int32))
+            for e, r in zip(ids, rows, strict=True):
+                checker.assert_row(li, int(r), e)
+            if fills[step % len(fills)] and li + 1 < 4:
+                cache.prefetch(li + 1, np.array(fills[step % len(fills)], np.int32))
+            step += 1
+        assert cache.check() == ""
+    cache.raise_stream_error()
+    cache.set_staging(False)
+    checker.assert_all_published()
+    assert cache.staged[0] == 0 and cache.check() == ""
+
+
+def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
+    record = sum(a.nbytes for a in cache.pool(0)) // cache.rows(0)
+    layers, experts = cache.num_layers, cache.num_experts
+    assert host_tier_slots(cache, None) == 0
+    assert host_tier_slots(cache, layers * 3 * record + record - 1) == 3
+    assert host_tier_slots(cache, 10**15) == experts  # never more than every expert
+    assert host_tier_slots(cache, "auto") == experts  # a tiny store fits
