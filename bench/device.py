@@ -5,14 +5,16 @@ Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
     python -m bench.device --out DIR [--synthetic STORE] [--tokens N]
 
 For the embedded model: mlx-lm resident, then the engine at 100/50/25/12.5% of the
-experts, prefetch off and on, and at 100% and 25% also the synchronous path (every MoE
-call reads the router's ids on the host, `PLAN_SYNC`), tokens checked
-against resident. For a synthetic Qwen3-30B-A3B-shaped store (`python -m engine.synthetic`,
-no resident reference fits the comparison): the same fractions from a dropped page cache,
-and at 100% a bare device table (the pools indexed by `table[ids]` with no cache call
-at all: the ceiling of any expert cache on these pools). Each row splits a decode token's
-time into the cache's acquire calls (demand reads included), the reads alone, and the
-rest (compute, graph building and any wait); `dd` gives the disk's own O_DIRECT rate.
+experts, prefetch off and on, below 100% also with the CPU-stream acquire
+(`device_acquire=False`, the path before the acquire kernels), tokens checked against
+resident. For a synthetic Qwen3-30B-A3B-shaped store (`python -m engine.synthetic`, no
+resident reference fits the comparison): at 100% a bare device table (the pools indexed
+by `table[ids]` with no cache call at all: the ceiling of any expert cache on these
+pools), then each fraction with prefetch, from a dropped page cache with no host tier
+(O_DIRECT reads) and with the host tier warmed by one decode. Each row splits a decode
+token's time into the cache's acquire calls (demand reads included), the reads alone,
+and the rest (compute, graph building and any wait), with the bytes read from disk and
+copied from the host tier per token; `dd` gives the disk's own O_DIRECT rate.
 
 With --prefill, time to first token of a long prompt: the embedded model's
 1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's
@@ -70,7 +72,7 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
     sm.predictor.on_acquire = None
     after = snapshot(sm.cache).totals()
     n = max(len(out) - 1, 1)
-    d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read")}
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read", "host_bytes")}
     lookups = d["hits"] + d["misses"]
     acq = after["acquire_seconds"] - before["acquire_seconds"]
     rd = after["read_seconds"] - before["read_seconds"]
@@ -84,6 +86,7 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
         "read_ms_per_token": 1e3 * rd / n,
         "other_ms_per_token": 1e3 * (dt - acq) / n,
         "MB_read_per_token": d["bytes_read"] / n / 1e6,
+        "MB_host_per_token": d["host_bytes"] / n / 1e6,
         "MBps_while_reading": d["bytes_read"] / rd / 1e6 if rd else 0.0,
     }
 
@@ -117,14 +120,16 @@ def row(label: str, r: dict, base: float) -> str:
         f"| {label} | {r['decode_tps']:.1f} | {r['decode_tps'] / base:.2f} | "
         f"{r['hit_rate']:.1%} | {r['ms_per_token']:.2f} | {r['acquire_ms_per_token']:.2f} | "
         f"{r['read_ms_per_token']:.2f} | {r['other_ms_per_token']:.2f} | "
-        f"{r['MB_read_per_token']:.1f} | {r.get('same_tokens', '')} |"
+        f"{r['MB_read_per_token']:.1f} | {r['MB_host_per_token']:.1f} | "
+        f"{r['MBps_while_reading']:.0f} | {r.get('same_tokens', '')} |"
     )
 
 
 HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
-    "| rest ms | MB read/token | same tokens as baseline |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| rest ms | MB read/token | MB from host tier/token | MB/s while reading "
+    "| same tokens as baseline |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -187,22 +192,25 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -
         slots = max(1, round(e * frac))
         for prefetch in (False, True):
             side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
-            sm = load(None, StreamConfig(expert_slots=slots, **side))  # 100%: filled at load
-            run_streamed(sm, prompt, 8)  # warm the kernels and the cache
-            paths = [False] + ([True] if frac in (1.0, 0.25) and not prefetch else [])
-            for sync_path in paths:
-                r = run_streamed(sm, prompt, tokens, sync_path)
+            # The CPU-stream acquire, the path before the acquire kernels, beside them.
+            for device in [True] + ([False] if frac < 1.0 else []):
+                cfg = StreamConfig(expert_slots=slots, device_acquire=device, **side)
+                sm = load(None, cfg)  # 100%: filled at load
+                run_streamed(sm, prompt, 8)  # warm the kernels and the cache
+                r = run_streamed(sm, prompt, tokens)
                 r["same_tokens"] = r.pop("tokens") == ref
                 label = f"{frac:.1%} ({slots} slots), prefetch {'on' if prefetch else 'off'}"
-                label += ", sync path (before)" if sync_path else ""
+                label += "" if device else ", CPU-stream acquire"
                 res["runs"][label] = r
                 log(row(label, r, base))
+                del sm
     if rounds:
         runs = {"mlx-lm resident": tps_of(model, prompt, tokens)}
         for label, frac, fields in (
             ("100%", 1.0, {}),
             ("25%, prefetch off", 0.25, {}),
             ("25%, prefetch on", 0.25, {"side_slots": 2 * k, "prefetch": True}),
+            ("12.5%, prefetch on", 0.125, {"side_slots": 2 * k, "prefetch": True}),
         ):
             sm = load(None, StreamConfig(expert_slots=max(1, round(e * frac)), **fields))
             run_streamed(sm, prompt, 8)
@@ -262,18 +270,23 @@ def synthetic(
     del sm
     for frac in [f for f in fractions if f < 1.0]:
         slots = round(e * frac)
-        for prefetch in (False, True):
-            side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
-            for sync_path in [False] + ([True] if frac == 0.25 and not prefetch else []):
-                drop_page_cache()
-                sm = load(store, StreamConfig(expert_slots=slots, **side))
-                r = run_streamed(sm, prompt, tokens, sync_path)
-                r["same_tokens"] = r.pop("tokens") == bare_tokens
-                label = f"{frac:.1%} ({slots} slots), prefetch {'on' if prefetch else 'off'}"
-                label += ", sync path (before)" if sync_path else ""
-                res["runs"][label] = r
-                log(row(label, r, base))
-                del sm
+        side = {"side_slots": 2 * k, "prefetch": True}
+        for label, fields, warm in (
+            ("disk, O_DIRECT, no host tier", {"host_memory": None}, False),
+            ("host tier (warmed by one decode)", {"host_memory": "auto"}, True),
+        ):
+            drop_page_cache()
+            sm = load(store, StreamConfig(expert_slots=slots, **side, **fields))
+            if warm:
+                run_streamed(sm, prompt, tokens)
+            r = run_streamed(sm, prompt, tokens)
+            r["same_tokens"] = r.pop("tokens") == bare_tokens
+            tier = sm.cache.host_tier
+            r["host_tier"] = {"slots_per_layer": tier[0], "held": tier[1], "bytes": tier[2]}
+            label = f"{frac:.1%} ({slots} slots), prefetch on, {label}"
+            res["runs"][label] = r
+            log(row(label, r, base))
+            del sm
     return res
 
 

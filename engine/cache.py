@@ -73,6 +73,8 @@ REPORTED_STATS = (
     "prefetch_accuracy",
     "evictions",
     "overcap_calls",
+    "host_hits",
+    "host_bytes",
 )
 
 

@@ -165,6 +165,17 @@ class StreamConfig:
             system call per batch of misses, no hand-off to a reader thread),
             `engine.cache.io_uring_depth` in flight, used where the kernel has it (Linux 5.11+, not
             disabled); else, and for prefetch fills, the reader threads read.
+        device_acquire: on an MLX CUDA device, a decode step's acquire is a kernel on the
+            GPU's stream that a host thread answers through mapped memory
+            (`engine.device_acquire`); False takes the CPU-stream `acquire_op`, the path
+            every other backend takes.
+        host_memory: with device_acquire, the bytes of page-locked host memory that keep
+            records read from disk (the host-RAM tier between the disk and the GPU pools:
+            a miss it holds is copied from there, not read), split evenly among the MoE
+            layers and evicted by `policy`; "auto": every expert, up to
+            `AUTO_MEMORY_FRACTION` of the memory available at the first decode step;
+            0 or None: no tier. Where the pools are host memory (CPU, Metal) the pools are the
+            tier: no other is made.
     """
 
     expert_slots: int | None = None
@@ -185,6 +196,8 @@ class StreamConfig:
     uncached_io: bool = True
     read_timeout_s: float = 30.0
     io_uring: bool = True
+    device_acquire: bool = True
+    host_memory: int | str | None = "auto"
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
@@ -204,6 +217,14 @@ class StreamConfig:
             "expert_memory",
             self.expert_memory,
             'must be a positive number of bytes or "auto"',
+        )
+        need(
+            self.host_memory is None
+            or self.host_memory == "auto"
+            or (isinstance(self.host_memory, int) and self.host_memory >= 0),
+            "host_memory",
+            self.host_memory,
+            'must be a number of bytes >= 0, "auto" or None',
         )
         if self.expert_memory is not None and self.expert_slots is not None:
             raise ConfigError("expert_slots", None, "give one of them", also="expert_memory")

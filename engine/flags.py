@@ -54,6 +54,11 @@ def _memory(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _host_memory(text: str) -> int | str:
+    """--host-memory: a size as --expert-memory takes it, "auto", or "off" (0)."""
+    return 0 if text.strip().lower() == "off" else _memory(text)
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (--max-tokens, --max-queue, ...)."""
     try:
@@ -140,6 +145,14 @@ FLAGS = (
         "layer by its record size; instead of --expert-slots",
     ),
     Flag(
+        "--host-memory",
+        "host_memory",
+        _host_memory,
+        "page-locked host memory that keeps experts read from disk for the GPU pools "
+        "(CUDA; 24GiB, auto: every expert, up to "
+        f"{AUTO_MEMORY_FRACTION * 100:.0f}%% of the memory available, or off)",
+    ),
+    Flag(
         "--side-slots",
         "side_slots",
         int,
@@ -166,6 +179,13 @@ FLAGS = (
         deprecated=("--prefill-chunk",),
     ),
     Flag("--reader-threads", "reader_threads", int, "background reader threads"),
+    Flag(
+        "--device-acquire",
+        "device_acquire",
+        None,
+        "on MLX CUDA, a decode step's acquire is a kernel on the GPU's stream answered "
+        "through mapped memory (--no-device-acquire: on the CPU stream, as other backends)",
+    ),
     Flag(
         "--io-uring",
         "io_uring",

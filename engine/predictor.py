@@ -22,8 +22,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine._ext import Router
-from engine.config import StreamConfig
+from engine._ext import AcquireMailbox, Router
+from engine.config import AUTO_MEMORY_FRACTION, StreamConfig
+from engine.device_acquire import DeviceAcquire
+from engine.memory import available_bytes
 
 
 class GenerationStopped(Exception):
@@ -54,6 +56,19 @@ class Predictor:
         # The cache's primitives (acquire, prefetch) have no GPU kernel: on a GPU device
         # they are created on the CPU stream, which MLX orders with the GPU work.
         self.cpu_stream = mx.default_device() != mx.cpu
+        # On MLX CUDA a decode step's acquire is a kernel on the GPU's stream instead
+        # (engine.device_acquire), made with the first call that can take it: whether
+        # this model's calls may (`device_acquire` makes the kernels).
+        cuda = getattr(mx, "cuda", None)
+        self.device_path = (
+            config.device_acquire
+            and self.cpu_stream
+            and cuda is not None
+            and cuda.is_available()
+            and cache.pool_writes == "cuda"
+        )
+        self._device: DeviceAcquire | None = None
+        self._host_memory = config.host_memory
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
@@ -83,21 +98,82 @@ class Predictor:
             router = self._dense[target] = dense_router(self.routers[target], hidden)
         return router
 
+    def predicted(self, layer: int, x: mx.array) -> list[int]:
+        """The targets of `layer` to predict from `x`: none when prefetch is off or x is
+        more than one token (prefill), else those with a router that are not complete (a
+        complete layer cannot miss)."""
+        if not self.enabled or x.size // x.shape[-1] != 1:
+            return []
+        return [
+            t
+            for t in self._targets[layer]
+            if self.routers[t] is not None and not self.cache.is_complete(t)
+        ]
+
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills
         predicted from `x` at MoE layer `layer` for each of its targets (one prefetch op
-        each, chained through `after`); None when nothing is prefetched (disabled, prefill
-        of more than one token, no target with a router, or every target complete, so that
-        nothing of it can miss)."""
-        if not self.enabled or x.size // x.shape[-1] != 1:
-            return None
+        each, chained through `after`); None when nothing is predicted (`predicted`)."""
         token = None
-        for target in self._targets[layer]:
-            if self.routers[target] is None or self.cache.is_complete(target):
-                continue
+        for target in self.predicted(layer, x):
             router = self.router(target, x.shape[-1])
             token = self.cache.prefetch_op(target, x, router, self.budget, self.cpu_stream, token)
         return token
+
+    def device_acquire(self, x: mx.array, n: int) -> DeviceAcquire | None:
+        """The kernels that acquire `n` ids of a layer whose input is `x` on the GPU's
+        stream, or None where that call takes another path (another backend,
+        `StreamConfig.device_acquire` off, or more ids than a request holds).
+
+        The first call sizes the mailbox: requests of up to twice its ids (at least 16),
+        and staging slots for twice the prefetch budget of fills (at least 16)."""
+        if not self.device_path:
+            return None
+        if self._device is None:
+            max_ids = min(AcquireMailbox.MAX_IDS, max(2 * n, 16))
+            self._device = DeviceAcquire(
+                self.cache,
+                x.shape[-1],
+                max_ids,
+                max(16, 2 * self.budget),
+                host_tier_slots(self.cache, self._host_memory),
+            )
+        device = self._device
+        return device if n <= device.max_ids and x.shape[-1] == device.hidden else None
+
+    @property
+    def staging(self) -> bool:
+        """Whether pool writes are staged for the acquire kernels now: a call that takes
+        no kernel must then take the synchronous path, which writes them first."""
+        return self._device is not None and self.cache.staging_on
+
+    def device_prefetch(self, device: DeviceAcquire, layer: int, x: mx.array) -> bool:
+        """Hands `layer`'s prediction to the mailbox's thread (`DeviceAcquire.set_prefetch`)
+        and says whether a request of this call should carry x's last token."""
+        targets = self.predicted(layer, x)
+        if targets:
+            routers = [self.router(t, x.shape[-1]) for t in targets]
+            device.set_prefetch(layer, targets, routers, self.budget)
+        return bool(targets)
+
+
+def host_tier_slots(cache, host_memory: int | str | None) -> int:
+    """Host-tier slots per MoE layer for `StreamConfig.host_memory` (bytes, "auto", or 0
+    or None for none): the budget split evenly among the layers by the widest record (bytes of one
+    pool row), at most every expert; "auto" asks for every expert, up to
+    `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`."""
+    if not host_memory or cache.num_layers == 0:
+        return 0
+    record = max(
+        sum(a.nbytes for a in cache.pool(li)) // cache.rows(li) for li in range(cache.num_layers)
+    )
+    every = cache.num_layers * cache.num_experts * record
+    if host_memory == "auto":
+        available = available_bytes()
+        budget = every if available is None else min(every, int(AUTO_MEMORY_FRACTION * available))
+    else:
+        budget = int(host_memory)
+    return min(cache.num_experts, budget // (cache.num_layers * record))
 
 
 def prefetch_targets(routed: Sequence[bool]) -> list[bool]:

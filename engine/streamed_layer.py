@@ -15,7 +15,11 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
   pinned` ids): the rows are a lazy `acquire_op` that the cache evaluates on the CPU
   stream when the ids exist. Nothing waits on the router, so a whole token's graph is
   built and evaluated without a pipeline drain per layer; a miss costs its read, inside
-  the stream.
+  the stream. On MLX CUDA the same acquire is a kernel on the GPU's own stream that a
+  host thread answers through mapped memory (`engine.device_acquire`), so a layer
+  whose experts are cached costs no cross-stream hop; pool writes are then staged and
+  copied by those kernels, and a complete layer whose targets are predicted sends its
+  prediction the same way. Metal and the CPU keep `acquire_op`.
 - synchronous (calls that may hold more distinct experts than evictable slots: prefill):
   the ids are read on the host once (the layer's one host wait), and misses beyond the
   slots stream through the scratch rows chunk by chunk, each read once, the next chunk's
@@ -65,11 +69,21 @@ class StreamedExperts(nn.Module):
             GenerationStopped: the caller asked to stop (checked before any read).
         """
         self._predictor.check_stop(self._index)
-        token = self._predictor.prefetch_token(self._index, x)
         if self._predictor.recorder is not None:
             self._predictor.recorder.route(self._index, indices, x)
         hook = self._predictor.on_acquire
         plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
+        device = None
+        if self._predictor.device_path and (
+            plan == PLAN_STREAM
+            or (plan == PLAN_TABLE and self._predictor.predicted(self._index, x))
+        ):
+            device = self._predictor.device_acquire(x, indices.size)
+        if device is not None:
+            return self._on_device(device, plan, x, indices)
+        if plan == PLAN_STREAM and self._predictor.staging:
+            plan = PLAN_SYNC  # staged writes reach the pools through the acquire kernels only
+        token = self._predictor.prefetch_token(self._index, x)
         if plan == PLAN_TABLE:
             y = self._experts(x, self._table[indices])
         elif plan == PLAN_STREAM:
@@ -85,6 +99,8 @@ class StreamedExperts(nn.Module):
             y = self._experts(x, rows)
         else:
             ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
+            # Every kernel before it has run: staged pool writes can be made by the host.
+            self._cache.set_staging(False)
             # It evaluated the layers before this one: a read that failed in their
             # over-capacity chunks is raised here, before anything more is read.
             self._cache.raise_stream_error()
@@ -96,6 +112,17 @@ class StreamedExperts(nn.Module):
             else:
                 y = self._experts(x, mx.array(rows))
         return y if token is None else mx.depends(y, token)
+
+    def _on_device(self, device, plan, x, indices):
+        """The table or stream-ordered path with the acquire and the prefetch as kernels on
+        the GPU's stream (`engine.device_acquire`): the prediction rides on this layer's
+        acquire request, or on a request of its own beside the table path."""
+        predict = self._predictor.device_prefetch(device, self._index, x)
+        if plan == PLAN_TABLE:
+            y = self._experts(x, self._table[indices])
+            return mx.depends(y, device.prefetch(self._index, x)) if predict else y
+        rows = device.rows(self._index, indices, x if predict else None)
+        return self._experts(x, rows)
 
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,

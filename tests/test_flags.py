@@ -99,3 +99,15 @@ def test_cli_and_app_take_the_same_flags():
 
     names = {f.name for f in FLAGS}
     assert names <= flags(cli_parser()) and names <= flags(app_parser())
+
+
+def test_host_memory_takes_a_size_auto_or_off(capsys):
+    def host(*argv):
+        return stream_config(parser().parse_args(list(argv))).host_memory
+
+    assert host() == "auto" and host("--host-memory", "off") == 0
+    assert host("--host-memory", "2GiB") == 2 * 2**30
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--host-memory", "lots"])
+    assert "'lots' is not a memory size" in capsys.readouterr().err
+    assert stream_config(parser().parse_args(["--no-device-acquire"])).device_acquire is False

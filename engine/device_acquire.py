@@ -1,0 +1,323 @@
+"""The acquire of a decode step as a kernel on MLX CUDA's own stream.
+
+On a GPU an MoE layer's expert ids exist only on the device. The CPU-stream `acquire_op`
+makes MLX hand them across streams (the GPU signals an event a CPU thread waits for,
+then waits for that thread's signal): two graph commits and two thread wake-ups per MoE
+layer, hit or miss. Here a kernel on the GPU's stream writes the ids (and, for a
+prefetch source, the last token's hidden state) into the cache's `AcquireMailbox` in
+mapped host memory and spins until the mailbox's thread has answered with their pool
+rows; the thread runs the same `ExpertCache.acquire` (hits, side hits, demand reads) and
+then the prefetch the hidden state predicts (ext/mailbox.h). A layer whose experts are
+all cached costs a kernel and a host round trip through memory, not a stream hop.
+
+Neither that thread nor a reader thread may call the CUDA runtime while a kernel spins
+(a runtime call can wait for work queued behind it), so the cache stages its pool writes
+in mapped host memory (ext/staged_copies.h) and each answer delivers them: the acquire
+kernel performs the row copies (side-row promotions, in order), and a copy kernel of many
+blocks the records (demand reads and prefetch fills), before the rows reach the experts'
+kernels.
+
+CUDA only: `mx.fast.cuda_kernel` compiles the kernels at first use. Metal keeps the
+CPU-stream path (no Metal kernel of this kind has been run).
+"""
+
+import mlx.core as mx
+
+from engine._ext import AcquireMailbox, Router
+
+# The longest a kernel waits for the mailbox's thread before it traps (a CUDA error the
+# next evaluation raises): only a thread that died leaves a request unanswered, since an
+# acquire that fails still answers, with rows 0 and an error for the host.
+ANSWER_TIMEOUT_S = 600
+
+_BLOCK = 256
+# Blocks of the copy kernel: enough to keep the host-to-device path busy with the records
+# of a layer's misses and fills; a kernel with nothing to copy exits at once.
+_COPY_BLOCKS = 64
+
+_HEADER = """
+#define ES_WORD(i) (reinterpret_cast<volatile int*>({address}ULL)[(i)])
+__device__ __forceinline__ unsigned long long es_now() {{
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}}
+// Copies [begin, end) of `bytes` from src to dst with threads t of nt, in the widest
+// words the addresses allow. Loads bypass the caches (__ldcv): the host rewrites a
+// staging slot between kernels that read it.
+__device__ void es_copy(unsigned long long src, unsigned long long dst,
+                        unsigned long long begin, unsigned long long end, int t, int nt) {{
+  if (((src | dst | begin | end) & 15ULL) == 0) {{
+    // Four loads in flight per thread: reads of host memory take microseconds each.
+    const uint4* s = reinterpret_cast<const uint4*>(src + begin);
+    uint4* d = reinterpret_cast<uint4*>(dst + begin);
+    const unsigned long long n = (end - begin) / 16;
+    unsigned long long i = t;
+    for (; i + 3 * nt < n; i += 4 * nt) {{
+      const uint4 a = __ldcv(s + i), b = __ldcv(s + i + nt);
+      const uint4 c = __ldcv(s + i + 2 * nt), e = __ldcv(s + i + 3 * nt);
+      d[i] = a;
+      d[i + nt] = b;
+      d[i + 2 * nt] = c;
+      d[i + 3 * nt] = e;
+    }}
+    for (; i < n; i += nt) d[i] = __ldcv(s + i);
+  }} else if (((src | dst | begin | end) & 3ULL) == 0) {{
+    const unsigned int* s = reinterpret_cast<const unsigned int*>(src + begin);
+    unsigned int* d = reinterpret_cast<unsigned int*>(dst + begin);
+    for (unsigned long long i = t; i < (end - begin) / 4; i += nt) d[i] = __ldcv(s + i);
+  }} else {{
+    const volatile unsigned char* s = reinterpret_cast<const volatile unsigned char*>(src);
+    unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+    for (unsigned long long i = begin + t; i < end; i += nt) d[i] = s[i];
+  }}
+}}
+#define ES_COPY(i, f) (reinterpret_cast<volatile unsigned long long*>({copies}ULL)[4 * (i) + (f)])
+__device__ void es_wait_reply(int seq) {{
+  const unsigned long long start = es_now();
+  while (ES_WORD({reply}) != seq) {{
+    __nanosleep(128);
+    if (es_now() - start > {timeout_ns}ULL) __trap();
+  }}
+  __threadfence_system();
+}}
+"""
+
+# One block: thread 0 waits for the previous request's answer (normally already there),
+# every thread writes its share of the ids and hidden state, and after a system fence
+# thread 0 publishes the sequence number and, for an acquire, waits for the rows.
+_POST = """
+  __shared__ int seq;
+  const int tid = threadIdx.x;
+  if (tid == 0) {{
+    const int previous = ES_WORD({request});
+    es_wait_reply(previous);
+    seq = previous + 1;
+  }}
+  __syncthreads();
+  {copy_ids}
+  {copy_x}
+  if (tid == 0) {{
+    ES_WORD({layer_word}) = layer[0];
+    ES_WORD({count}) = {n};
+    ES_WORD({has_x}) = {with_x};
+  }}
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) {{
+    ES_WORD({request}) = seq;
+    __threadfence_system();
+    {wait}
+  }}
+  __syncthreads();
+  {out}
+"""
+
+_COPY_IDS = """
+  int n = 1;
+  for (int d = 0; d < ids_ndim; ++d) n *= ids_shape[d];
+  for (int i = tid; i < n; i += blockDim.x) {{
+    long long off = 0;
+    int rest = i;
+    for (int d = ids_ndim - 1; d >= 0; --d) {{
+      off += (long long)(rest % ids_shape[d]) * ids_strides[d];
+      rest /= ids_shape[d];
+    }}
+    ES_WORD({ids_word} + i) = static_cast<int>(ids[off]);
+  }}
+"""
+
+_COPY_X = """
+  {{
+    const int h = x_shape[x_ndim - 1];
+    long long base = 0;
+    for (int d = 0; d + 1 < x_ndim; ++d) base += (long long)(x_shape[d] - 1) * x_strides[d];
+    volatile float* hx = reinterpret_cast<volatile float*>(&ES_WORD({hidden_word}));
+    for (int j = tid; j < h; j += blockDim.x)
+      hx[j] = static_cast<float>(x[base + (long long)j * x_strides[x_ndim - 1]]);
+  }}
+"""
+
+# After the answer: its row copies one at a time (a later one may read an earlier's
+# target), then the head the copy kernel reads: [row copies, record copies, chunks, rows].
+_HEAD_OUT = """
+  const int row_copies = ES_WORD({row_copies});
+  for (int c = 0; c < row_copies; ++c) {{
+    es_copy(ES_COPY(c, 0), ES_COPY(c, 1), 0, ES_COPY(c, 2), tid, blockDim.x);
+    __syncthreads();
+  }}
+  if (tid == 0) {{
+    head[0] = row_copies;
+    head[1] = ES_WORD({record_copies});
+    head[2] = ES_WORD({chunks});
+  }}
+  for (int i = tid; i < n; i += blockDim.x) head[3 + i] = ES_WORD({rows_word} + i);
+"""
+
+# The record copies of the answer whose head it reads, cut into chunks dealt round-robin
+# to the blocks; block 0 also writes the rows out. Record headers go through shared
+# memory 256 at a time (one read of mapped memory per thread).
+_COPY = """
+  const int tid = threadIdx.x;
+  const int n = head_shape[0] - 3;
+  if (blockIdx.x == 0)
+    for (int i = tid; i < n; i += blockDim.x) rows[i] = head[3 + i];
+  const int first = head[0];
+  const int records = head[1];
+  __shared__ unsigned long long src[{block}], dst[{block}], bytes[{block}], chunk0[{block}];
+  for (int batch = 0; batch < records; batch += {block}) {{
+    const int m = min({block}, records - batch);
+    if (tid < m) {{
+      src[tid] = ES_COPY(first + batch + tid, 0);
+      dst[tid] = ES_COPY(first + batch + tid, 1);
+      bytes[tid] = ES_COPY(first + batch + tid, 2);
+      chunk0[tid] = ES_COPY(first + batch + tid, 3);
+    }}
+    __syncthreads();
+    for (int r = 0; r < m; ++r) {{
+      const unsigned long long chunks = (bytes[r] + {chunk} - 1) / {chunk};
+      unsigned long long k = (blockIdx.x + gridDim.x - chunk0[r] % gridDim.x) % gridDim.x;
+      for (; k < chunks; k += gridDim.x) {{
+        const unsigned long long begin = k * {chunk};
+        const unsigned long long end = min(bytes[r], begin + {chunk});
+        es_copy(src[r], dst[r], begin, end, tid, blockDim.x);
+      }}
+    }}
+    __syncthreads();
+  }}
+"""
+
+
+class DeviceAcquire:
+    """Acquire, copy and prefetch kernels of one cache on MLX CUDA's default stream.
+
+    Args:
+        cache: the model's `engine._ext.ExpertCache` (pools in CUDA memory); its pool
+            writes are staged from the first acquire on (`ExpertCache.set_staging`).
+        hidden: the hidden size of the MoE layers' input (the prefetch's x).
+        max_ids: the most ids of one acquire (`AcquireMailbox.max_ids`).
+        fill_slots: staging slots for prefetch fills.
+        tier_slots: host-tier slots per MoE layer (`AcquireMailbox`; 0: no tier).
+
+    Raises:
+        RuntimeError: the CUDA runtime refused to map the mailbox's memory.
+    """
+
+    def __init__(self, cache, hidden: int, max_ids: int, fill_slots: int, tier_slots: int = 0):
+        self.mailbox = AcquireMailbox(cache, hidden, max_ids, fill_slots, tier_slots)
+        self.hidden = hidden
+        self.max_ids = max_ids
+        box = AcquireMailbox
+        words = {
+            "address": hex(self.mailbox.address),
+            "copies": hex(self.mailbox.copies_address),
+            "reply": box.REPLY,
+            "request": box.REQUEST,
+            "layer_word": box.LAYER,
+            "count": box.COUNT,
+            "has_x": box.HAS_X,
+            "row_copies": box.ROW_COPIES,
+            "record_copies": box.RECORD_COPIES,
+            "chunks": box.CHUNKS,
+            "ids_word": box.IDS,
+            "rows_word": box.ROWS,
+            "hidden_word": box.HIDDEN,
+            "timeout_ns": ANSWER_TIMEOUT_S * 10**9,
+            "block": _BLOCK,
+            "chunk": f"{box.CHUNK_BYTES}ULL",
+        }
+        header = _HEADER.format(**words)
+        name = f"expert_acquire_{self.mailbox.address:x}"
+        self._kernels = {}
+        for variant, inputs in (
+            ("acquire", ["ids", "layer"]),
+            ("acquire_x", ["ids", "layer", "x"]),
+            ("prefetch", ["layer", "x"]),
+        ):
+            with_ids = variant != "prefetch"
+            with_x = variant != "acquire"
+            source = _POST.format(
+                copy_ids=_COPY_IDS.format(**words) if with_ids else "",
+                copy_x=_COPY_X.format(**words) if with_x else "",
+                n="n" if with_ids else 0,
+                with_x=int(with_x),
+                wait="es_wait_reply(seq);" if with_ids else "",
+                out=_HEAD_OUT.format(**words) if with_ids else "if (tid == 0) head[0] = 0;",
+                **words,
+            )
+            self._kernels[variant] = mx.fast.cuda_kernel(
+                name=f"{name}_{variant}",
+                input_names=inputs,
+                output_names=["head"],
+                source=source,
+                header=header,
+                ensure_row_contiguous=False,
+            )
+        self._copy = mx.fast.cuda_kernel(
+            name=f"{name}_copy",
+            input_names=["head"],
+            output_names=["rows"],
+            source=_COPY.format(**words),
+            header=header,
+        )
+        self._layers: dict[int, mx.array] = {}
+        self._plans: dict[int, tuple] = {}
+        self._cache = cache
+
+    def __del__(self):
+        # A forward still queued posts to the mailbox: let it finish while the mailbox's
+        # thread still answers (its memory goes with it).
+        mx.synchronize()
+
+    def _layer(self, layer: int) -> mx.array:
+        arr = self._layers.get(layer)
+        if arr is None:
+            arr = self._layers[layer] = mx.array([layer], mx.int32)
+        return arr
+
+    def rows(self, layer: int, ids: mx.array, x: mx.array | None = None) -> mx.array:
+        """Lazy int32 pool rows of `ids` (any integer dtype, shape and strides, at most
+        `max_ids` of them) for MoE layer `layer`, the answer's pool copies done before
+        them; with `x` ((..., hidden), any float dtype), the mailbox's thread then
+        prefetches what x's last token predicts for the layer's targets (`set_prefetch`)."""
+        self._cache.set_staging(True)
+        variant = "acquire" if x is None else "acquire_x"
+        inputs = [ids, self._layer(layer)] + ([] if x is None else [x])
+        (head,) = self._kernels[variant](
+            inputs=inputs,
+            output_shapes=[(ids.size + 3,)],
+            output_dtypes=[mx.int32],
+            grid=(_BLOCK, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+        )
+        (rows,) = self._copy(
+            inputs=[head],
+            output_shapes=[ids.shape],
+            output_dtypes=[mx.int32],
+            grid=(_BLOCK * _COPY_BLOCKS, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+        )
+        return rows
+
+    def prefetch(self, layer: int, x: mx.array) -> mx.array:
+        """A lazy int32 (1,) array that, evaluated, hands x's last token to the mailbox's
+        thread for the layer's prefetch without waiting for it (a layer that takes the
+        table path, whose targets still miss)."""
+        self._cache.set_staging(True)
+        (token,) = self._kernels["prefetch"](
+            inputs=[self._layer(layer), x],
+            output_shapes=[(1,)],
+            output_dtypes=[mx.int32],
+            grid=(_BLOCK, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+        )
+        return token
+
+    def set_prefetch(self, layer: int, targets: list[int], routers: list[Router], budget: int):
+        """What the mailbox's thread prefetches after a request of `layer` that carries a
+        hidden state (`AcquireMailbox.set_prefetch`); a plan equal to the last one given
+        for the layer is not sent again."""
+        plan = (tuple(targets), tuple(id(r) for r in routers), budget)
+        if self._plans.get(layer) != plan:
+            self.mailbox.set_prefetch(layer, targets, routers, budget)
+            self._plans[layer] = plan
