@@ -368,7 +368,9 @@ class InspectorPanel(QWidget):
             "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_issued']:,}",
             "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}" if t["prefetch_issued"] else "—",
             "bytes_read": human_bytes(t["bytes_read"]),
-            "host_tier": f"{t['host_hits']:,} / {human_bytes(t['host_bytes'])}",
+            "host_tier": (
+                f"{t['host_hits']:,} / {human_bytes(t['host_bytes'])}" if t["host_hits"] else "—"
+            ),
             "evictions": f"{t['evictions']:,}",
             "inflight": str(t["inflight"]),
             "pool": human_bytes(self.pool_bytes),

@@ -269,6 +269,13 @@ class DeviceAcquire:
         # thread still answers (its memory goes with it).
         mx.synchronize()
 
+    def _stage(self):
+        """Staged pool writes from here on. The graph is built while an earlier one may
+        still run: one that took a host path (writes not staged) ends first."""
+        if not self._cache.staging_on:
+            mx.synchronize()
+            self._cache.set_staging(True)
+
     def _layer(self, layer: int) -> mx.array:
         arr = self._layers.get(layer)
         if arr is None:
@@ -280,7 +287,7 @@ class DeviceAcquire:
         `max_ids` of them) for MoE layer `layer`, the answer's pool copies done before
         them; with `x` ((..., hidden), any float dtype), the mailbox's thread then
         prefetches what x's last token predicts for the layer's targets (`set_prefetch`)."""
-        self._cache.set_staging(True)
+        self._stage()
         variant = "acquire" if x is None else "acquire_x"
         inputs = [ids, self._layer(layer)] + ([] if x is None else [x])
         (head,) = self._kernels[variant](
@@ -303,7 +310,7 @@ class DeviceAcquire:
         """A lazy int32 (1,) array that, evaluated, hands x's last token to the mailbox's
         thread for the layer's prefetch without waiting for it (a layer that takes the
         table path, whose targets still miss)."""
-        self._cache.set_staging(True)
+        self._stage()
         (token,) = self._kernels["prefetch"](
             inputs=[self._layer(layer), x],
             output_shapes=[(1,)],

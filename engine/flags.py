@@ -55,8 +55,8 @@ def _memory(text: str) -> int | str:
 
 
 def _host_memory(text: str) -> int | str:
-    """--host-memory: a size as --expert-memory takes it, "auto", or "off" (0)."""
-    return 0 if text.strip().lower() == "off" else _memory(text)
+    """--host-memory: a size as --expert-memory takes it, "auto", or "off" or 0 (0)."""
+    return 0 if text.strip().lower() in ("off", "0") else _memory(text)
 
 
 def positive_int(text: str) -> int:

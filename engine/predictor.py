@@ -159,14 +159,18 @@ class Predictor:
 
 def host_tier_slots(cache, host_memory: int | str | None) -> int:
     """Host-tier slots per MoE layer for `StreamConfig.host_memory` (bytes, "auto", or 0
-    or None for none): the budget split evenly among the layers by the widest record (bytes of one
-    pool row), at most every expert; "auto" asks for every expert, up to
+    or None for none): the budget split evenly among the layers by the widest staging slot
+    (a pool row's bytes with each segment 16-byte aligned, rounded up to 256), at most
+    every expert; "auto" asks for every expert, up to
     `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`."""
     if not host_memory or cache.num_layers == 0:
         return 0
-    record = max(
-        sum(a.nbytes for a in cache.pool(li)) // cache.rows(li) for li in range(cache.num_layers)
-    )
+
+    def slot(li: int) -> int:  # a record in a staging slot: segments 16-byte aligned
+        pool = cache.pool(li)
+        return -(-(sum(a.nbytes for a in pool) // cache.rows(li) + 16 * len(pool)) // 256) * 256
+
+    record = max(slot(li) for li in range(cache.num_layers))
     every = cache.num_layers * cache.num_experts * record
     if host_memory == "auto":
         available = available_bytes()

@@ -19,17 +19,27 @@ namespace {
 
 // One reusable O_DIRECT bounce buffer per reader thread, page-locked where `writer` copies
 // through CUDA (PoolWriter::pin). A reader thread serves one cache, so one writer.
+// A buffer pinned before the cache staged its writes stays (retired, not unpinned) when
+// it is outgrown while they are staged: unpinning is a runtime call, which a reader
+// thread must not make while an acquire kernel may spin (mailbox.h).
 uint8_t* bounce_buffer(size_t bytes, const PoolWriter& writer) {
   struct Bounce {
     std::unique_ptr<AlignedBuffer> buf;
     bool pinned = false;
+    std::vector<std::unique_ptr<AlignedBuffer>> retired;  // pinned, outgrown while staged
     ~Bounce() {
       if (pinned) PoolWriter::unpin(buf->data());
+      for (auto& r : retired) PoolWriter::unpin(r->data());
     }
   };
   thread_local Bounce b;
   if (!b.buf || b.buf->size() < bytes) {
-    if (b.pinned) PoolWriter::unpin(b.buf->data());
+    const bool staged = std::strcmp(writer.kind(), "memcpy") == 0;
+    if (b.pinned && staged) {
+      b.retired.push_back(std::move(b.buf));
+    } else if (b.pinned) {
+      PoolWriter::unpin(b.buf->data());
+    }
     b.buf = std::make_unique<AlignedBuffer>(bytes);
     b.pinned = writer.pin(b.buf->data(), b.buf->size());
   }
@@ -235,9 +245,11 @@ std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve
 void ExpertCache::set_staging(bool on) {
   if (on && !staged_) throw std::logic_error("set_staging(true) before enable_staging");
   if (!staged_ || on == staging_on()) return;
-  // Fills in flight wrote (or staged) under the old setting: let them land first.
-  drain();
+  // The new setting first, then the fills that may have seen the old one land (a fill
+  // is in flight from its reservation to its publication, so drain waits for it), then
+  // what is staged is written.
   staging_on_.store(on, std::memory_order_release);
+  drain();
   if (!on) staged_->flush(writer_);
 }
 
@@ -546,7 +558,10 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
       complete_[li] = 1;
     }
   }
-  if (complete_[li] && n == top_k) {
+  // A staged copy may still be on its way to a row the table names: the call then takes
+  // an acquire, whose answer delivers it.
+  const bool staged = staging_on() && staged_->pending() > 0;
+  if (complete_[li] && n == top_k && !staged) {
     stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;
   }

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine._ext import AcquireMailbox
-from engine.cache import open_cache
+from engine.cache import PLAN_STREAM, PLAN_TABLE, open_cache
 from engine.config import StreamConfig
 from engine.predictor import host_tier_slots
 
@@ -177,9 +177,24 @@ def test_every_answer_holds_its_experts(
 
 def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
     cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
-    record = sum(a.nbytes for a in cache.pool(0)) // cache.rows(0)
+    pool = cache.pool(0)  # a staging slot: each segment 16-byte aligned, 256-byte slots
+    record = -(-(sum(a.nbytes for a in pool) // cache.rows(0) + 16 * len(pool)) // 256) * 256
     layers, experts = cache.num_layers, cache.num_experts
     assert host_tier_slots(cache, None) == 0
     assert host_tier_slots(cache, layers * 3 * record + record - 1) == 3
     assert host_tier_slots(cache, 10**15) == experts  # never more than every expert
     assert host_tier_slots(cache, "auto") == experts  # a tiny store fits
+
+
+def test_a_layer_completed_while_a_copy_is_staged_takes_an_acquire(qwen_store):
+    # Pinning the last absent expert completes layer 0 with its record only staged: the
+    # table path would read the row before any answer delivered it.
+    cache, mailbox = staged_cache(qwen_store, expert_slots=8, side_slots=0, io_uring=False)
+    checker = RowChecker(qwen_store, cache)
+    for ids in ([0, 1], [2, 3], [4, 5], [6, 0]):
+        mailbox.post(0, np.array(ids, np.int32))
+    cache.pin(0, 7)
+    assert cache.staged[0] > 0 and cache.plan(0, 2, 2) == PLAN_STREAM
+    rows = mailbox.post(0, np.array([7, 1], np.int32))
+    checker.assert_row(0, int(rows[0]), 7)
+    assert cache.plan(0, 2, 2) == PLAN_TABLE
