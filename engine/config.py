@@ -173,9 +173,9 @@ class StreamConfig:
             records read from disk (the host-RAM tier between the disk and the GPU pools:
             a miss it holds is copied from there, not read), split evenly among the MoE
             layers and evicted by `policy`; "auto": every expert, up to
-            `AUTO_MEMORY_FRACTION` of the memory available at the first decode step;
-            0 or None: no tier. Where the pools are host memory (CPU, Metal) the pools are the
-            tier: no other is made.
+            `AUTO_MEMORY_FRACTION` of the memory available at load (a budget above what is
+            available is refused then); 0 or None: no tier. Where the pools are host
+            memory (CPU, Metal) the pools are the tier: no other is made.
     """
 
     expert_slots: int | None = None

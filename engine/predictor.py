@@ -23,9 +23,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine._ext import AcquireMailbox, Router
-from engine.config import AUTO_MEMORY_FRACTION, StreamConfig
+from engine.config import AUTO_MEMORY_FRACTION, ConfigError, StreamConfig
 from engine.device_acquire import DeviceAcquire
-from engine.memory import available_bytes
+from engine.memory import available_bytes, human_bytes
 
 
 class GenerationStopped(Exception):
@@ -68,7 +68,8 @@ class Predictor:
             and cache.pool_writes == "cuda"
         )
         self._device: DeviceAcquire | None = None
-        self._host_memory = config.host_memory
+        # Sized now, so that a budget the machine cannot hold is refused at load.
+        self._tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
@@ -136,7 +137,7 @@ class Predictor:
                 x.shape[-1],
                 max_ids,
                 max(16, 2 * self.budget),
-                host_tier_slots(self.cache, self._host_memory),
+                self._tier_slots,
             )
         device = self._device
         return device if n <= device.max_ids and x.shape[-1] == device.hidden else None
@@ -162,7 +163,12 @@ def host_tier_slots(cache, host_memory: int | str | None) -> int:
     or None for none): the budget split evenly among the layers by the widest staging slot
     (a pool row's bytes with each segment 16-byte aligned, rounded up to 256), at most
     every expert; "auto" asks for every expert, up to
-    `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`."""
+    `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`.
+
+    Raises:
+        ConfigError: a budget in bytes (after the cap at every expert) above the memory
+            available.
+    """
     if not host_memory or cache.num_layers == 0:
         return 0
 
@@ -176,7 +182,14 @@ def host_tier_slots(cache, host_memory: int | str | None) -> int:
         available = available_bytes()
         budget = every if available is None else min(every, int(AUTO_MEMORY_FRACTION * available))
     else:
-        budget = int(host_memory)
+        budget = min(int(host_memory), every)
+        available = available_bytes()
+        if available is not None and budget > available:
+            raise ConfigError(
+                "host_memory",
+                host_memory,
+                f"is more than the {human_bytes(available)} of memory available",
+            )
     return min(cache.num_experts, budget // (cache.num_layers * record))
 
 

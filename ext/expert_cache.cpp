@@ -271,8 +271,7 @@ std::vector<SideLedger> ExpertCache::side_ledgers(int li, bool lfu) const {
   return {SideLedger(side, num_experts_), SideLedger(side, num_experts_)};
 }
 
-bool ExpertCache::stage_from_tier(int li, int expert, int row) {
-  if (!staging_on_.load(std::memory_order_acquire) || staged_->tier_slots() == 0) return false;
+std::vector<Span> ExpertCache::row_spans(int li, int row) const {
   const auto& L = layers_[li];
   std::vector<Span> spans;
   for (size_t s = 0; s < L.segments.size(); ++s) {
@@ -280,7 +279,21 @@ bool ExpertCache::stage_from_tier(int li, int expert, int row) {
     spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, nullptr,
                      static_cast<size_t>(seg.nbytes)});
   }
-  return staged_->stage_cached(li, expert, spans);
+  return spans;
+}
+
+bool ExpertCache::stage_from_tier(int li, int expert, int row) {
+  if (!staging_on() || staged_->tier_slots() == 0) return false;
+  return staged_->stage_cached(li, expert, row_spans(li, row));
+}
+
+bool ExpertCache::copy_from_tier(int li, int expert, int row) {
+  if (!staged_ || staged_->tier_slots() == 0) return false;
+  try {
+    return staged_->copy_cached(li, expert, row_spans(li, row), writer_);
+  } catch (const std::exception&) {
+    return false;  // the row is read from disk instead
+  }
 }
 
 void ExpertCache::copy_record(int li, int expert, const uint8_t* buf, int row, Write how) {
@@ -300,6 +313,9 @@ void ExpertCache::copy_record(int li, int expert, const uint8_t* buf, int row, W
       return;
     }
     writer_.copy(spans);
+    // A record read while writes are direct (prefill, or no acquire kernels yet) is kept
+    // in the host tier too, so that a later miss of it is not read again.
+    if (staged_ && staged_->tier_slots() > 0) staged_->keep(spans, li, expert);
   } catch (const StagingFull&) {
     throw;
   } catch (const std::exception& e) {
@@ -334,7 +350,9 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
   std::vector<std::pair<int, int>> rest;
   std::vector<size_t> at;
   for (size_t i = 0; i < n; ++i) {
-    if (how == Write::kDemand && stage_from_tier(li, loads[i].first, loads[i].second)) {
+    const bool staged = how != Write::kDirect && staging_on();
+    if (staged ? stage_from_tier(li, loads[i].first, loads[i].second)
+               : copy_from_tier(li, loads[i].first, loads[i].second)) {
       landed[i] = kLandedFromTier;
     } else {
       rest.push_back(loads[i]);
@@ -807,7 +825,9 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   std::vector<uint8_t> landed;
   ReadTally tally;
   std::exception_ptr err = demand_read(li, loads, landed, &tally, Write::kDirect);
-  const auto ok = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
+  const auto read = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), 1));
+  const auto tier = static_cast<uint64_t>(std::count(landed.begin(), landed.end(), kLandedFromTier));
+  const uint64_t ok = read + tier;
   std::lock_guard<std::mutex> lk(mu_);
   // Experts read into scratch rows also fill the real region's empty slots, by a row copy
   // (no read): an empty slot is mapped by no computation, so nothing can read it while it
@@ -831,7 +851,9 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   st.misses += experts.size();
   st.loads += ok;
   st.read_errors += experts.size() - ok;
-  st.bytes_read += ok * static_cast<uint64_t>(layers_[li].stride);
+  st.bytes_read += read * static_cast<uint64_t>(layers_[li].stride);
+  st.host_hits += tier;
+  st.host_bytes += tier * static_cast<uint64_t>(layers_[li].record_bytes);
   st.read_seconds_us += tally.micros;
   st.io_uring_reads += tally.io_uring_reads;
   st.acquire_seconds_us += tally.micros;  // the over-capacity path's share of the cache's time
@@ -844,8 +866,9 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
   bool landed = false, from_tier = false;
   int expect_tier = kPending;
   if (!cancelled && staged_ && t->state.compare_exchange_strong(expect_tier, kCopying)) {
+    const int at = slots_[li] + gen * side_slots_[li] + row;
     from_tier = landed =
-        stage_from_tier(li, expert, slots_[li] + gen * side_slots_[li] + row);
+        staging_on() ? stage_from_tier(li, expert, at) : copy_from_tier(li, expert, at);
     if (!landed) t->state.store(kPending);
   }
   if (!cancelled && !landed && t->state.load() == kPending) {

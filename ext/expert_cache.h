@@ -312,8 +312,12 @@ class ExpertCache {
   // kernels come through the CPU stream, not the acquire kernels).
   enum class Write { kDemand, kFill, kDirect };
   void copy_record(int li, int expert, const uint8_t* buf, int row, Write how);
-  // Stages expert e of layer li into `row` from the host tier when it holds it.
+  // Expert `expert` of layer li into `row` from the host tier, when it holds it: staged
+  // (staging on), or copied now (off). False: not held, the caller reads it.
   bool stage_from_tier(int li, int expert, int row);
+  bool copy_from_tier(int li, int expert, int row);
+  // The spans of `row`'s segments in layer li's pool (sources unset).
+  std::vector<Span> row_spans(int li, int row) const;
   void copy_row(int li, int from, int to, Write how);
   // The writer reader threads page-lock their read buffers with: none while writes are
   // staged (the runtime call could wait for a spinning kernel; the buffers are only

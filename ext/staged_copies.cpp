@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -80,6 +81,83 @@ void StagedCopies::add_copies(int slot, const std::vector<Span>& spans) {
   }
 }
 
+int StagedCopies::take_tier_slot(int layer, int expert) {
+  if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return -1;
+  auto& R = tier_[static_cast<size_t>(layer)];
+  if (R.slot_of(expert) >= 0) return -1;  // held, or being filled by another thread
+  const int base = layer * tier_slots_;
+  std::vector<uint8_t> busy(static_cast<size_t>(tier_slots_));
+  for (int s = 0; s < tier_slots_; ++s)
+    busy[static_cast<size_t>(s)] = refs_[static_cast<size_t>(base + s)] > 0;
+  R.use({expert}, ++tick_, CallContext{});
+  const int victim = R.choose_victim(busy);
+  R.end_call();
+  if (victim < 0) return -1;
+  R.assign(victim, expert, tick_);
+  const int slot = base + victim;
+  filling_[static_cast<size_t>(slot)] = 1;
+  refs_[static_cast<size_t>(slot)] = 1;  // held while the bytes are copied in
+  return slot;
+}
+
+void StagedCopies::fill_slot(int slot, const std::vector<Span>& spans) {
+  uint8_t* base = slot_memory(slot);
+  size_t off = 0;
+  for (const auto& s : spans) {
+    std::memcpy(base + off, s.src, s.bytes);
+    off += (s.bytes + 15) / 16 * 16;
+  }
+}
+
+void StagedCopies::keep(const std::vector<Span>& spans, int layer, int expert) {
+  size_t total = 0;
+  for (const auto& s : spans) total += (s.bytes + 15) / 16 * 16;
+  if (total > slot_bytes_) return;
+  int slot;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    slot = take_tier_slot(layer, expert);
+  }
+  if (slot < 0) return;
+  fill_slot(slot, spans);
+  std::lock_guard<std::mutex> lk(mu_);
+  filling_[static_cast<size_t>(slot)] = 0;
+  release(slot);
+}
+
+bool StagedCopies::copy_cached(int layer, int expert, const std::vector<Span>& spans,
+                               const PoolWriter& writer) {
+  int slot;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return false;
+    auto& R = tier_[static_cast<size_t>(layer)];
+    const int at = R.slot_of(expert);
+    if (at < 0) return false;
+    slot = layer * tier_slots_ + at;
+    if (filling_[static_cast<size_t>(slot)]) return false;
+    R.use({expert}, ++tick_, CallContext{});
+    R.end_call();
+    ++refs_[static_cast<size_t>(slot)];  // no eviction while it is read
+  }
+  std::vector<Span> from;
+  size_t off = 0;
+  for (const auto& s : spans) {
+    from.push_back({s.dst, slot_memory(slot) + off, s.bytes});
+    off += (s.bytes + 15) / 16 * 16;
+  }
+  std::exception_ptr err;
+  try {
+    writer.copy(from);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  release(slot);
+  if (err) std::rethrow_exception(err);
+  return true;
+}
+
 bool StagedCopies::stage_cached(int layer, int expert, const std::vector<Span>& spans) {
   std::lock_guard<std::mutex> lk(mu_);
   if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return false;
@@ -121,37 +199,16 @@ bool StagedCopies::stage_record(const std::vector<Span>& spans, bool demand, int
   bool tier = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (tier_slots_ > 0 && layer >= 0 && layer < static_cast<int>(tier_.size())) {
-      auto& R = tier_[static_cast<size_t>(layer)];
-      if (R.slot_of(expert) < 0) {  // else it is being filled: this copy goes transient
-        const int base = layer * tier_slots_;
-        std::vector<uint8_t> busy(static_cast<size_t>(tier_slots_));
-        for (int s = 0; s < tier_slots_; ++s)
-          busy[static_cast<size_t>(s)] = refs_[static_cast<size_t>(base + s)] > 0;
-        R.use({expert}, ++tick_, CallContext{});
-        const int victim = R.choose_victim(busy);
-        R.end_call();
-        if (victim >= 0) {
-          R.assign(victim, expert, tick_);
-          slot = base + victim;
-          tier = true;
-          filling_[static_cast<size_t>(slot)] = 1;
-        }
-      }
-    }
+    slot = take_tier_slot(layer, expert);
+    tier = slot >= 0;
     if (slot < 0) {
       if (free_.empty() || (!demand && static_cast<int>(free_.size()) <= reserve_)) return false;
       slot = free_.back();
       free_.pop_back();
+      refs_[static_cast<size_t>(slot)] = 1;  // held while the bytes are copied in
     }
-    refs_[static_cast<size_t>(slot)] = 1;  // held while the bytes are copied in
   }
-  uint8_t* base = slot_memory(slot);
-  size_t off = 0;
-  for (const auto& s : spans) {
-    std::memcpy(base + off, s.src, s.bytes);
-    off += (s.bytes + 15) / 16 * 16;
-  }
+  fill_slot(slot, spans);
   std::lock_guard<std::mutex> lk(mu_);
   add_copies(slot, spans);
   if (tier) filling_[static_cast<size_t>(slot)] = 0;

@@ -24,7 +24,8 @@
 // policy (a RealRegion per layer). A miss whose record a tier slot holds is staged from
 // that slot (stage_cached): no read, and no host copy; the kernels copy it from host
 // memory at the host-to-device rate. Without a free tier slot a record goes through the
-// transient slots as before.
+// transient slots as before. The host paths, while staging is off, copy from the tier
+// themselves (copy_cached) and keep what they read in it (keep).
 //
 // Where the pools are host memory (the CPU backend, tests) the slots are plain host
 // memory and `execute` performs a delivery on the host, as the kernels would.
@@ -104,6 +105,15 @@ class StagedCopies {
   // stage_record), counting a use for the tier's policy. False when no tier slot holds
   // it (or one is still being filled).
   bool stage_cached(int layer, int expert, const std::vector<Span>& spans);
+  // Host paths (staging off): copies expert `expert` of `layer` from the tier slot that
+  // holds it into `spans`' destinations with `writer` now, counting a use; false when
+  // none holds it. Throws as PoolWriter::copy does.
+  bool copy_cached(int layer, int expert, const std::vector<Span>& spans,
+                   const PoolWriter& writer);
+  // Host paths: keeps a record written directly (`spans` with host sources, as for
+  // stage_record) in a tier slot of its layer when one is free of copies; no copy is
+  // staged. Nothing happens without a tier or a slot, or when the tier holds it already.
+  void keep(const std::vector<Span>& spans, int layer, int expert);
   // Stages row copies (`spans` with pool sources).
   void stage_rows(const std::vector<Span>& spans);
 
@@ -140,6 +150,11 @@ class StagedCopies {
   void add_copies(int slot, const std::vector<Span>& spans);
   void release(int slot);
   void drop_target(uint8_t* dst);
+  // Under mu_: a tier slot of `layer` for `expert` (assigned, filling, held once), or -1
+  // (no tier, the tier holds it already, or every slot has copies reading it).
+  int take_tier_slot(int layer, int expert);
+  // Copies `spans`' sources into `slot`, each 16-byte aligned (the slot is held).
+  void fill_slot(int slot, const std::vector<Span>& spans);
 
   PoolWriter writer_;
   size_t slot_bytes_;

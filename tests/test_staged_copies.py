@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from engine._ext import AcquireMailbox
 from engine.cache import PLAN_STREAM, PLAN_TABLE, open_cache
-from engine.config import StreamConfig
+from engine.config import ConfigError, StreamConfig
 from engine.predictor import host_tier_slots
 
 from rowcheck import RowChecker
@@ -144,9 +144,10 @@ token = st.lists(request, min_size=4, max_size=4)
     side_lfu=st.booleans(),
     fill_slots=st.integers(1, 6),
     tier_slots=st.integers(0, 3),
+    host=st.lists(st.booleans(), min_size=6, max_size=6),
 )
 def test_every_answer_holds_its_experts(
-    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots
+    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots, host
 ):
     cache, mailbox = staged_cache(
         qwen_store,
@@ -160,7 +161,7 @@ def test_every_answer_holds_its_experts(
     )
     checker = RowChecker(qwen_store, cache)
     step = 0
-    for t in tokens:
+    for n, t in enumerate(tokens):
         for li, ids in enumerate(t):
             rows = mailbox.post(li, np.array(ids, np.int32))
             for e, r in zip(ids, rows, strict=True):
@@ -169,6 +170,16 @@ def test_every_answer_holds_its_experts(
                 cache.prefetch(li + 1, np.array(fills[step % len(fills)], np.int32))
             step += 1
         assert cache.check() == ""
+        if host[n % 6]:
+            # A host path between tokens (a prompt, a reply's end): staging off writes
+            # what is staged, the host acquires (the tier serving what it holds).
+            cache.set_staging(False)
+            checker.assert_all_published()
+            ids = t[0]
+            rows, _ = cache.acquire(0, np.array([ids], np.int32))
+            for e, r in zip(ids, rows[0], strict=True):
+                checker.assert_row(0, int(r), e)
+            cache.set_staging(True)
     cache.raise_stream_error()
     cache.set_staging(False)
     checker.assert_all_published()
@@ -186,6 +197,16 @@ def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
     assert host_tier_slots(cache, "auto") == experts  # a tiny store fits
 
 
+def test_a_host_tier_above_the_memory_available_is_refused(qwen_store, monkeypatch):
+    import engine.predictor
+
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
+    monkeypatch.setattr(engine.predictor, "available_bytes", lambda: 1000)
+    with pytest.raises(ConfigError, match="host_memory.*1.0 kB of memory available"):
+        host_tier_slots(cache, 4000)
+    assert host_tier_slots(cache, "auto") == 0  # half of 1 kB holds no record
+
+
 def test_a_layer_completed_while_a_copy_is_staged_takes_an_acquire(qwen_store):
     # Pinning the last absent expert completes layer 0 with its record only staged: the
     # table path would read the row before any answer delivered it.
@@ -198,3 +219,28 @@ def test_a_layer_completed_while_a_copy_is_staged_takes_an_acquire(qwen_store):
     rows = mailbox.post(0, np.array([7, 1], np.int32))
     checker.assert_row(0, int(rows[0]), 7)
     assert cache.plan(0, 2, 2) == PLAN_TABLE
+
+
+def test_host_paths_read_from_the_host_tier_and_fill_it(qwen_store):
+    # With staging off (prefill, between replies) the tier still serves misses, copied by
+    # the host, and keeps what those paths read from disk.
+    cache, mailbox = staged_cache(
+        qwen_store, tier_slots=8, expert_slots=2, side_slots=0, policy="lru", io_uring=False
+    )
+    checker = RowChecker(qwen_store, cache)
+    stride = qwen_store.manifest.layers[0].stride
+    for expert in (1, 2, 3):  # read, kept in the tier; 3 evicts 1 from the real slots
+        mailbox.post(0, np.array([expert], np.int32))
+    cache.set_staging(False)
+    rows, _ = cache.acquire(0, np.array([[1]], np.int32))
+    checker.assert_row(0, int(rows[0, 0]), 1)
+    s = cache.snapshot(0)["stats"]
+    assert (s["host_hits"], s["bytes_read"]) == (1, 3 * stride)
+    # The over-capacity path reads into scratch rows: from disk once, then from the tier.
+    for _ in range(2):
+        rows = cache.load_scratch(1, [4, 5])
+        for e, r in zip((4, 5), rows, strict=True):
+            checker.assert_row(1, r, e)
+    s = cache.snapshot(1)["stats"]
+    assert (s["host_hits"], s["bytes_read"], s["loads"]) == (2, 2 * stride, 4)
+    assert cache.check() == ""
