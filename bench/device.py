@@ -88,6 +88,9 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
         "MB_read_per_token": d["bytes_read"] / n / 1e6,
         "MB_host_per_token": d["host_bytes"] / n / 1e6,
         "MBps_while_reading": d["bytes_read"] / rd / 1e6 if rd else 0.0,
+        # Demand reads and fills read at once: over the whole token is the rate a
+        # read-bound token shows against dd's (read_seconds counts demand reads alone).
+        "MBps_over_token": d["bytes_read"] / dt / 1e6,
     }
 
 
@@ -121,13 +124,13 @@ def row(label: str, r: dict, base: float) -> str:
         f"{r['hit_rate']:.1%} | {r['ms_per_token']:.2f} | {r['acquire_ms_per_token']:.2f} | "
         f"{r['read_ms_per_token']:.2f} | {r['other_ms_per_token']:.2f} | "
         f"{r['MB_read_per_token']:.1f} | {r['MB_host_per_token']:.1f} | "
-        f"{r['MBps_while_reading']:.0f} | {r.get('same_tokens', '')} |"
+        f"{r['MBps_over_token']:.0f} | {r.get('same_tokens', '')} |"
     )
 
 
 HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
-    "| rest ms | MB read/token | MB from host tier/token | MB/s while reading "
+    "| rest ms | MB read/token | MB from host tier/token | MB/s read over the token "
     "| same tokens as baseline |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
