@@ -268,13 +268,14 @@ def generate(
         sm.predictor.should_stop = None
         if recorder is not None:
             recorder.settle()
-    # mlx-lm has already started the forward of the token after the last one: it ends
-    # before the figures are read (its reads count) and before the caller goes on (in a
-    # pipeline, its transfers would interleave with the caller's next collective).
-    mx.synchronize(generation_stream)
-    # Between replies the host writes the pools itself (pins, resets, the next prompt):
-    # what the acquire kernels would have delivered is written now.
-    sm.cache.set_staging(False)
+        # mlx-lm has already started the forward of the token after the last one: it
+        # ends before the figures are read (its reads count) and before the caller goes
+        # on (in a pipeline, its transfers would interleave with the caller's next
+        # collective), a failed reply's too.
+        mx.synchronize(generation_stream)
+        # Between replies the host writes the pools itself (pins, resets, the next
+        # prompt): what the acquire kernels would have delivered is written now.
+        sm.cache.set_staging(False)
     after = sm.snapshot().totals()
     if sm.config.autopin_frac > 0:  # re-pin between replies, and keep the set for next time
         pins = autopin.repin(sm.cache, sm.autopin_budget())

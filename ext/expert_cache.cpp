@@ -576,9 +576,16 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
       complete_[li] = 1;
     }
   }
-  // A staged copy may still be on its way to a row the table names: the call then takes
-  // an acquire, whose answer delivers it.
-  const bool staged = staging_on() && staged_->pending() > 0;
+  // A staged copy may still be on its way to a row of this layer (a pin's load): the
+  // call then takes an acquire, whose answer delivers it.
+  bool staged = false;
+  if (complete_[li] && staging_on()) {
+    std::vector<std::pair<const uint8_t*, const uint8_t*>> ranges;
+    for (size_t s = 0; s < layers_[li].segments.size(); ++s)
+      ranges.emplace_back(pool_ptrs_[li][s], pool_ptrs_[li][s] + static_cast<size_t>(rows(li)) *
+                                                                    layers_[li].segments[s].nbytes);
+    staged = staged_->pending_into(ranges);
+  }
   if (complete_[li] && n == top_k && !staged) {
     stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;
@@ -1038,6 +1045,7 @@ void ExpertCache::reset() {
     router_hint_[li].clear();
     for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
   }
+  if (staged_) staged_->clear_tier();
   last_li_ = -1;
 }
 

@@ -284,7 +284,8 @@ class ExpertCache {
   bool side_lfu() const;
   bool sync() const;
 
-  // Empties the real regions (pins and frequencies too) and side ledgers, after a drain.
+  // Empties the real regions (pins and frequencies too), side ledgers and host tier, after a
+  // drain.
   void reset();
 
   LayerSnapshot snapshot(int li) const;
@@ -321,8 +322,9 @@ class ExpertCache {
   void copy_row(int li, int from, int to, Write how);
   // The writer reader threads page-lock their read buffers with: none while writes are
   // staged (the runtime call could wait for a spinning kernel; the buffers are only
-  // copied into staging slots by the host).
-  const PoolWriter& bounce_writer() const { return staged_ ? host_writer_ : writer_; }
+  // copied into staging slots by the host). A buffer outgrown then is retired, not
+  // unpinned (bounce_buffer).
+  const PoolWriter& bounce_writer() const { return staging_on() ? host_writer_ : writer_; }
   // What demand_read adds to a layer's counters.
   struct ReadTally {
     uint64_t micros = 0;          // wall time

@@ -13,7 +13,7 @@ namespace es {
 StagedCopies::StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slots, int reserve,
                            int layers, int tier_slots, int num_experts, Policy policy)
     : writer_(writer), slot_bytes_(slot_bytes), reserve_(reserve),
-      tier_slots_(layers > 0 ? tier_slots : 0) {
+      tier_slots_(layers > 0 ? tier_slots : 0), num_experts_(num_experts), policy_(policy) {
   if (tier_slots < 0)
     throw std::invalid_argument("host tier: " + std::to_string(tier_slots) + " slots per layer");
   if (reserve < 1 || slots <= reserve)
@@ -305,6 +305,21 @@ size_t StagedCopies::pending() const {
   size_t n = 0;
   for (const auto& p : pending_) n += p.live;
   return n;
+}
+
+bool StagedCopies::pending_into(
+    const std::vector<std::pair<const uint8_t*, const uint8_t*>>& ranges) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const auto& p : pending_)
+    if (p.live)
+      for (const auto& [lo, hi] : ranges)
+        if (p.dst >= lo && p.dst < hi) return true;
+  return false;
+}
+
+void StagedCopies::clear_tier() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& R : tier_) R = RealRegion(tier_slots_, num_experts_, policy_, 256);
 }
 
 int StagedCopies::busy() const {

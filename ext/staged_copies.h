@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "pool_writer.h"
@@ -131,6 +132,11 @@ class StagedCopies {
   static void execute(const StagedCopy* copies, const Delivery& d);
 
   size_t pending() const;
+  // Whether a pending copy writes into [lo, hi) of one of `ranges`.
+  bool pending_into(const std::vector<std::pair<const uint8_t*, const uint8_t*>>& ranges) const;
+  // Forgets what the tier holds (ExpertCache::reset); slots still read by copies keep
+  // their bytes until those ran.
+  void clear_tier();
   // Slots in use (pending or delivered and not yet completed).
   int busy() const;
   // Experts the host tier holds now.
@@ -169,6 +175,8 @@ class StagedCopies {
   std::vector<int> free_;        // free transient slots
   // The host tier: slots [0, layers * tier_slots_), layer li's from li * tier_slots_.
   int tier_slots_ = 0;
+  int num_experts_ = 0;
+  Policy policy_ = Policy::kLRU;
   std::vector<RealRegion> tier_;     // per layer
   std::vector<uint8_t> filling_;     // per tier slot: its bytes are being copied in
   uint64_t tick_ = 0;

@@ -244,3 +244,21 @@ def test_host_paths_read_from_the_host_tier_and_fill_it(qwen_store):
     s = cache.snapshot(1)["stats"]
     assert (s["host_hits"], s["bytes_read"], s["loads"]) == (2, 2 * stride, 4)
     assert cache.check() == ""
+
+
+def test_a_fill_staged_for_another_layer_leaves_a_complete_layer_on_the_table_path(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, expert_slots=8, side_slots=2, sync=True)
+    cache.set_staging(False)
+    cache.fill(0)
+    assert cache.plan(0, 2, 2) == PLAN_TABLE
+    cache.set_staging(True)
+    cache.prefetch(2, np.array([3, 4], np.int32))  # staged, for layer 2
+    assert cache.staged[0] > 0 and cache.plan(0, 2, 2) == PLAN_TABLE
+
+
+def test_a_reset_empties_the_host_tier(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, tier_slots=4, expert_slots=2, side_slots=0)
+    mailbox.post(0, np.array([1, 2], np.int32))
+    assert cache.host_tier[1] == 2
+    cache.reset()
+    assert cache.host_tier[1] == 0
