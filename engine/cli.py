@@ -357,10 +357,20 @@ def _serve(args) -> int:
         if args.pipeline:  # a failed rank stops the server; the command fails with its error
             engine.on_failure = lambda: setattr(server, "should_exit", True)
             server.should_exit = engine.failure is not None
-        server.run(sockets=[sock])
+        code = 0
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn raises the Ctrl+C it handled once it stopped
+            code = 130  # 128 + SIGINT, as a shell reports it
     if getattr(engine, "failure", None) is not None:
         pipeline.exit_now(engine.failure)
-    return 0
+    # The generation thread has ended (the app's lifespan closed the engine), but MLX
+    # frees its thread-local state as the OS thread exits, which can be after Python's
+    # join returned: an interpreter teardown racing it ends in std::terminate. Nothing is
+    # left to tear down but the standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cache(args) -> int:
