@@ -262,3 +262,18 @@ def test_prefill_suite_times_the_first_token_against_resident(model_dirs, tmp_pa
     assert long_prompt([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
     with pytest.raises(ValueError, match="empty"):
         long_prompt([])
+
+
+def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
+    """bench.device is run on a lent GPU, rarely: on this backend too its rows come out,
+    each with the figures its tables print and tokens equal to its baseline's."""
+    import bench.device as device
+
+    monkeypatch.setattr(device, "drop_page_cache", lambda: None)
+    keys = {"decode_tps", "MB_read_per_token", "MB_host_per_token", "MBps_over_token"}
+    runs = device.embedded(2, lambda *_: None, fractions=(0.25,))["runs"]
+    assert len(runs) == 4 and "25.0% (8 slots), prefetch on, CPU-stream acquire" in runs
+    runs |= device.synthetic(qwen_store.path, 2, lambda *_: None, fractions=(1.0, 0.25))["runs"]
+    assert "25.0% (2 slots), prefetch on, host tier (warmed by one decode)" in runs
+    for label, r in runs.items():
+        assert keys <= r.keys() and r["same_tokens"], label
