@@ -23,8 +23,8 @@
 // the records read into them after their copies ran, chosen by the cache's eviction
 // policy (a RealRegion per layer). A miss whose record a tier slot holds is staged from
 // that slot (stage_cached): no read, and no host copy; the kernels copy it from host
-// memory at the host-to-device rate. Without a free tier slot a record goes through the
-// transient slots as before. The host paths, while staging is off, copy from the tier
+// memory at the host-to-device rate. Without a free tier slot a record goes through a
+// transient slot. The host paths, while staging is off, copy from the tier
 // themselves (copy_cached) and keep what they read in it (keep).
 //
 // Where the pools are host memory (the CPU backend, tests) the slots are plain host
