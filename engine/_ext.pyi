@@ -347,6 +347,12 @@ class ExpertCache:
         """
 
     @property
+    def staging_slot_bytes(self) -> int:
+        """
+        Bytes of one staging or host-tier slot (the widest record, each segment 16-byte aligned, 256-byte slots): what a host tier is sized by.
+        """
+
+    @property
     def staging_on(self) -> bool:
         """Whether pool writes are staged now (set_staging)."""
 

@@ -148,22 +148,18 @@ class Predictor:
         no kernel must then take the synchronous path, which writes them first."""
         return self._device is not None and self.cache.staging_on
 
-    def device_prefetch(self, device: DeviceAcquire, layer: int, x: mx.array) -> bool:
-        """Hands `layer`'s prediction to the mailbox's thread (`DeviceAcquire.set_prefetch`)
-        and says whether a request of this call should carry x's last token."""
-        targets = self.predicted(layer, x)
-        if targets:
-            routers = [self.router(t, x.shape[-1]) for t in targets]
-            device.set_prefetch(layer, targets, routers, self.budget)
-        return bool(targets)
+    def device_prefetch(self, device: DeviceAcquire, layer: int, x: mx.array, targets: list[int]):
+        """Hands `layer`'s prediction of `targets` (`predicted`) to the mailbox's thread
+        (`DeviceAcquire.set_prefetch`), for the request that carries x's last token."""
+        routers = [self.router(t, x.shape[-1]) for t in targets]
+        device.set_prefetch(layer, targets, routers, self.budget)
 
 
 def host_tier_slots(cache, host_memory: int | str | None) -> int:
     """Host-tier slots per MoE layer for `StreamConfig.host_memory` (bytes, "auto", or 0
-    or None for none): the budget split evenly among the layers by the widest staging slot
-    (a pool row's bytes with each segment 16-byte aligned, rounded up to 256), at most
-    every expert; "auto" asks for every expert, up to
-    `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`.
+    or None for none): the budget split evenly among the layers by the bytes of a staging
+    slot (`ExpertCache.staging_slot_bytes`), at most every expert; "auto" asks for every
+    expert, up to `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`.
 
     Raises:
         ConfigError: a budget in bytes (after the cap at every expert) above the memory
@@ -172,11 +168,7 @@ def host_tier_slots(cache, host_memory: int | str | None) -> int:
     if not host_memory or cache.num_layers == 0:
         return 0
 
-    def slot(li: int) -> int:  # a record in a staging slot: segments 16-byte aligned
-        pool = cache.pool(li)
-        return -(-(sum(a.nbytes for a in pool) // cache.rows(li) + 16 * len(pool)) // 256) * 256
-
-    record = max(slot(li) for li in range(cache.num_layers))
+    record = cache.staging_slot_bytes
     every = cache.num_layers * cache.num_experts * record
     if host_memory == "auto":
         available = available_bytes()

@@ -73,14 +73,12 @@ class StreamedExperts(nn.Module):
             self._predictor.recorder.route(self._index, indices, x)
         hook = self._predictor.on_acquire
         plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
-        device = None
-        if self._predictor.device_path and (
-            plan == PLAN_STREAM
-            or (plan == PLAN_TABLE and self._predictor.predicted(self._index, x))
-        ):
-            device = self._predictor.device_acquire(x, indices.size)
-        if device is not None:
-            return self._on_device(device, plan, x, indices)
+        if self._predictor.device_path and plan != PLAN_SYNC:
+            targets = self._predictor.predicted(self._index, x)
+            if plan == PLAN_STREAM or targets:
+                device = self._predictor.device_acquire(x, indices.size)
+                if device is not None:
+                    return self._on_device(device, plan, x, indices, targets)
         if plan == PLAN_STREAM and self._predictor.staging:
             plan = PLAN_SYNC  # staged writes reach the pools through the acquire kernels only
         token = self._predictor.prefetch_token(self._index, x)
@@ -113,15 +111,17 @@ class StreamedExperts(nn.Module):
                 y = self._experts(x, mx.array(rows))
         return y if token is None else mx.depends(y, token)
 
-    def _on_device(self, device, plan, x, indices):
+    def _on_device(self, device, plan, x, indices, targets):
         """The table or stream-ordered path with the acquire and the prefetch as kernels on
-        the GPU's stream (`engine.device_acquire`): the prediction rides on this layer's
-        acquire request, or on a request of its own beside the table path."""
-        predict = self._predictor.device_prefetch(device, self._index, x)
+        the GPU's stream (`engine.device_acquire`): the prediction of `targets` (the
+        predictor's `predicted`) rides on this layer's acquire request, or on a request
+        of its own beside the table path."""
+        if targets:
+            self._predictor.device_prefetch(device, self._index, x, targets)
         if plan == PLAN_TABLE:
             y = self._experts(x, self._table[indices])
-            return mx.depends(y, device.prefetch(self._index, x)) if predict else y
-        rows = device.rows(self._index, indices, x if predict else None)
+            return mx.depends(y, device.prefetch(self._index, x)) if targets else y
+        rows = device.rows(self._index, indices, x if targets else None)
         return self._experts(x, rows)
 
     def _over_capacity(self, x, ids, rows, missing):

@@ -702,6 +702,10 @@ NB_MODULE(_ext, m) {
           "by an AcquireMailbox, whose answers deliver what is staged.\n\nRaises:\n"
           "    RuntimeError: on without a mailbox; a failed write (off).")
       .def_prop_ro(
+          "staging_slot_bytes", [](const Cache& c) { return c.impl->staging_slot_bytes(); },
+          "Bytes of one staging or host-tier slot (the widest record, each segment 16-byte "
+          "aligned, 256-byte slots): what a host tier is sized by.")
+      .def_prop_ro(
           "staging_on", [](const Cache& c) { return c.impl->staging_on(); },
           "Whether pool writes are staged now (set_staging).")
       .def_prop_ro(

@@ -200,8 +200,12 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     if (end != L.record_bytes)
       throw std::invalid_argument(L.path + ": segments sum to " + std::to_string(end) +
                                   " bytes, record_bytes is " + std::to_string(L.record_bytes));
+    std::vector<std::pair<const uint8_t*, const uint8_t*>> ranges;
+    for (size_t s = 0; s < ptrs.size(); ++s)
+      ranges.emplace_back(ptrs[s], ptrs[s] + static_cast<size_t>(rows) * L.segments[s].nbytes);
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
+    pool_ranges_.push_back(std::move(ranges));
     real_.emplace_back(slots_[li], num_experts_, config_.policy, config_.decay_every);
     side_.push_back(side_ledgers(static_cast<int>(li), side_lfu_));
     loading_.emplace_back(slots_[li], 0);
@@ -232,14 +236,17 @@ std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve
                                                           int tier_slots) {
   std::lock_guard<std::mutex> lk(mu_);
   if (staged_) throw std::logic_error("pool writes are already staged for this cache");
-  // A slot holds a record's segments each 16-byte aligned (the kernels' widest copies).
-  int64_t bytes = 0;
-  for (const auto& L : layers_)
-    bytes = std::max(bytes, L.record_bytes + 16 * static_cast<int64_t>(L.segments.size()));
-  staged_ = std::make_shared<StagedCopies>(writer_, static_cast<size_t>(bytes), slots, reserve,
+  staged_ = std::make_shared<StagedCopies>(writer_, staging_slot_bytes(), slots, reserve,
                                            num_layers(), tier_slots, num_experts_,
                                            config_.policy);
   return staged_;
+}
+
+size_t ExpertCache::staging_slot_bytes() const {
+  size_t bytes = 0;
+  for (const auto& L : layers_)
+    bytes = std::max(bytes, StagedCopies::slot_size(L.record_bytes, L.segments.size()));
+  return bytes;
 }
 
 void ExpertCache::set_staging(bool on) {
@@ -298,13 +305,8 @@ bool ExpertCache::copy_from_tier(int li, int expert, int row) {
 
 void ExpertCache::copy_record(int li, int expert, const uint8_t* buf, int row, Write how) {
   const auto& L = layers_[li];
-  std::vector<Span> spans;
-  spans.reserve(L.segments.size());
-  for (size_t s = 0; s < L.segments.size(); ++s) {
-    const auto& seg = L.segments[s];
-    spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes,
-                     buf + seg.offset, static_cast<size_t>(seg.nbytes)});
-  }
+  std::vector<Span> spans = row_spans(li, row);
+  for (size_t s = 0; s < spans.size(); ++s) spans[s].src = buf + L.segments[s].offset;
   try {
     if (how != Write::kDirect && staging_on_.load(std::memory_order_acquire)) {
       if (!staged_->stage_record(spans, how == Write::kDemand, li, expert))
@@ -578,14 +580,7 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
   }
   // A staged copy may still be on its way to a row of this layer (a pin's load): the
   // call then takes an acquire, whose answer delivers it.
-  bool staged = false;
-  if (complete_[li] && staging_on()) {
-    std::vector<std::pair<const uint8_t*, const uint8_t*>> ranges;
-    for (size_t s = 0; s < layers_[li].segments.size(); ++s)
-      ranges.emplace_back(pool_ptrs_[li][s], pool_ptrs_[li][s] + static_cast<size_t>(rows(li)) *
-                                                                    layers_[li].segments[s].nbytes);
-    staged = staged_->pending_into(ranges);
-  }
+  const bool staged = complete_[li] && staging_on() && staged_->pending_into(pool_ranges_[li]);
   if (complete_[li] && n == top_k && !staged) {
     stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;

@@ -185,6 +185,8 @@ class ExpertCache {
   // throws as StagedCopies' constructor does.
   std::shared_ptr<StagedCopies> enable_staging(int slots, int reserve, int tier_slots);
   std::shared_ptr<StagedCopies> staging() const { return staged_; }
+  // Bytes of one staging (and host-tier) slot: StagedCopies::slot_size of the widest record.
+  size_t staging_slot_bytes() const;
   // Staging on: from now on demand loads, promotions and prefetch fills are staged for
   // the acquire kernels (after the fills in flight landed: drain). Off: they write the
   // pools directly again, and what was staged is written now; only when no kernel of a
@@ -362,6 +364,8 @@ class ExpertCache {
   int read_timeout_ms_;  // config.read_timeout_s in milliseconds (0: no limit)
   std::vector<std::vector<mx::array>> pools_;
   std::vector<std::vector<uint8_t*>> pool_ptrs_;
+  // [li]: each segment's pool memory, [first, end), for pending_into.
+  std::vector<std::vector<std::pair<const uint8_t*, const uint8_t*>>> pool_ranges_;
   std::vector<std::unique_ptr<BlobFile>> files_;
 
   mutable std::mutex mu_;

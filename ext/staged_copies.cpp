@@ -22,7 +22,6 @@ StagedCopies::StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slot
                                 " reserved for demand reads (need slots > reserve >= 1)");
   if (slot_bytes == 0) throw std::invalid_argument("staging: slots of 0 bytes");
   const size_t page = 4096;
-  slot_bytes_ = (slot_bytes + 255) / 256 * 256;  // every slot 256-byte aligned
   const int tier_total = tier_slots_ * std::max(layers, 0);
   const int total = tier_total + slots;
   bytes_ = (slot_bytes_ * static_cast<size_t>(total) + page - 1) / page * page;

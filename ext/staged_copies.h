@@ -71,8 +71,15 @@ class StagedCopies {
  public:
   static constexpr uint64_t kChunkBytes = 64 * 1024;
 
-  // `slots` transient staging slots of `slot_bytes` bytes each (a record's stride, its
-  // segments 16-byte aligned), of which the last `reserve` go only to demand reads (a
+  // Bytes of a slot that holds a record of `record_bytes` in `segments` segments: each
+  // segment starts 16-byte aligned (the kernels' widest copies), and slots are 256-byte
+  // aligned. The one rule for a slot's size (host tiers are sized by it).
+  static size_t slot_size(int64_t record_bytes, size_t segments) {
+    return (static_cast<size_t>(record_bytes) + 16 * segments + 255) / 256 * 256;
+  }
+
+  // `slots` transient staging slots of `slot_bytes` bytes each (slot_size of the widest
+  // record), of which the last `reserve` go only to demand reads (a
   // request's misses must always find one; prefetch fills give up instead), and
   // `tier_slots` host-tier slots for each of `layers` MoE layers of `num_experts` experts,
   // evicted by `policy`. Maps them for the device where `writer` writes CUDA memory.

@@ -188,8 +188,10 @@ def test_every_answer_holds_its_experts(
 
 def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
     cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
-    pool = cache.pool(0)  # a staging slot: each segment 16-byte aligned, 256-byte slots
-    record = -(-(sum(a.nbytes for a in pool) // cache.rows(0) + 16 * len(pool)) // 256) * 256
+    record = cache.staging_slot_bytes
+    spec = max(qwen_store.manifest.layers, key=lambda L: L.record_bytes)
+    # each segment 16-byte aligned in a 256-byte-aligned slot
+    assert record == -(-(spec.record_bytes + 16 * len(spec.segments)) // 256) * 256
     layers, experts = cache.num_layers, cache.num_experts
     assert host_tier_slots(cache, None) == 0
     assert host_tier_slots(cache, layers * 3 * record + record - 1) == 3
