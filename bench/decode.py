@@ -122,7 +122,7 @@ def _streamed_once(store_path, fields: dict, prompt: list[int], max_tokens: int)
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     mid = {}
-    d0 = disk_read_bytes()
+    d0, r0 = disk_read_bytes(), sm.cache.reading_seconds
     t = timed_generate(
         sm.model,
         prompt,
@@ -136,6 +136,7 @@ def _streamed_once(store_path, fields: dict, prompt: list[int], max_tokens: int)
         "whole": cache_delta(before, after),
         "decode": cache_delta(mid or before, after),
         "disk": disk,
+        "reading_s": sm.cache.reading_seconds - r0,
         "peak_mlx": mx.get_peak_memory(),
         "hwm": vm_hwm_bytes(),
     }
@@ -457,11 +458,23 @@ def prefill_suite(
         }
         if name in configs:
             o = sorted(onces[name], key=lambda o: o["timing"].prefill_s)[reps // 2]
+            read = o["whole"]["bytes_read"]
             row |= {
                 "fraction": configs[name][0],
                 "overcap_calls": o["whole"]["overcap_calls"],
-                "bytes_read": o["whole"]["bytes_read"],
+                "bytes_read": read,
+                "reading_s": o["reading_s"],
+                "MBps_while_reading": read / o["reading_s"] / 1e6 if o["reading_s"] else 0.0,
             }
         rows.append(row)
-        log(f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})")
+        reads = (
+            f"; {row['bytes_read'] / 1e6:.0f} MB read in {row['reading_s'] * 1e3:.0f} ms "
+            f"of reading, {row['MBps_while_reading']:.0f} MB/s while reading"
+            if row.get("bytes_read")
+            else ""
+        )
+        log(
+            f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})"
+            + reads
+        )
     return {"prompt_tokens": len(prompt), "baseline": names[0], "rows": rows}

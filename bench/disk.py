@@ -385,7 +385,7 @@ def engine_bandwidth(
         store.path, StreamConfig(expert_slots=slots, uncached_io=uncached, reader_threads=threads)
     )
     timing = timed_generate(sm.model, prompt, max_tokens)
-    t = sm.snapshot().totals()
+    t, reading = sm.snapshot().totals(), sm.cache.reading_seconds
     del sm
     after = resident_fraction(paths)
     return {
@@ -397,9 +397,8 @@ def engine_bandwidth(
         "loads": t["loads"],
         "read_seconds": t["read_seconds"],
         "wall_seconds": timing.wall_s,
-        "MBps_while_reading": t["bytes_read"] / t["read_seconds"] / 1e6
-        if t["read_seconds"] > 0
-        else 0.0,
+        "reading_seconds": reading,
+        "MBps_while_reading": t["bytes_read"] / reading / 1e6 if reading else 0.0,
         "MBps_wall": t["bytes_read"] / timing.wall_s / 1e6 if timing.wall_s > 0 else 0.0,
         "read_share_of_wall": t["read_seconds"] / timing.wall_s if timing.wall_s else 0.0,
         "resident_before": before,

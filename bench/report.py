@@ -158,7 +158,7 @@ def io_markdown(io: dict) -> str:
         )
     e = io["engine"]
     out.append(
-        f"| engine, while reading (bytes_read / read_seconds) | {e['threads']} | "
+        f"| engine, while reading (bytes_read / reading_seconds) | {e['threads']} | "
         f"{e['MBps_while_reading']:.0f} | {e['bytes_read'] / 1e6:.0f} | True | heap |"
     )
     out.append(

@@ -105,7 +105,7 @@ def replay_ids(store_path, fields: dict, trace_spec: dict) -> dict:
         for li in range(layers):
             cache.acquire(li, ids[t, li])
     wall = time.perf_counter() - t0
-    tot = snapshot(cache).totals()
+    tot, reading = snapshot(cache).totals(), cache.reading_seconds
     del cache
     return {
         "trace": trace.name,
@@ -116,9 +116,8 @@ def replay_ids(store_path, fields: dict, trace_spec: dict) -> dict:
         "hit_rate": tot["hit_rate"],
         "bytes_read": tot["bytes_read"],
         "read_seconds": tot["read_seconds"],
-        "MBps_while_reading": tot["bytes_read"] / tot["read_seconds"] / 1e6
-        if tot["read_seconds"]
-        else 0.0,
+        "reading_seconds": reading,
+        "MBps_while_reading": tot["bytes_read"] / reading / 1e6 if reading else 0.0,
         "MBps_wall": tot["bytes_read"] / wall / 1e6 if wall else 0.0,
         "bytes_per_token": tot["bytes_read"] / n,
         "resident_before": before,

@@ -561,6 +561,12 @@ class ExpertCache:
     def inflight(self) -> int:
         """Prefetch fills in flight, all layers."""
 
+    @property
+    def reading_seconds(self) -> float:
+        """
+        Wall time, in seconds, during which at least one record read of this cache was in flight (demand reads, prefetch fills and scratch streams of every layer, reads that overlap counted once): bytes_read over it is the read rate while reading, the figure a disk's own sequential rate (dd) compares with.
+        """
+
     def check(self) -> str:
         """
         The first inconsistency found in any real region or side ledger, or an empty string when all are consistent (a test and debugging aid).

@@ -339,6 +339,11 @@ const char* kReset =
     "Drains, then empties every real region (pins and frequencies too) and side ledger.";
 const char* kForward = "Forward passes begun so far.";
 const char* kInflight = "Prefetch fills in flight, all layers.";
+const char* kReadingSeconds =
+    "Wall time, in seconds, during which at least one record read of this cache was in "
+    "flight (demand reads, prefetch fills and scratch streams of every layer, reads that "
+    "overlap counted once): bytes_read over it is the read rate while reading, the figure "
+    "a disk's own sequential rate (dd) compares with.";
 const char* kCheck =
     "The first inconsistency found in any real region or side ledger, or an empty string "
     "when all are consistent (a test and debugging aid).";
@@ -827,6 +832,9 @@ NB_MODULE(_ext, m) {
           doc::kReset)
       .def_prop_ro("forward", [](const Cache& c) { return c.impl->forward(); }, doc::kForward)
       .def_prop_ro("inflight", [](const Cache& c) { return c.impl->inflight(); }, doc::kInflight)
+      .def_prop_ro(
+          "reading_seconds", [](const Cache& c) { return c.impl->reading_seconds(); },
+          doc::kReadingSeconds)
       .def("check", [](const Cache& c) { return c.impl->check(); }, doc::kCheck)
       .def(
           "snapshot",

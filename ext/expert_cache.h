@@ -35,6 +35,7 @@
 #include "pool_writer.h"
 #include "mlx/array.h"
 #include "reader_pool.h"
+#include "read_clock.h"
 #include "real_region.h"
 #include "ring_reader.h"
 #include "side_region.h"
@@ -293,6 +294,8 @@ class ExpertCache {
   LayerSnapshot snapshot(int li) const;
   uint64_t forward() const;
   int inflight() const;
+  // Wall time with at least one record read in flight, all layers (ReadClock), seconds.
+  double reading_seconds() const { return static_cast<double>(read_clock_.micros()) / 1e6; }
   // Empty string when every real region and side ledger is consistent.
   std::string check() const;
 
@@ -396,6 +399,7 @@ class ExpertCache {
   PoolWriter host_writer_{nullptr};
   std::shared_ptr<StagedCopies> staged_;  // see enable_staging
   std::atomic<bool> staging_on_{false};
+  ReadClock read_clock_;  // before the readers: outlives their threads
   std::unique_ptr<ReaderPool> readers_;
   std::unique_ptr<RingReader> ring_;  // null: demand reads use readers_
 };

@@ -257,6 +257,9 @@ def test_prefill_suite_times_the_first_token_against_resident(model_dirs, tmp_pa
     assert [r["overcap_calls"] for r in p["rows"][1:]] == [0, layers, 3 * layers]
     # 100%: every expert was read at load (as resident mlx-lm reads every weight), none after
     assert [r["bytes_read"] > 0 for r in p["rows"][1:]] == [False, True, True]
+    for r in p["rows"][2:]:  # the rate while reading: over the time a read was in flight
+        assert 0 < r["reading_s"] < r["ttft_s"]
+        assert r["MBps_while_reading"] == pytest.approx(r["bytes_read"] / r["reading_s"] / 1e6)
     md = (out / "results.md").read_text()
     assert "## Time to first token" in md and "| streamed 12.5% |" in md
     assert long_prompt([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
@@ -270,10 +273,12 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
     import bench.device as device
 
     monkeypatch.setattr(device, "drop_page_cache", lambda: None)
-    keys = {"decode_tps", "MB_read_per_token", "MB_host_per_token", "MBps_over_token"}
+    keys = {"decode_tps", "MB_read_per_token", "MB_host_per_token", "MBps_while_reading"}
     runs = device.embedded(2, lambda *_: None, fractions=(0.25,))["runs"]
     assert len(runs) == 4 and "25.0% (8 slots), prefetch on, CPU-stream acquire" in runs
     runs |= device.synthetic(qwen_store.path, 2, lambda *_: None, fractions=(1.0, 0.25))["runs"]
     assert "25.0% (2 slots), prefetch on, host tier (warmed by one decode)" in runs
     for label, r in runs.items():
         assert keys <= r.keys() and r["same_tokens"], label
+    disk = runs["25.0% (2 slots), prefetch on, disk, O_DIRECT, no host tier"]
+    assert disk["MB_read_per_token"] > 0 and disk["MBps_while_reading"] > 0

@@ -209,6 +209,28 @@ def test_verification_off_lets_corruption_through_by_design(qwen_store, io_uring
         RowChecker(qwen_store, cache).assert_row(0, int(rows[0, 0]), 1)
 
 
+# ---- read timing -------------------------------------------------------------------
+
+
+def test_reading_seconds_is_the_wall_time_with_a_read_in_flight(qwen_store, io_uring):
+    """Two reads delayed 300 ms each: reading_seconds holds at least one delay and never
+    more than the call's wall time (reads that overlap count once); hits read nothing and
+    add nothing."""
+    cache = open_cache(
+        qwen_store, StreamConfig(io_uring=io_uring, expert_slots=4, reader_threads=2)
+    )
+    assert cache.reading_seconds == 0.0
+    cache.inject_fault(0, "delay", expert=-1, count=2, delay_ms=300)
+    t0 = time.monotonic()
+    cache.acquire(0, np.array([[1, 2]], dtype=np.int32))
+    wall = time.monotonic() - t0
+    assert cache.snapshot(0)["stats"]["loads"] == 2
+    reading = cache.reading_seconds
+    assert 0.3 <= reading <= wall
+    cache.acquire(0, np.array([[2, 1]], dtype=np.int32))
+    assert cache.snapshot(0)["stats"]["hits"] == 2 and cache.reading_seconds == reading
+
+
 # ---- hung reads --------------------------------------------------------------------
 
 HANG_MS = 1500
