@@ -35,8 +35,12 @@ _BLOCK = 256
 # of a layer's misses and fills; a kernel with nothing to copy exits at once.
 _COPY_BLOCKS = 64
 
+# The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
+# copies]), not as literals: the source is then the same for every cache, and MLX
+# compiles each kernel once per process (its JIT modules are keyed by name and source).
 _HEADER = """
-#define ES_WORD(i) (reinterpret_cast<volatile int*>({address}ULL)[(i)])
+#define ES_WORD(i) (reinterpret_cast<volatile int*>(es_words)[(i)])
+#define ES_COPY(i, f) (reinterpret_cast<volatile unsigned long long*>(es_copies)[4 * (i) + (f)])
 __device__ __forceinline__ unsigned long long es_now() {{
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -72,8 +76,7 @@ __device__ void es_copy(unsigned long long src, unsigned long long dst,
     for (unsigned long long i = begin + t; i < end; i += nt) d[i] = s[i];
   }}
 }}
-#define ES_COPY(i, f) (reinterpret_cast<volatile unsigned long long*>({copies}ULL)[4 * (i) + (f)])
-__device__ void es_wait_reply(int seq) {{
+__device__ void es_wait_reply(unsigned long long es_words, int seq) {{
   const unsigned long long start = es_now();
   while (ES_WORD({reply}) != seq) {{
     __nanosleep(128);
@@ -87,11 +90,13 @@ __device__ void es_wait_reply(int seq) {{
 # every thread writes its share of the ids and hidden state, and after a system fence
 # thread 0 publishes the sequence number and, for an acquire, waits for the rows.
 _POST = """
+  const unsigned long long es_words = box[0];
+  const unsigned long long es_copies = box[1];
   __shared__ int seq;
   const int tid = threadIdx.x;
   if (tid == 0) {{
     const int previous = ES_WORD({request});
-    es_wait_reply(previous);
+    es_wait_reply(es_words, previous);
     seq = previous + 1;
   }}
   __syncthreads();
@@ -158,6 +163,7 @@ _HEAD_OUT = """
 # to the blocks; block 0 also writes the rows out. Record headers go through shared
 # memory 256 at a time (one read of mapped memory per thread).
 _COPY = """
+  const unsigned long long es_copies = box[1];
   const int tid = threadIdx.x;
   const int n = head_shape[0] - 3;
   if (blockIdx.x == 0)
@@ -208,9 +214,8 @@ class DeviceAcquire:
         self.hidden = hidden
         self.max_ids = max_ids
         box = AcquireMailbox
+        self._box = mx.array([self.mailbox.address, self.mailbox.copies_address], mx.uint64)
         words = {
-            "address": hex(self.mailbox.address),
-            "copies": hex(self.mailbox.copies_address),
             "reply": box.REPLY,
             "request": box.REQUEST,
             "layer_word": box.LAYER,
@@ -227,12 +232,11 @@ class DeviceAcquire:
             "chunk": f"{box.CHUNK_BYTES}ULL",
         }
         header = _HEADER.format(**words)
-        name = f"expert_acquire_{self.mailbox.address:x}"
         self._kernels = {}
         for variant, inputs in (
-            ("acquire", ["ids", "layer"]),
-            ("acquire_x", ["ids", "layer", "x"]),
-            ("prefetch", ["layer", "x"]),
+            ("acquire", ["box", "ids", "layer"]),
+            ("acquire_x", ["box", "ids", "layer", "x"]),
+            ("prefetch", ["box", "layer", "x"]),
         ):
             with_ids = variant != "prefetch"
             with_x = variant != "acquire"
@@ -241,12 +245,12 @@ class DeviceAcquire:
                 copy_x=_COPY_X.format(**words) if with_x else "",
                 n="n" if with_ids else 0,
                 with_x=int(with_x),
-                wait="es_wait_reply(seq);" if with_ids else "",
+                wait="es_wait_reply(es_words, seq);" if with_ids else "",
                 out=_HEAD_OUT.format(**words) if with_ids else "if (tid == 0) head[0] = 0;",
                 **words,
             )
             self._kernels[variant] = mx.fast.cuda_kernel(
-                name=f"{name}_{variant}",
+                name=f"expert_acquire_{variant}",
                 input_names=inputs,
                 output_names=["head"],
                 source=source,
@@ -254,8 +258,8 @@ class DeviceAcquire:
                 ensure_row_contiguous=False,
             )
         self._copy = mx.fast.cuda_kernel(
-            name=f"{name}_copy",
-            input_names=["head"],
+            name="expert_acquire_copy",
+            input_names=["box", "head"],
             output_names=["rows"],
             source=_COPY.format(**words),
             header=header,
@@ -289,7 +293,7 @@ class DeviceAcquire:
         prefetches what x's last token predicts for the layer's targets (`set_prefetch`)."""
         self._stage()
         variant = "acquire" if x is None else "acquire_x"
-        inputs = [ids, self._layer(layer)] + ([] if x is None else [x])
+        inputs = [self._box, ids, self._layer(layer)] + ([] if x is None else [x])
         (head,) = self._kernels[variant](
             inputs=inputs,
             output_shapes=[(ids.size + 3,)],
@@ -298,7 +302,7 @@ class DeviceAcquire:
             threadgroup=(_BLOCK, 1, 1),
         )
         (rows,) = self._copy(
-            inputs=[head],
+            inputs=[self._box, head],
             output_shapes=[ids.shape],
             output_dtypes=[mx.int32],
             grid=(_BLOCK * _COPY_BLOCKS, 1, 1),
@@ -312,7 +316,7 @@ class DeviceAcquire:
         table path, whose targets still miss)."""
         self._stage()
         (token,) = self._kernels["prefetch"](
-            inputs=[self._layer(layer), x],
+            inputs=[self._box, self._layer(layer), x],
             output_shapes=[(1,)],
             output_dtypes=[mx.int32],
             grid=(_BLOCK, 1, 1),
