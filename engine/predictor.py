@@ -68,6 +68,11 @@ class Predictor:
             and cache.pool_writes == "cuda"
         )
         self._device: DeviceAcquire | None = None
+        # Over-capacity chunks read and evaluated from the host, one wait per chunk, rather
+        # than streamed (`ScratchStream`): on MLX CUDA a GPU wait for a CPU-stream op is a
+        # kernel that spins, and a scratch row's write (a CUDA runtime call from a cache
+        # thread) can wait behind it: the two deadlocked on the H200.
+        self.host_chunks = cache.pool_writes == "cuda"
         # Sized now, so that a budget the machine cannot hold is refused at load.
         self._tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)

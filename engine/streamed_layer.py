@@ -23,7 +23,9 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
 - synchronous (calls that may hold more distinct experts than evictable slots: prefill):
   the ids are read on the host once (the layer's one host wait), and misses beyond the
   slots stream through the scratch rows chunk by chunk, each read once, the next chunk's
-  reads in flight while a chunk computes (`_over_capacity`).
+  reads in flight while a chunk computes (`_over_capacity`); where the pools are CUDA
+  memory, each chunk is read and then evaluated from the host instead
+  (`Predictor.host_chunks`).
 """
 
 import mlx.core as mx
@@ -126,39 +128,63 @@ class StreamedExperts(nn.Module):
 
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,
-        misses stream through the scratch rows chunk by chunk (`engine._ext.ScratchStream`:
-        two banks, each expert read once, chunk c + 1 read while chunk c computes). The
-        layer stays one lazy graph: each chunk's rows come through a `scratch_step` op
-        ordered after the previous chunk's output, so the host never waits on a chunk."""
+        misses go through the scratch rows chunk by chunk (`_streamed_chunks`, or
+        `_host_chunks` where the predictor says so), each expert read once; the outputs
+        are put back in the (token, k) order of `ids`."""
         k = ids.shape[-1]
         tokens = x.reshape(-1, x.shape[-1])
         flat_ids, flat_rows = ids.reshape(-1), rows.reshape(-1)
-        stream = self._cache.scratch_stream(self._index, missing)
-        chunk_of = np.full(self._cache.num_experts, -1)
-        row_of = np.zeros(self._cache.num_experts, np.int32)
-        for c, (experts, scratch_rows) in enumerate(stream.chunks):
-            chunk_of[experts], row_of[experts] = c, scratch_rows
         miss = flat_rows < 0
-        flat_rows = np.where(miss, row_of[flat_ids], flat_rows)
-        pair_chunk = np.where(miss, chunk_of[flat_ids], -1)
         groups, outputs = [], []
         resident = np.flatnonzero(~miss)
         if resident.size:
             groups.append(resident)
             outputs.append(self._pairs(tokens, resident, mx.array(flat_rows[resident]), k))
-        y = None
-        for c in range(len(stream.chunks)):
-            pairs = np.flatnonzero(pair_chunk == c)
-            chunk_rows = mx.array(flat_rows[pairs])
-            chunk_rows = self._cache.scratch_step(
-                stream, c, chunk_rows, self._predictor.cpu_stream, y
-            )
-            y = self._pairs(tokens, pairs, chunk_rows, k)
+        chunks = self._host_chunks if self._predictor.host_chunks else self._streamed_chunks
+        for pairs, y in chunks(tokens, flat_ids, miss, missing, k):
             groups.append(pairs)
             outputs.append(y)
         order = np.concatenate(groups)
         y = mx.concatenate(outputs, axis=0)[mx.array(np.argsort(order))]
         return y.reshape(*ids.shape, y.shape[-1])
+
+    def _streamed_chunks(self, tokens, flat_ids, miss, missing, k):
+        """Yields (pairs, outputs) per chunk of `missing` (`engine._ext.ScratchStream`: two
+        banks, chunk c + 1 read while chunk c computes). The layer stays one lazy graph:
+        each chunk's rows come through a `scratch_step` op ordered after the previous
+        chunk's output, so the host never waits on a chunk."""
+        stream = self._cache.scratch_stream(self._index, missing)
+        chunk_of = np.full(self._cache.num_experts, -1)
+        row_of = np.zeros(self._cache.num_experts, np.int32)
+        for c, (experts, scratch_rows) in enumerate(stream.chunks):
+            chunk_of[experts], row_of[experts] = c, scratch_rows
+        pair_chunk = np.where(miss, chunk_of[flat_ids], -1)
+        y = None
+        for c in range(len(stream.chunks)):
+            pairs = np.flatnonzero(pair_chunk == c)
+            chunk_rows = mx.array(row_of[flat_ids[pairs]])
+            chunk_rows = self._cache.scratch_step(
+                stream, c, chunk_rows, self._predictor.cpu_stream, y
+            )
+            y = self._pairs(tokens, pairs, chunk_rows, k)
+            yield pairs, y
+
+    def _host_chunks(self, tokens, flat_ids, miss, missing, k):
+        """Yields (pairs, outputs) per `scratch_slots` experts of `missing`, each chunk
+        read by the host (`load_scratch`) once the previous one has been evaluated (the
+        scratch rows are reused): a host wait per chunk, and no cross-stream op."""
+        size = self._cache.scratch_slots
+        row_of = np.zeros(self._cache.num_experts, np.int32)
+        y = None
+        for start in range(0, len(missing), size):
+            self._predictor.check_stop(self._index)
+            if y is not None:
+                mx.eval(y)
+            experts = missing[start : start + size]
+            row_of[experts] = self._cache.load_scratch(self._index, experts)
+            pairs = np.flatnonzero(miss & np.isin(flat_ids, experts))
+            y = self._pairs(tokens, pairs, mx.array(row_of[flat_ids[pairs]]), k)
+            yield pairs, y
 
     def _pairs(self, tokens, pairs, pair_rows, k):
         """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs` (numpy

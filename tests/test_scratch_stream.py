@@ -122,15 +122,18 @@ def test_a_step_is_refused_without_the_previous_chunk_or_out_of_range(qwen_store
         cache.scratch_stream(0, [1, 8])
 
 
+@pytest.mark.parametrize("host_chunks", [False, True], ids=["streamed", "host chunks"])
 @pytest.mark.parametrize("scratch", [1, 2, 3, 5])
-def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scratch):
+def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scratch, host_chunks):
     """A cold cache of 2 slots and a 99-token prompt: every layer's call is over
-    capacity; each routed expert is read once per layer and the logits are resident's."""
+    capacity; each routed expert is read once per layer and the logits are resident's,
+    through the scratch stream and through the host's chunks (the path on MLX CUDA)."""
     model_dir = model_dirs("qwen3_moe")
     prompt = mx.array([list(range(1, 100))])
     model, _ = load_model(model_dir)
     want = np.array(model(prompt))
     sm = load(model_dir, StreamConfig(expert_slots=2, scratch_slots=scratch))
+    sm.predictor.host_chunks = host_chunks
     routed = {}
     sm.predictor.on_acquire = lambda li, ids: routed.setdefault(li, set(ids.reshape(-1).tolist()))
     got = np.array(sm.model(prompt))
