@@ -267,17 +267,29 @@ class DeviceAcquire:
         self._layers: dict[int, mx.array] = {}
         self._plans: dict[int, tuple] = {}
         self._cache = cache
+        # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
+        # not the default one), so that each can be waited for.
+        self._streams: set[mx.Stream] = set()
 
     def __del__(self):
         # A forward still queued posts to the mailbox: let it finish while the mailbox's
         # thread still answers (its memory goes with it).
-        mx.synchronize()
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Waits until every kernel queued so far has run, on whichever stream."""
+        for stream in self._streams:
+            mx.synchronize(stream)
 
     def _stage(self):
-        """Staged pool writes from here on. The graph is built while an earlier one may
-        still run: one that took a host path (writes not staged) ends first."""
+        """Staged pool writes from here on, on the current stream. The graph is built
+        while an earlier one may still run: one that took a host path (writes not
+        staged) ends first."""
+        stream = mx.default_stream(mx.default_device())
+        self._streams.add(stream)
         if not self._cache.staging_on:
-            mx.synchronize()
+            mx.synchronize(stream)
+            self.synchronize()
             self._cache.set_staging(True)
 
     def _layer(self, layer: int) -> mx.array:

@@ -69,9 +69,10 @@ class Predictor:
         )
         self._device: DeviceAcquire | None = None
         # Over-capacity chunks read and evaluated from the host, one wait per chunk, rather
-        # than streamed (`ScratchStream`): on MLX CUDA a GPU wait for a CPU-stream op is a
-        # kernel that spins, and a scratch row's write (a CUDA runtime call from a cache
-        # thread) can wait behind it: the two deadlocked on the H200.
+        # than streamed (`ScratchStream`), where the pools are CUDA memory: a scratch row's
+        # write is then a CUDA runtime call, and a cache thread making one while a graph
+        # runs can wait behind a spinning kernel (MLX's wait for a CPU-stream op, or an
+        # acquire kernel). From the host the GPU is idle when the rows are written.
         self.host_chunks = cache.pool_writes == "cuda"
         # Sized now, so that a budget the machine cannot hold is refused at load.
         self._tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
