@@ -110,15 +110,18 @@ def drop_page_cache() -> None:
 
 
 def dd_rate(path: Path) -> float:
-    """MB/s of one O_DIRECT sequential read of `path` with 2 MiB blocks (dd's figure)."""
+    """MB/s of one O_DIRECT sequential read of `path` with 2 MiB blocks (dd's figure), or
+    0.0 where dd cannot read it so (a file system without O_DIRECT, such as tmpfs)."""
     r = subprocess.run(
         ["dd", f"if={path}", "of=/dev/null", "bs=2M", "iflag=direct"],
         capture_output=True,
         text=True,
     )
+    if r.returncode != 0:
+        return 0.0
     last = r.stderr.strip().splitlines()[-1]  # "... bytes ... copied, 1.2 s, 1.3 GB/s"
     value, unit = last.rsplit(",", 1)[1].split()
-    return float(value) * {"GB/s": 1e3, "MB/s": 1.0, "kB/s": 1e-3}[unit]
+    return float(value) * {"GB/s": 1e3, "MB/s": 1.0, "kB/s": 1e-3, "B/s": 1e-6}[unit]
 
 
 def row(label: str, r: dict, base: float) -> str:
