@@ -145,3 +145,20 @@ def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scra
     assert loads == [len(routed[li]) for li in range(sm.cache.num_layers)]
     assert loads == snap.stats["misses"].tolist()
     assert sm.cache.check() == ""
+
+
+@pytest.mark.parametrize("host_chunks", [False, True], ids=["streamed", "host chunks"])
+def test_a_failed_read_in_an_over_capacity_prefill_is_raised_naming_the_record(
+    model_dirs, host_chunks
+):
+    """A record that cannot be read in a prefill over capacity: the forward raises
+    ExpertReadError naming the file, layer and expert (from the host's chunk at once, or
+    from the stream at the next layer's ids sync or the caller's check)."""
+    sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=2, scratch_slots=2))
+    sm.predictor.host_chunks = host_chunks
+    sm.cache.inject_fault(1, "eio", count=10**6)
+    with pytest.raises(
+        ExpertReadError, match=r"layer01\.blob \(layer \d+, expert \d+\): read failed"
+    ):
+        mx.eval(sm.model(mx.array([list(range(1, 100))])))
+        sm.cache.raise_stream_error()
