@@ -167,10 +167,11 @@ def _streamed_summary(name: str, fields: dict, onces: list[dict]) -> dict:
             "decode_bytes_per_token": dec["bytes_read"] / n_dec,
             "disk_bytes_per_token": o["disk"] / n_tok if o["disk"] >= 0 else -1,
             "read_seconds": whole["read_seconds"],
+            "reading_seconds": o["reading_s"],
             "bytes_read": whole["bytes_read"],
             "wall_seconds": t.wall_s,
-            "MBps_while_reading": whole["bytes_read"] / whole["read_seconds"] / 1e6
-            if whole["read_seconds"]
+            "MBps_while_reading": whole["bytes_read"] / o["reading_s"] / 1e6
+            if o["reading_s"]
             else 0.0,
             "MBps_wall": whole["bytes_read"] / t.wall_s / 1e6,
             "overcap_calls": whole["overcap_calls"],
@@ -414,8 +415,10 @@ def prefill_suite(
         {"prompt_tokens", "baseline", "rows"}: one row per run with "ttft_s" (median
         seconds) and "ttft_s_spread" [min, max], "prefill_tps" (prompt tokens / median
         ttft), "ratio" (the baseline's median ttft / this one's: its prefill rate as a
-        fraction of the baseline's), and for the engine "fraction", "overcap_calls" and
-        "bytes_read" (of the median repetition). The baseline is the first row: resident,
+        fraction of the baseline's), and for the engine "fraction", "overcap_calls",
+        "bytes_read", "reading_s" (seconds with a read in flight: `reading_seconds`) and
+        "MBps_while_reading" (bytes_read / reading_s; 0 with nothing read), of the median
+        repetition. The baseline is the first row: resident,
         or for an expert store (no mlx-lm model) the engine at the first fraction (at
         100%: every expert cached).
 

@@ -15,7 +15,8 @@ pools), then each fraction with prefetch, from a dropped page cache with no host
 token's time into the cache's acquire calls (demand reads included), the reads alone,
 and the rest (compute, graph building and any wait), with the bytes read from disk and
 copied from the host tier per token, and the read rate while reading (bytes over the
-wall time with a read in flight, `reading_seconds`) against `dd`'s own O_DIRECT rate.
+wall time with a read in flight, `reading_seconds`), for the synthetic store against
+`dd`'s own O_DIRECT rate of one of its blob files.
 
 With --prefill, time to first token of a long prompt: the embedded model's
 1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's

@@ -3,8 +3,8 @@
 Raw bandwidth: record-sized `pread`s of a store's blob files, sequential (records in file
 order) and random (shuffled over all files), with 1 and N threads, uncached (`O_DIRECT`
 into page-aligned `mmap` buffers, after `posix_fadvise(DONTNEED)` of every file). Then the
-engine's own bandwidth while generating (demand reads only: prefetch off, so
-`read_seconds` covers every byte): bytes_read / read_seconds and bytes_read / wall time.
+engine's own bandwidth while generating (demand reads only, prefetch off): bytes_read
+over the time a read was in flight (`reading_seconds`) and over the wall time.
 Page-cache residency of the blob files (`mincore` on a mapping) before and after each
 run shows whether reads went through the page cache; a buffered control run shows the
 opposite.

@@ -210,26 +210,29 @@ class DeviceAcquire:
     """
 
     def __init__(self, cache, hidden: int, max_ids: int, fill_slots: int, tier_slots: int = 0):
+        # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
+        # not the default one), so that each can be waited for; first, for __del__.
+        self._streams: list[mx.Stream] = []
         self.mailbox = AcquireMailbox(cache, hidden, max_ids, fill_slots, tier_slots)
         self.hidden = hidden
         self.max_ids = max_ids
-        box = AcquireMailbox
+        layout = AcquireMailbox
         self._box = mx.array([self.mailbox.address, self.mailbox.copies_address], mx.uint64)
         words = {
-            "reply": box.REPLY,
-            "request": box.REQUEST,
-            "layer_word": box.LAYER,
-            "count": box.COUNT,
-            "has_x": box.HAS_X,
-            "row_copies": box.ROW_COPIES,
-            "record_copies": box.RECORD_COPIES,
-            "chunks": box.CHUNKS,
-            "ids_word": box.IDS,
-            "rows_word": box.ROWS,
-            "hidden_word": box.HIDDEN,
+            "reply": layout.REPLY,
+            "request": layout.REQUEST,
+            "layer_word": layout.LAYER,
+            "count": layout.COUNT,
+            "has_x": layout.HAS_X,
+            "row_copies": layout.ROW_COPIES,
+            "record_copies": layout.RECORD_COPIES,
+            "chunks": layout.CHUNKS,
+            "ids_word": layout.IDS,
+            "rows_word": layout.ROWS,
+            "hidden_word": layout.HIDDEN,
             "timeout_ns": ANSWER_TIMEOUT_S * 10**9,
             "block": _BLOCK,
-            "chunk": f"{box.CHUNK_BYTES}ULL",
+            "chunk": f"{layout.CHUNK_BYTES}ULL",
         }
         header = _HEADER.format(**words)
         self._kernels = {}
@@ -267,9 +270,6 @@ class DeviceAcquire:
         self._layers: dict[int, mx.array] = {}
         self._plans: dict[int, tuple] = {}
         self._cache = cache
-        # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
-        # not the default one), so that each can be waited for.
-        self._streams: set[mx.Stream] = set()
 
     def __del__(self):
         # A forward still queued posts to the mailbox: let it finish while the mailbox's
@@ -286,9 +286,9 @@ class DeviceAcquire:
         while an earlier one may still run: one that took a host path (writes not
         staged) ends first."""
         stream = mx.default_stream(mx.default_device())
-        self._streams.add(stream)
+        if stream not in self._streams:  # a new object per call: compared by value
+            self._streams.append(stream)
         if not self._cache.staging_on:
-            mx.synchronize(stream)
             self.synchronize()
             self._cache.set_staging(True)
 

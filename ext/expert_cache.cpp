@@ -397,11 +397,10 @@ bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& load
     if (e < 0 || e >= num_experts_) return false;  // the reader pool words the error
     experts.push_back(e);
   }
-  ReadClock::Span reading(read_clock_);  // the batch, its copies into the pool included
   return ring_->read(
       *files_[li], experts, config_.verify_checksums, read_timeout_ms_,
       [&](size_t i, const uint8_t* bytes) { copy_record(li, loads[i].first, bytes, loads[i].second, how); }, landed,
-      errors);
+      errors, &read_clock_);
 }
 
 std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<int, int>>& loads,
@@ -423,7 +422,7 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
       std::exception_ptr err;
       try {
         buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), bounce_writer());
-        ReadClock::Span reading(read_clock_);
+        ReadClock::Span reading(&read_clock_);
         files_[li]->read_record(e, buf, config_.verify_checksums);
       } catch (...) {
         err = std::current_exception();
@@ -881,7 +880,7 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
     bool read = false;
     try {
       buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), bounce_writer());
-      ReadClock::Span reading(read_clock_);
+      ReadClock::Span reading(&read_clock_);
       files_[li]->read_record(expert, buf, config_.verify_checksums);
       read = true;
     } catch (...) {

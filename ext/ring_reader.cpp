@@ -1,5 +1,6 @@
 #include "ring_reader.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -39,8 +40,8 @@ struct Item {
 class RingReader::Call {
  public:
   Call(IoRing& ring, const BlobFile& file, const std::vector<int>& experts, bool verify,
-       uint32_t id, const std::function<void(size_t, const uint8_t*)>& land)
-      : ring_(ring), file_(file), verify_(verify), id_(id), land_(land) {
+       uint32_t id, const std::function<void(size_t, const uint8_t*)>& land, ReadClock* clock)
+      : ring_(ring), file_(file), verify_(verify), id_(id), land_(land), clock_(clock) {
     for (int e : experts) items_.push_back(Item{e});
     for (size_t i = 0; i < items_.size(); ++i) queue_.push_back(i);
     for (unsigned b = ring.buffers(); b-- > 0;) free_.push_back(b);
@@ -168,6 +169,9 @@ class RingReader::Call {
       return;
     }
     try {
+      const bool alone = std::none_of(items_.begin(), items_.end(),
+                                      [](const Item& o) { return o.reading || o.delaying; });
+      ReadClock::Pause copying(clock_, alone);
       land_(i, bytes);
     } catch (...) {  // the copy into the pool failed (a device copy): not a read to retry
       it.error = std::current_exception();
@@ -219,6 +223,7 @@ class RingReader::Call {
   bool verify_;
   uint32_t id_;
   const std::function<void(size_t, const uint8_t*)>& land_;
+  ReadClock* clock_;
   std::vector<Item> items_;
   std::deque<size_t> queue_;
   std::vector<unsigned> free_;
@@ -272,12 +277,17 @@ bool RingReader::ready_locked() {
 
 bool RingReader::read(const BlobFile& file, const std::vector<int>& experts, bool verify,
                       int timeout_ms, const std::function<void(size_t, const uint8_t*)>& land,
-                      std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors) {
+                      std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors,
+                      ReadClock* clock) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (!lk.owns_lock() || static_cast<size_t>(file.stride()) > buffer_bytes_ || !ready_locked())
     return false;
-  Call call(*ring_, file, experts, verify, ++calls_, land);
-  const int64_t outstanding = call.run(timeout_ms);
+  Call call(*ring_, file, experts, verify, ++calls_, land, clock);
+  int64_t outstanding;
+  {
+    ReadClock::Span reading(clock);
+    outstanding = call.run(timeout_ms);
+  }
   if (outstanding < 0) {
     broken_ = true;
   } else {

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "blob_file.h"
+#include "read_clock.h"
 #include "io_ring.h"
 #include "pool_writer.h"
 
@@ -52,10 +53,12 @@ class RingReader {
   // fit its buffers. Otherwise, per record i: landed[i] = 1 once land(i, bytes) was called
   // (stride bytes, valid during the call); else errors[i], its last attempt's ReadError or
   // ChecksumError; else neither: given up after timeout_ms (0: no limit) without any
-  // record of the call settling.
+  // record of the call settling. `clock` (may be null) counts the call's reads from their
+  // submission, land's copies made while no other read of the call is in flight aside.
   bool read(const BlobFile& file, const std::vector<int>& experts, bool verify, int timeout_ms,
             const std::function<void(size_t, const uint8_t*)>& land,
-            std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors);
+            std::vector<uint8_t>& landed, std::vector<std::exception_ptr>& errors,
+            ReadClock* clock = nullptr);
 
  private:
   class Call;
