@@ -162,3 +162,23 @@ def test_a_failed_read_in_an_over_capacity_prefill_is_raised_naming_the_record(
     ):
         mx.eval(sm.model(mx.array([list(range(1, 100))])))
         sm.cache.raise_stream_error()
+
+
+def test_a_reply_stopped_mid_prefill_leaves_no_read_for_later():
+    """A prompt cache kept after a reply stopped inside its over-capacity prefill holds no
+    lazy graph: the chunks its KV depends on were read before generate returned. Read
+    later, inside the next reply's forward, they would write scratch rows that forward
+    is using (replies over the server's prompt cache then differed)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.generate import generate
+
+    sm = load(None, StreamConfig(expert_slots=4, scratch_slots=2))  # the embedded model
+    polls = iter(range(10**6))  # polled at every MoE layer call: stops at the fourth
+    cache = make_prompt_cache(sm.model)
+    r = generate(sm, list(range(1, 100)), 4, stop=lambda: next(polls) >= 3, prompt_cache=cache)
+    assert r.stopped and r.tokens == []
+    loads = int(sm.snapshot().stats["loads"].sum())
+    assert loads > 0
+    mx.eval([c.state for c in cache])
+    assert int(sm.snapshot().stats["loads"].sum()) == loads
