@@ -264,15 +264,15 @@ def generate(
                 break
     except GenerationStopped:
         stopped = True
+        if prompt_cache is not None:
+            # The forward stopped midway left the KV the caller keeps lazy, over a graph
+            # that reads pools and scratch rows: evaluated later, inside the next reply's
+            # forward, its reads would interleave with that forward's own. It runs now.
+            mx.eval([c.state for c in prompt_cache])
     finally:
         sm.predictor.should_stop = None
         if recorder is not None:
             recorder.settle()
-        if prompt_cache is not None:
-            # A forward stopped midway left its KV lazy, over a graph that reads pools and
-            # scratch rows: evaluated later, inside the next reply's forward, its reads
-            # would interleave with that forward's own. It runs now, alone.
-            mx.eval([c.state for c in prompt_cache])
         # mlx-lm has already started the forward of the token after the last one: it
         # ends before the figures are read (its reads count) and before the caller goes
         # on (in a pipeline, its transfers would interleave with the caller's next
