@@ -351,6 +351,11 @@ def main(argv=None) -> int:
         help="also time the first token of a long prompt (embedded: 1,536 tokens against "
         "resident; synthetic: 2,048 tokens against 100%%), in --rounds rounds (default 3)",
     )
+    p.add_argument(
+        "--no-decode",
+        action="store_true",
+        help="leave out the decode rows (with --prefill: only the time to first token)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -361,9 +366,9 @@ def main(argv=None) -> int:
 
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
     results = {}
-    if not args.skip_embedded:
+    if not args.skip_embedded and not args.no_decode:
         results["embedded"] = embedded(args.tokens, log, args.fractions, args.rounds)
-    if args.synthetic:
+    if args.synthetic and not args.no_decode:
         results["synthetic"] = synthetic(
             args.synthetic, args.tokens, log, args.fractions, args.rounds
         )

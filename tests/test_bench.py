@@ -284,13 +284,19 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
     assert disk["MB_read_per_token"] > 0 and disk["MBps_while_reading"] > 0
 
 
-def test_the_device_bench_times_a_stores_first_token(qwen_store):
-    """bench.device --prefill on a store: 100% (the baseline, every expert cached) and
-    25%, buffered and O_DIRECT, each 25% row with what it read and the rate while
-    reading."""
+def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
+    """`bench.device --prefill --no-decode` on a store: only the time to first token, at
+    100% (the baseline, every expert cached) and 25%, buffered and O_DIRECT, each 25% row
+    with what it read and the rate while reading."""
+    import json
+
     import bench.device as device
 
-    out = device.prefill(qwen_store.path, lambda *_: None, rounds=1)
+    argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
+    assert device.main([*argv, "--prefill", "--no-decode", "--rounds", "1"]) == 0
+    results = json.loads((tmp_path / "device.json").read_text())
+    assert list(results) == ["prefill_synthetic"]
+    out = results["prefill_synthetic"]
     for reads in ("buffered", "O_DIRECT"):
         base, part = out[reads]["rows"]
         assert (base["name"], part["name"]) == ("streamed 100.0%", "streamed 25.0%")
