@@ -23,7 +23,8 @@ With --prefill, time to first token of a long prompt: the embedded model's
 2,048 tokens at 100% (every expert cached: the baseline) and 25%, buffered reads (the
 store in the page cache, i.e. host RAM) and O_DIRECT; each run from a fresh load, in
 alternated rounds (`bench.decode.prefill_suite`), each engine row with the MB/s while
-reading (`reading_seconds`) beside `dd`'s.
+reading (`reading_seconds`), the synthetic store's beside `dd`'s. --no-decode leaves the
+decode rows out.
 
 Figures go to stdout and DIR/device.json.
 """
