@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -63,23 +62,10 @@ AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, i
   for (int li = 0; li < cache_->num_layers(); ++li)
     segments = std::max(segments, cache_->pool(li).size());
   capacity_ = staged_->capacity(segments, segments * static_cast<size_t>(max_ids));
-  const size_t page = 4096;
   copies_offset_ = (static_cast<size_t>(kHidden + hidden) * sizeof(int32_t) + 255) / 256 * 256;
-  bytes_ = (copies_offset_ + capacity_ * sizeof(StagedCopy) + page - 1) / page * page;
-  words_ = std::aligned_alloc(page, bytes_);
-  if (!words_) throw std::bad_alloc();
-  std::memset(words_, 0, bytes_);
-  if (staged_->mapped()) {
-    device_address_ = cache_->writer().map(words_, bytes_);
-    if (!device_address_) {
-      std::free(words_);
-      throw std::runtime_error("the CUDA runtime refused to map " + std::to_string(bytes_) +
-                               " bytes of host memory for the acquire mailbox");
-    }
-    mapped_ = true;
-  } else {
-    device_address_ = reinterpret_cast<uintptr_t>(words_);
-  }
+  memory_ = std::make_unique<MappedHost>(
+      cache_->writer(), copies_offset_ + capacity_ * sizeof(StagedCopy), "the acquire mailbox");
+  std::memset(memory_->data(), 0, memory_->bytes());
   const size_t layers = static_cast<size_t>(cache_->num_layers());
   plan_.resize(layers);
   budget_.resize(layers, 0);
@@ -103,6 +89,7 @@ AcquireMailbox::~AcquireMailbox() {
     store(word(kRecordCopies), 0);
     store(word(kChunks), 0);
     store(word(kReply), request);
+    memory_->abandon();
     return;
   }
   try {
@@ -110,8 +97,6 @@ AcquireMailbox::~AcquireMailbox() {
   } catch (const std::exception&) {
     // a failed write leaves rows that no table maps; the next acquire reads them again
   }
-  if (mapped_) PoolWriter::unpin(words_);
-  std::free(words_);
 }
 
 void AcquireMailbox::set_prefetch(int source, const std::vector<int>& targets,

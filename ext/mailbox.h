@@ -88,13 +88,13 @@ class AcquireMailbox {
   AcquireMailbox& operator=(const AcquireMailbox&) = delete;
 
   // The address kernels write to: the device pointer of the mapped memory.
-  uintptr_t device_address() const { return device_address_; }
+  uintptr_t device_address() const { return memory_->device_address(); }
   int hidden() const { return hidden_; }
   int max_ids() const { return max_ids_; }
   // The device address of the delivery's StagedCopy entries.
-  uintptr_t copies_address() const { return device_address_ + copies_offset_; }
+  uintptr_t copies_address() const { return memory_->device_address() + copies_offset_; }
   // Whether the memory is mapped for a CUDA device (false: plain host memory).
-  bool mapped() const { return mapped_; }
+  bool mapped() const { return memory_->mapped(); }
 
   // What the thread prefetches after answering a request of MoE layer `source` that
   // carries a hidden state: for each target, `router` ranks the experts and the top
@@ -123,9 +123,11 @@ class AcquireMailbox {
     int layer;
     std::shared_ptr<const Router> router;
   };
-  volatile int32_t* word(int i) const { return static_cast<volatile int32_t*>(words_) + i; }
+  volatile int32_t* word(int i) const {
+    return reinterpret_cast<volatile int32_t*>(memory_->data()) + i;
+  }
   StagedCopy* copies() const {
-    return reinterpret_cast<StagedCopy*>(static_cast<uint8_t*>(words_) + copies_offset_);
+    return reinterpret_cast<StagedCopy*>(memory_->data() + copies_offset_);
   }
   void run();
   void answer(uint32_t seq);
@@ -136,10 +138,7 @@ class AcquireMailbox {
   std::shared_ptr<StagedCopies> staged_;
   size_t copies_offset_ = 0;  // bytes from the mailbox's start
   size_t capacity_ = 0;       // StagedCopy entries there
-  size_t bytes_;
-  void* words_ = nullptr;
-  uintptr_t device_address_ = 0;
-  bool mapped_ = false;
+  std::unique_ptr<MappedHost> memory_;
 
   std::mutex plan_mu_;
   std::vector<std::vector<Target>> plan_;  // [source layer]

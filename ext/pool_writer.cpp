@@ -1,7 +1,9 @@
 #include "pool_writer.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -180,6 +182,30 @@ void PoolWriter::zero(uint8_t* dst, size_t bytes) const {
   on_stream(device_, [&](Stream st) {
     check(cuda()->memset_async(dst, 0, bytes, st), "cudaMemsetAsync");
   });
+}
+
+MappedHost::MappedHost(const PoolWriter& writer, size_t bytes, const std::string& what) {
+  const size_t page = 4096;
+  bytes_ = (bytes + page - 1) / page * page;
+  data_ = static_cast<uint8_t*>(std::aligned_alloc(page, bytes_));
+  if (!data_) throw std::bad_alloc();
+  if (std::strcmp(writer.kind(), "cuda") != 0) {
+    device_address_ = reinterpret_cast<uintptr_t>(data_);
+    return;
+  }
+  device_address_ = writer.map(data_, bytes_);
+  if (!device_address_) {
+    std::free(data_);
+    throw std::runtime_error("the CUDA runtime refused to map " + std::to_string(bytes_) +
+                             " bytes of host memory for " + what);
+  }
+  mapped_ = true;
+}
+
+MappedHost::~MappedHost() {
+  if (!data_) return;
+  if (mapped_) PoolWriter::unpin(data_);
+  std::free(data_);
 }
 
 }  // namespace es

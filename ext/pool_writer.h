@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace es {
@@ -55,6 +56,32 @@ class PoolWriter {
 
  private:
   int device_ = -1;  // the CUDA device of the pools; -1: host memcpy
+};
+
+// Page-aligned host memory that kernels of the pools' device read and write: mapped for
+// that device (PoolWriter::map) where the writer copies through CUDA, else used at its
+// host address. Unmapped and freed with it, unless abandoned.
+class MappedHost {
+ public:
+  // `bytes` rounded up to whole pages. Throws std::bad_alloc, or std::runtime_error "the
+  // CUDA runtime refused to map <bytes> bytes of host memory for <what>".
+  MappedHost(const PoolWriter& writer, size_t bytes, const std::string& what);
+  ~MappedHost();
+  MappedHost(const MappedHost&) = delete;
+  MappedHost& operator=(const MappedHost&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  uintptr_t device_address() const { return device_address_; }
+  bool mapped() const { return mapped_; }
+  // Keeps the memory mapped for the rest of the process: a kernel may still use it.
+  void abandon() { data_ = nullptr; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t bytes_ = 0;
+  uintptr_t device_address_ = 0;
+  bool mapped_ = false;
 };
 
 }  // namespace es

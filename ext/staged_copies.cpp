@@ -1,10 +1,8 @@
 #include "staged_copies.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -21,33 +19,15 @@ StagedCopies::StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slot
                                 std::to_string(reserve) +
                                 " reserved for demand reads (need slots > reserve >= 1)");
   if (slot_bytes == 0) throw std::invalid_argument("staging: slots of 0 bytes");
-  const size_t page = 4096;
   const int tier_total = tier_slots_ * std::max(layers, 0);
   const int total = tier_total + slots;
-  bytes_ = (slot_bytes_ * static_cast<size_t>(total) + page - 1) / page * page;
-  memory_ = static_cast<uint8_t*>(std::aligned_alloc(page, bytes_));
-  if (!memory_) throw std::bad_alloc();
-  if (std::strcmp(writer_.kind(), "cuda") == 0) {
-    device_base_ = writer_.map(memory_, bytes_);
-    if (!device_base_) {
-      std::free(memory_);
-      throw std::runtime_error("the CUDA runtime refused to map " + std::to_string(bytes_) +
-                               " bytes of host memory for staged pool writes");
-    }
-    mapped_ = true;
-  } else {
-    device_base_ = reinterpret_cast<uintptr_t>(memory_);
-  }
+  memory_ = std::make_unique<MappedHost>(writer_, slot_bytes_ * static_cast<size_t>(total),
+                                         "staged pool writes");
   refs_.assign(static_cast<size_t>(total), 0);
   for (int s = total - 1; s >= tier_total; --s) free_.push_back(s);
   filling_.assign(static_cast<size_t>(tier_total), 0);
   if (tier_slots_ > 0)
     for (int li = 0; li < layers; ++li) tier_.emplace_back(tier_slots_, num_experts, policy, 256);
-}
-
-StagedCopies::~StagedCopies() {
-  if (mapped_) PoolWriter::unpin(memory_);
-  std::free(memory_);
 }
 
 size_t StagedCopies::capacity(size_t spans_per_record, size_t row_copies) const {
@@ -57,8 +37,9 @@ size_t StagedCopies::capacity(size_t spans_per_record, size_t row_copies) const 
 }
 
 uint64_t StagedCopies::device(const uint8_t* p) const {
-  if (p >= memory_ && p < memory_ + bytes_)
-    return device_base_ + static_cast<uint64_t>(p - memory_);
+  const uint8_t* base = memory_->data();
+  if (p >= base && p < base + memory_->bytes())
+    return memory_->device_address() + static_cast<uint64_t>(p - base);
   return reinterpret_cast<uint64_t>(p);  // pool memory: one address for host and device
 }
 

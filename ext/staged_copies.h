@@ -33,6 +33,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <utility>
@@ -88,17 +89,16 @@ class StagedCopies {
   StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slots, int reserve,
                int layers = 0, int tier_slots = 0, int num_experts = 0,
                Policy policy = Policy::kLRU);
-  ~StagedCopies();
   StagedCopies(const StagedCopies&) = delete;
   StagedCopies& operator=(const StagedCopies&) = delete;
 
   int slots() const { return static_cast<int>(refs_.size()); }
   int tier_slots() const { return tier_slots_; }
   // Bytes of host memory the slots take (transient and tier).
-  size_t bytes() const { return bytes_; }
+  size_t bytes() const { return memory_->bytes(); }
   int reserve() const { return reserve_; }
   size_t slot_bytes() const { return slot_bytes_; }
-  bool mapped() const { return mapped_; }
+  bool mapped() const { return memory_->mapped(); }
   // The most copies one delivery can hold, for the mailbox's copy region: every slot's
   // spans and `row_copies` row copies.
   size_t capacity(size_t spans_per_record, size_t row_copies) const;
@@ -158,7 +158,9 @@ class StagedCopies {
     bool live;
   };
   uint64_t device(const uint8_t* p) const;
-  uint8_t* slot_memory(int slot) const { return memory_ + static_cast<size_t>(slot) * slot_bytes_; }
+  uint8_t* slot_memory(int slot) const {
+    return memory_->data() + static_cast<size_t>(slot) * slot_bytes_;
+  }
   // Adds the copies of `spans` from `slot`'s segments (a reference each).
   void add_copies(int slot, const std::vector<Span>& spans);
   void release(int slot);
@@ -172,10 +174,7 @@ class StagedCopies {
   PoolWriter writer_;
   size_t slot_bytes_;
   int reserve_;
-  uint8_t* memory_ = nullptr;
-  size_t bytes_ = 0;
-  uintptr_t device_base_ = 0;
-  bool mapped_ = false;
+  std::unique_ptr<MappedHost> memory_;
 
   mutable std::mutex mu_;
   std::vector<int> refs_;        // per slot: pending or delivered copies reading it
