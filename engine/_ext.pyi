@@ -428,6 +428,52 @@ class ExpertCache:
             ExpertReadError: a read failed.
         """
 
+    def layer_scratch(self, layer: int) -> list[mlx.core.array]:
+        """
+        The layer scratch that MoE layer `layer`'s over-capacity calls use
+        where the pools are device memory (`load_layer`): per segment key, in the store's order,
+        an array (num_experts, *segment shape), shared by every layer of the same segment layout
+        and allocated on first use, with as many records of page-locked host staging.
+
+        Raises:
+            IndexError: `layer` out of range.
+            MemoryError: it cannot be allocated (naming the bytes).
+        """
+
+    def read_ahead(self, layer: int, experts: Sequence[int]) -> int:
+        """
+        Starts reading `experts` (int ids, the misses predicted for the
+        next over-capacity call of MoE layer `layer`) into its layer scratch's host staging on the
+        reader threads, behind demand reads; experts with a real slot, or in the host tier, are
+        left out, and an earlier read-ahead not yet taken by `load_layer` is given up.
+
+        Returns:
+            How many records it started reading.
+
+        Raises:
+            IndexError: `layer` or an expert out of range.
+        """
+
+    def load_layer(self, layer: int, missing: Sequence[int]) -> list[int]:
+        """
+        Puts `missing` (acquire's, for the same call of MoE layer `layer`)
+        into rows of its layer scratch (`layer_scratch`): records read ahead (`read_ahead`), from
+        the host tier, or read now on the reader threads, then the staging copied to the device
+        in one copy per segment. Each expert also fills an empty real slot while there is one
+        (as `load_scratch`); misses, loads, bytes and read time are counted.
+
+        Returns:
+            The layer-scratch row of each expert of `missing`, in order.
+
+        Precondition: as acquire's (every earlier use of the layer scratch has been evaluated:
+        the caller synchronised on this call's ids).
+
+        Raises:
+            IndexError: `layer` or an expert out of range.
+            ValueError: more experts than num_experts.
+            ExpertReadError: a read failed (ChecksumError, ExpertReadTimeout).
+        """
+
     def scratch_stream(self, layer: int, experts: Sequence[int]) -> ScratchStream:
         """
         A ScratchStream for `experts` (acquire's `missing` of MoE

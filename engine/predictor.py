@@ -68,12 +68,13 @@ class Predictor:
             and cache.pool_writes == "cuda"
         )
         self._device: DeviceAcquire | None = None
-        # Over-capacity chunks read and evaluated from the host, one wait per chunk, rather
-        # than streamed (`ScratchStream`), where the pools are CUDA memory: a scratch row's
-        # write is then a CUDA runtime call, and a cache thread making one while a graph
-        # runs can wait behind a spinning kernel (MLX's wait for a CPU-stream op, or an
-        # acquire kernel). From the host the GPU is idle when the rows are written.
-        self.host_chunks = cache.pool_writes == "cuda"
+        # Where the pools are CUDA memory, an over-capacity call puts all its misses in
+        # the layer scratch (`ExpertCache.load_layer`) at its one host wait, the device
+        # idle, and reads the next layer's predicted misses while the device computes
+        # (`ahead_ids`). The scratch stream's rows would be written by a cache thread
+        # while a graph runs, a CUDA runtime call that can wait behind a spinning kernel
+        # (MLX's wait for a CPU-stream op, or an acquire kernel), and chunk by chunk.
+        self.layer_scratch = cache.pool_writes == "cuda"
         # Sized now, so that a budget the machine cannot hold is refused at load.
         self._tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
@@ -116,6 +117,18 @@ class Predictor:
             for t in self._targets[layer]
             if self.routers[t] is not None and not self.cache.is_complete(t)
         ]
+
+    def ahead_ids(self, layer: int, x: mx.array, k: int) -> mx.array | None:
+        """Lazy (n, k) int32 ids that the next MoE layer's router picks for `x` (n tokens
+        of `layer`'s input, (..., hidden)): its predicted experts, read ahead into the
+        layer scratch while `layer` computes (`ExpertCache.read_ahead`); None without
+        the layer scratch, after the last layer, or where the next router is not found.
+        The ids are evaluated with `layer`'s own, at its one host wait."""
+        nxt = layer + 1
+        if not self.layer_scratch or nxt >= self.num_layers or self.routers[nxt] is None:
+            return None
+        logits = self.routers[nxt](x.reshape(-1, x.shape[-1]))
+        return mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
 
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills

@@ -23,9 +23,10 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
 - synchronous (calls that may hold more distinct experts than evictable slots: prefill):
   the ids are read on the host once (the layer's one host wait), and misses beyond the
   slots stream through the scratch rows chunk by chunk, each read once, the next chunk's
-  reads in flight while a chunk computes (`_over_capacity`); where the pools are CUDA
-  memory, each chunk is read and then evaluated from the host instead
-  (`Predictor.host_chunks`).
+  reads in flight while a chunk computes (`_over_capacity`). Where the pools are CUDA
+  memory (`Predictor.layer_scratch`) all the misses go into the layer scratch at that
+  wait instead, in one copy, read ahead while the previous layer computed
+  (`ExpertCache.load_layer`, `read_ahead`).
 """
 
 import mlx.core as mx
@@ -98,7 +99,10 @@ class StreamedExperts(nn.Module):
             rows = self._cache.acquire_op(self._index, indices, cpu_stream, after)
             y = self._experts(x, rows)
         else:
-            ids = np.asarray(indices.astype(mx.int32))  # the host sync of this call
+            ids = indices.astype(mx.int32)
+            ahead = self._predictor.ahead_ids(self._index, x, indices.shape[-1])
+            mx.eval(ids, *([] if ahead is None else [ahead]))  # the host sync of this call
+            ids = np.asarray(ids)
             # Every kernel before it has run: staged pool writes can be made by the host.
             self._cache.set_staging(False)
             # It evaluated the layers before this one: a read that failed in their
@@ -109,6 +113,8 @@ class StreamedExperts(nn.Module):
             rows, missing = self._cache.acquire(self._index, ids)
             if missing:
                 y = self._over_capacity(x, ids, rows, missing)
+                if ahead is not None:  # after load_layer: the staging is free again
+                    self._cache.read_ahead(self._index + 1, np.unique(np.asarray(ahead)).tolist())
             else:
                 y = self._experts(x, mx.array(rows))
         return y if token is None else mx.depends(y, token)
@@ -128,9 +134,9 @@ class StreamedExperts(nn.Module):
 
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,
-        misses go through the scratch rows chunk by chunk (`_streamed_chunks`, or
-        `_host_chunks` where the predictor says so), each expert read once; the outputs
-        are put back in the (token, k) order of `ids`."""
+        misses go through the scratch rows chunk by chunk (`_streamed_chunks`), or
+        through the layer scratch (`_layer_scratch`) where the predictor says so, each
+        expert read once; the outputs are put back in the (token, k) order of `ids`."""
         k = ids.shape[-1]
         tokens = x.reshape(-1, x.shape[-1])
         flat_ids, flat_rows = ids.reshape(-1), rows.reshape(-1)
@@ -140,7 +146,7 @@ class StreamedExperts(nn.Module):
         if resident.size:
             groups.append(resident)
             outputs.append(self._pairs(tokens, resident, mx.array(flat_rows[resident]), k))
-        chunks = self._host_chunks if self._predictor.host_chunks else self._streamed_chunks
+        chunks = self._layer_scratch if self._predictor.layer_scratch else self._streamed_chunks
         for pairs, y in chunks(tokens, flat_ids, miss, missing, k):
             groups.append(pairs)
             outputs.append(y)
@@ -169,22 +175,17 @@ class StreamedExperts(nn.Module):
             y = self._pairs(tokens, pairs, chunk_rows, k)
             yield pairs, y
 
-    def _host_chunks(self, tokens, flat_ids, miss, missing, k):
-        """Yields (pairs, outputs) per `scratch_slots` experts of `missing`, each chunk
-        read by the host (`load_scratch`) once the previous one has been evaluated (the
-        scratch rows are reused): a host wait per chunk, and no cross-stream op."""
-        size = self._cache.scratch_slots
+    def _layer_scratch(self, tokens, flat_ids, miss, missing, k):
+        """Yields one (pairs, outputs): every miss put in the layer scratch
+        (`ExpertCache.load_layer`) and computed on it in one pass."""
+        rows = self._cache.load_layer(self._index, missing)
         row_of = np.zeros(self._cache.num_experts, np.int32)
-        y = None
-        for start in range(0, len(missing), size):
-            self._predictor.check_stop(self._index)
-            if y is not None:
-                mx.eval(y)
-            experts = missing[start : start + size]
-            row_of[experts] = self._cache.load_scratch(self._index, experts)
-            pairs = np.flatnonzero(miss & np.isin(flat_ids, experts))
-            y = self._pairs(tokens, pairs, mx.array(row_of[flat_ids[pairs]]), k)
-            yield pairs, y
+        row_of[missing] = rows
+        scratch = dict(zip(self._pool, self._cache.layer_scratch(self._index), strict=True))
+        pairs = np.flatnonzero(miss)
+        pair_rows = mx.array(row_of[flat_ids[pairs]]).reshape(-1, 1)
+        y = expert_outputs(tokens[mx.array(pairs // k)], scratch, pair_rows, self._quant, self._math)
+        yield pairs, y[:, 0]
 
     def _pairs(self, tokens, pairs, pair_rows, k):
         """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs` (numpy

@@ -245,6 +245,43 @@ Raises:
     ValueError: the layer's real region does not hold every expert.
     ExpertReadError (and subclasses): a read failed (the experts that landed stay).)";
 
+const char* kLayerScratch = R"(The layer scratch that MoE layer `layer`'s over-capacity calls use
+where the pools are device memory (`load_layer`): per segment key, in the store's order,
+an array (num_experts, *segment shape), shared by every layer of the same segment layout
+and allocated on first use, with as many records of page-locked host staging.
+
+Raises:
+    IndexError: `layer` out of range.
+    MemoryError: it cannot be allocated (naming the bytes).)";
+
+const char* kReadAhead = R"(Starts reading `experts` (int ids, the misses predicted for the
+next over-capacity call of MoE layer `layer`) into its layer scratch's host staging on the
+reader threads, behind demand reads; experts with a real slot, or in the host tier, are
+left out, and an earlier read-ahead not yet taken by `load_layer` is given up.
+
+Returns:
+    How many records it started reading.
+
+Raises:
+    IndexError: `layer` or an expert out of range.)";
+
+const char* kLoadLayer = R"(Puts `missing` (acquire's, for the same call of MoE layer `layer`)
+into rows of its layer scratch (`layer_scratch`): records read ahead (`read_ahead`), from
+the host tier, or read now on the reader threads, then the staging copied to the device
+in one copy per segment. Each expert also fills an empty real slot while there is one
+(as `load_scratch`); misses, loads, bytes and read time are counted.
+
+Returns:
+    The layer-scratch row of each expert of `missing`, in order.
+
+Precondition: as acquire's (every earlier use of the layer scratch has been evaluated:
+the caller synchronised on this call's ids).
+
+Raises:
+    IndexError: `layer` or an expert out of range.
+    ValueError: more experts than num_experts.
+    ExpertReadError: a read failed (ChecksumError, ExpertReadTimeout).)";
+
 const char* kLoadScratch = R"(Reads `experts` (at most scratch_slots of the `missing` list of
 acquire) into the scratch rows of MoE layer `layer`. While the real region has empty
 slots, each expert read is also copied into one (no second read), so a prompt that
@@ -753,6 +790,27 @@ NB_MODULE(_ext, m) {
             return c.impl->load_scratch(li, experts);
           },
           "layer"_a, "experts"_a, doc::kLoadScratch)
+      .def(
+          "layer_scratch",
+          [](Cache& c, int li) {
+            nb::gil_scoped_release release;
+            return c.impl->layer_scratch(li);
+          },
+          "layer"_a, doc::kLayerScratch)
+      .def(
+          "read_ahead",
+          [](Cache& c, int li, const std::vector<int>& experts) {
+            nb::gil_scoped_release release;
+            return c.impl->read_ahead(li, experts);
+          },
+          "layer"_a, "experts"_a, doc::kReadAhead)
+      .def(
+          "load_layer",
+          [](Cache& c, int li, const std::vector<int>& missing) {
+            nb::gil_scoped_release release;
+            return c.impl->load_layer(li, missing);
+          },
+          "layer"_a, "missing"_a, doc::kLoadLayer)
       .def(
           "scratch_stream",
           [](Cache& c, int li, std::vector<int> experts) {

@@ -81,16 +81,6 @@ std::string duration_text(int ms) {
 // a Pending read Abandoned (timeout), after which that read never touches its row.
 enum ReadState : int { kPending = 0, kCopying, kDone, kFailed, kAbandoned };
 
-// The demand reads of one call, shared by the waiting caller and the reader threads.
-// All fields are guarded by mu.
-struct DemandBatch {
-  explicit DemandBatch(size_t n) : state(n, kPending), error(n) {}
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int> state;
-  std::vector<std::exception_ptr> error;
-  size_t settled = 0;  // reads Done, Failed or Abandoned
-};
 
 // `given` (one value per MoE layer), or `uniform` for each of `layers` when it is empty.
 std::vector<int> per_layer(const std::vector<int>& given, int uniform, size_t layers,
@@ -103,6 +93,16 @@ std::vector<int> per_layer(const std::vector<int>& given, int uniform, size_t la
 }
 
 }  // namespace
+
+// All fields are guarded by mu.
+struct ReadBatch {
+  explicit ReadBatch(size_t n) : state(n, kPending), error(n) {}
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> state;
+  std::vector<std::exception_ptr> error;
+  size_t settled = 0;  // reads Done, Failed or Abandoned
+};
 
 // A prefetch fill's state: Pending -> Copying by its reader (compare-exchange, so the copy
 // runs without the cache mutex); Pending -> Failed by its reader or Pending -> Abandoned
@@ -216,6 +216,22 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     complete_.push_back(0);
     fill_tickets_.emplace_back(2 * static_cast<size_t>(side_slots_[li]));
   }
+  // Layers whose segments agree in key, dtype, shape and place share a layer scratch.
+  std::vector<std::string> layouts;
+  for (const auto& L : layers_) {
+    std::string sig;
+    for (const auto& seg : L.segments) {
+      sig += seg.key + ":" + std::to_string(static_cast<int>(seg.dtype.val())) + ":" +
+             std::to_string(seg.offset) + ":" + std::to_string(seg.nbytes);
+      for (auto d : seg.shape) sig += "," + std::to_string(d);
+      sig += ";";
+    }
+    auto at = std::find(layouts.begin(), layouts.end(), sig);
+    layout_.push_back(static_cast<int>(at - layouts.begin()));
+    if (at == layouts.end()) layouts.push_back(sig);
+  }
+  layer_scratch_.resize(layouts.size());
+  read_ahead_.resize(layouts.size());
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
   last_forward_.assign(layers_.size(), 0);
@@ -294,10 +310,10 @@ bool ExpertCache::stage_from_tier(int li, int expert, int row) {
   return staged_->stage_cached(li, expert, row_spans(li, row));
 }
 
-bool ExpertCache::copy_from_tier(int li, int expert, int row) {
+bool ExpertCache::copy_from_tier(int li, int expert, const std::vector<Span>& to) {
   if (!staged_ || staged_->tier_slots() == 0) return false;
   try {
-    return staged_->copy_cached(li, expert, row_spans(li, row), writer_);
+    return staged_->copy_cached(li, expert, to, writer_);
   } catch (const std::exception&) {
     return false;  // the row is read from disk instead
   }
@@ -354,7 +370,7 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
   for (size_t i = 0; i < n; ++i) {
     const bool staged = how != Write::kDirect && staging_on();
     if (staged ? stage_from_tier(li, loads[i].first, loads[i].second)
-               : copy_from_tier(li, loads[i].first, loads[i].second)) {
+               : copy_from_tier(li, loads[i].first, row_spans(li, loads[i].second))) {
       landed[i] = kLandedFromTier;
     } else {
       rest.push_back(loads[i]);
@@ -408,7 +424,7 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
                                           std::vector<std::exception_ptr>& errors,
                                           Write how) {
   const size_t n = loads.size();
-  auto batch = std::make_shared<DemandBatch>(n);
+  auto batch = std::make_shared<ReadBatch>(n);
   std::vector<std::function<void()>> tasks;
   tasks.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -458,30 +474,36 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
     submit_error = std::current_exception();
   }
 
-  std::unique_lock<std::mutex> lk(batch->mu);
-  auto abandon_pending = [&] {
-    for (size_t i = 0; i < n; ++i) {
-      if (batch->state[i] != kPending) continue;
-      batch->state[i] = kAbandoned;
-      ++batch->settled;
-    }
-  };
-  if (submit_error) abandon_pending();
-  const auto timeout = std::chrono::milliseconds(read_timeout_ms_);
-  while (batch->settled < n) {
-    const size_t before = batch->settled;
-    auto progressed = [&] { return batch->settled != before; };
-    if (read_timeout_ms_ <= 0) {
-      batch->cv.wait(lk, progressed);
-    } else if (!batch->cv.wait_for(lk, timeout, progressed)) {
-      abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
-    }
-  }
+  settle(*batch, submit_error != nullptr);
+  std::lock_guard<std::mutex> lk(batch->mu);
   for (size_t i = 0; i < n; ++i) {
     landed[i] = batch->state[i] == kDone;
     if (batch->state[i] == kFailed) errors[i] = batch->error[i];
   }
   return submit_error;
+}
+
+void ExpertCache::settle(ReadBatch& b, bool give_up) {
+  std::unique_lock<std::mutex> lk(b.mu);
+  const size_t n = b.state.size();
+  auto abandon_pending = [&] {
+    for (size_t i = 0; i < n; ++i) {
+      if (b.state[i] != kPending) continue;
+      b.state[i] = kAbandoned;
+      ++b.settled;
+    }
+  };
+  if (give_up) abandon_pending();
+  const auto timeout = std::chrono::milliseconds(read_timeout_ms_);
+  while (b.settled < n) {
+    const size_t before = b.settled;
+    auto progressed = [&] { return b.settled != before; };
+    if (read_timeout_ms_ <= 0) {
+      b.cv.wait(lk, progressed);
+    } else if (!b.cv.wait_for(lk, timeout, progressed)) {
+      abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
+    }
+  }
 }
 
 void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
@@ -864,6 +886,257 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   return rows;
 }
 
+std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li) {
+  auto& ls = layer_scratch_.at(static_cast<size_t>(layout_.at(static_cast<size_t>(li))));
+  if (ls) return ls;
+  const auto& L = layers_[li];
+  std::vector<mx::array> arrays;
+  std::vector<int64_t> offsets, nbytes;
+  for (const auto& seg : L.segments) {
+    mx::Shape shape{num_experts_};
+    shape.insert(shape.end(), seg.shape.begin(), seg.shape.end());
+    const size_t bytes = static_cast<size_t>(num_experts_) * static_cast<size_t>(seg.nbytes);
+    mx::array a(checked_malloc(bytes, L.path + " segment " + seg.key + " (layer scratch of " +
+                                          std::to_string(num_experts_) + " rows)"),
+                shape, seg.dtype);
+    writer_.zero(a.data<uint8_t>(), bytes);
+    arrays.push_back(std::move(a));
+    offsets.push_back(seg.offset);
+    nbytes.push_back(seg.nbytes);
+  }
+  ls = std::make_shared<LayerScratch>(std::move(arrays), std::move(offsets), std::move(nbytes),
+                                      L.record_bytes, num_experts_, writer_);
+  return ls;
+}
+
+std::vector<mx::array> ExpertCache::layer_scratch(int li) {
+  check_layer(li, num_layers());
+  std::lock_guard<std::mutex> lk(mu_);
+  return layer_scratch_locked(li)->arrays;
+}
+
+std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
+                                                    const std::vector<int>& experts,
+                                                    const std::vector<int>& rows, bool ahead) {
+  auto batch = std::make_shared<ReadBatch>(experts.size());
+  auto read = [this, li, ls, batch](size_t i, int e, int r, bool cancelled) {
+    auto& b = *batch;
+    auto settle_as = [&](int state, std::exception_ptr err) {
+      b.state[i] = state;
+      b.error[i] = std::move(err);
+      ++b.settled;
+      b.cv.notify_all();
+    };
+    {
+      std::lock_guard<std::mutex> lk(b.mu);
+      if (b.state[i] != kPending) return;  // given up before it started
+      if (cancelled) return settle_as(kAbandoned, nullptr);
+    }
+    uint8_t* buf = nullptr;
+    std::exception_ptr err;
+    try {
+      // Host memory only: the staging is copied to the device by load_layer.
+      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), host_writer_);
+      ReadClock::Span reading(&read_clock_);
+      files_[li]->read_record(e, buf, config_.verify_checksums);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lk(b.mu);
+      if (b.state[i] != kPending) return;  // given up while reading: drop the bytes
+      if (err) return settle_as(kFailed, err);
+      b.state[i] = kCopying;
+    }
+    ls->stage(r, buf);
+    if (staged_ && staged_->tier_slots() > 0) {
+      // Kept in the host tier too, so that a later miss of it is not read again.
+      std::vector<Span> spans = ls->staged(r);
+      for (size_t s = 0; s < spans.size(); ++s)
+        spans[s].src = buf + layers_[li].segments[s].offset;
+      staged_->keep(spans, li, e);
+    }
+    std::lock_guard<std::mutex> lk(b.mu);
+    settle_as(kDone, nullptr);
+  };
+  if (ahead) {
+    for (size_t i = 0; i < experts.size(); ++i)
+      readers_->submit_prefetch(
+          [read, i, e = experts[i], r = rows[i]](bool cancelled) { read(i, e, r, cancelled); });
+  } else {
+    std::vector<std::function<void()>> tasks;
+    for (size_t i = 0; i < experts.size(); ++i)
+      tasks.emplace_back([read, i, e = experts[i], r = rows[i]] { read(i, e, r, false); });
+    readers_->submit_demand(std::move(tasks));
+  }
+  return batch;
+}
+
+int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
+  check_layer(li, num_layers());
+  for (int e : experts)
+    if (e < 0 || e >= num_experts_)
+      throw std::out_of_range("expert id " + std::to_string(e) + " out of range [0, " +
+                              std::to_string(num_experts_) + ") in MoE layer " +
+                              std::to_string(li));
+  std::shared_ptr<LayerScratch> ls;
+  ReadAhead old;
+  std::vector<int> todo;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ls = layer_scratch_locked(li);
+    std::swap(old, read_ahead_[static_cast<size_t>(layout_[li])]);
+    std::vector<uint8_t> seen(static_cast<size_t>(num_experts_), 0);
+    for (int e : experts) {
+      if (seen[static_cast<size_t>(e)]++ || real_[li].slot_of(e) >= 0) continue;
+      if (staged_ && staged_->holds(li, e)) continue;
+      todo.push_back(e);
+    }
+  }
+  if (old.batch) settle(*old.batch, true);  // its rows are about to be read into
+  std::vector<int> rows(todo.size());
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int>(i);
+  auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, rows, true);
+  std::lock_guard<std::mutex> lk(mu_);
+  read_ahead_[static_cast<size_t>(layout_[li])] = ReadAhead{li, todo, batch};
+  return static_cast<int>(todo.size());
+}
+
+std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing) {
+  check_layer(li, num_layers());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int e : missing)
+    if (e < 0 || e >= num_experts_)
+      throw std::out_of_range("expert id " + std::to_string(e) + " out of range [0, " +
+                              std::to_string(num_experts_) + ") in MoE layer " +
+                              std::to_string(li));
+  if (static_cast<int>(missing.size()) > num_experts_)
+    throw std::invalid_argument("load_layer: " + std::to_string(missing.size()) +
+                                " experts for a layer scratch of " +
+                                std::to_string(num_experts_) + " rows");
+  std::shared_ptr<LayerScratch> ls;
+  ReadAhead ahead;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ls = layer_scratch_locked(li);
+    std::swap(ahead, read_ahead_[static_cast<size_t>(layout_[li])]);
+  }
+  const auto& L = layers_[li];
+  uint64_t ahead_read = 0;  // records the read-ahead landed (used or not)
+  std::vector<int> row_of(static_cast<size_t>(num_experts_), -1);
+  std::vector<int> free_rows;  // staging rows whose read-ahead did not land
+  int used = 0;                // staging rows [0, used) hold or will hold a record
+  if (ahead.batch) {
+    settle(*ahead.batch, ahead.layer != li);
+    std::lock_guard<std::mutex> lk(ahead.batch->mu);
+    if (ahead.layer == li) {
+      used = static_cast<int>(ahead.experts.size());
+      for (size_t i = 0; i < ahead.experts.size(); ++i) {
+        if (ahead.batch->state[i] == kDone) {
+          row_of[static_cast<size_t>(ahead.experts[i])] = static_cast<int>(i);
+          ++ahead_read;
+        } else {
+          free_rows.push_back(static_cast<int>(i));
+        }
+      }
+    }
+  }
+  // The rest: from the host tier into rows from the top, else read now into staging.
+  uint64_t tier = 0;
+  int top = num_experts_;
+  std::vector<int> reads, read_rows;
+  for (int e : missing) {
+    if (row_of[static_cast<size_t>(e)] >= 0) continue;
+    if (copy_from_tier(li, e, ls->row(top - 1))) {
+      row_of[static_cast<size_t>(e)] = --top;
+      ++tier;
+      continue;
+    }
+    int r;
+    if (!free_rows.empty()) {
+      r = free_rows.back();
+      free_rows.pop_back();
+    } else {
+      r = used++;
+    }
+    reads.push_back(e);
+    read_rows.push_back(r);
+  }
+  std::exception_ptr first;
+  uint64_t read_now = 0;
+  const auto r0 = std::chrono::steady_clock::now();
+  if (!reads.empty()) {
+    auto batch = stage_reads(li, ls, reads, read_rows, false);
+    settle(*batch, false);
+    std::lock_guard<std::mutex> lk(batch->mu);
+    for (size_t j = 0; j < reads.size(); ++j) {
+      if (batch->state[j] == kDone) {
+        row_of[static_cast<size_t>(reads[j])] = read_rows[j];
+        ++read_now;
+      } else if (!first) {
+        first = batch->error[j] ? batch->error[j]
+                                : std::make_exception_ptr(ReadTimeout(
+                                      files_[li]->where(reads[j]) +
+                                      ": read timed out (no read finished within " +
+                                      duration_text(read_timeout_ms_) +
+                                      "; is the storage responding?)"));
+      }
+    }
+  }
+  const auto read_us = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
+          .count());
+  if (!first && used > 0) {
+    try {
+      writer_.copy(ls->upload(used));
+    } catch (const std::exception& e) {
+      first = std::make_exception_ptr(
+          ReadError(L.path + " (layer " + std::to_string(L.layer) + ", layer scratch): " +
+                    e.what()));
+    }
+  }
+  std::vector<int> rows;
+  for (int e : missing) rows.push_back(row_of[static_cast<size_t>(e)]);
+  std::lock_guard<std::mutex> lk(mu_);
+  const uint64_t ok = first ? 0 : static_cast<uint64_t>(missing.size());
+  if (!first) {
+    // As load_scratch: the call's experts also fill the real region's empty slots, most
+    // routed first (acquire's order), by device copies from the scratch rows.
+    auto& R = real_[li];
+    std::vector<Span> copies;
+    std::vector<std::pair<int, int>> assigned;  // (slot, expert)
+    int slot = 0;
+    for (size_t i = 0; i < missing.size(); ++i) {
+      const int e = missing[i];
+      if (R.slot_of(e) >= 0) continue;
+      while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
+      if (slot == slots_[li]) break;
+      std::vector<Span> to = row_spans(li, slot), from = ls->row(rows[i]);
+      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
+      assigned.emplace_back(slot++, e);
+    }
+    try {
+      if (!copies.empty()) writer_.copy(copies);
+      for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
+    } catch (const std::exception&) {
+      // the slots stay empty: no partial row is ever mapped
+    }
+  }
+  auto& st = stats_[li];
+  st.misses += missing.size();
+  st.loads += ok;
+  st.read_errors += missing.size() - ok;
+  st.bytes_read += (ahead_read + read_now) * static_cast<uint64_t>(L.stride);
+  st.host_hits += tier;
+  st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
+  st.read_seconds_us += read_us;
+  st.acquire_seconds_us += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
+  if (first) std::rethrow_exception(first);
+  return rows;
+}
+
 void ExpertCache::fill_task(int li, int gen, int expert, int row,
                             const std::shared_ptr<FillTicket>& t, bool cancelled) {
   bool landed = false, from_tier = false;
@@ -871,7 +1144,8 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
   if (!cancelled && staged_ && t->state.compare_exchange_strong(expect_tier, kCopying)) {
     const int at = slots_[li] + gen * side_slots_[li] + row;
     from_tier = landed =
-        staging_on() ? stage_from_tier(li, expert, at) : copy_from_tier(li, expert, at);
+        staging_on() ? stage_from_tier(li, expert, at)
+                     : copy_from_tier(li, expert, row_spans(li, at));
     if (!landed) t->state.store(kPending);
   }
   if (!cancelled && !landed && t->state.load() == kPending) {
@@ -1044,6 +1318,10 @@ void ExpertCache::reset() {
   }
   if (staged_) staged_->clear_tier();
   last_li_ = -1;
+  for (auto& ra : read_ahead_) {
+    if (ra.batch) settle(*ra.batch, true);
+    ra = ReadAhead{};
+  }
 }
 
 LayerSnapshot ExpertCache::snapshot(int li) const {

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "blob_file.h"
+#include "layer_scratch.h"
 #include "pool_writer.h"
 #include "mlx/array.h"
 #include "reader_pool.h"
@@ -61,6 +62,10 @@ struct LayerSpec {
   std::vector<Segment> segments;
   std::vector<uint32_t> checksums;
 };
+
+// The reads of one batch of records, shared by whoever waits for them and the reader
+// threads (expert_cache.cpp).
+struct ReadBatch;
 
 // The settings of one cache, named as engine.config.StreamConfig names them; the
 // ExpertCache constructor checks them (std::invalid_argument).
@@ -269,6 +274,27 @@ class ExpertCache {
   // calls on other layers (ScratchStream reads a layer's chunks on a thread of its own).
   std::vector<int> load_scratch(int li, const std::vector<int>& experts, int first = 0);
 
+  // The over-capacity path where the pools are device memory (ext/layer_scratch.h).
+  // The arrays (per segment, (num_experts, *shape)) of the layer scratch that MoE layer
+  // li's calls use, allocated on first use and shared by the layers of its segment layout.
+  // Throws std::bad_alloc (naming the bytes) when it cannot be allocated.
+  std::vector<mx::array> layer_scratch(int li);
+  // Starts reading `experts` of MoE layer li into its layer scratch's staging on the
+  // reader threads (behind demand reads), those with a real slot or in the host tier
+  // left out: the misses a coming over-capacity call of li is predicted to have. An
+  // earlier read-ahead of the same layout not yet taken is given up (its reads finish
+  // into their own buffers and are dropped). Returns how many reads it started.
+  int read_ahead(int li, const std::vector<int>& experts);
+  // Puts `missing` (acquire's, for the same call of MoE layer li) into rows of li's
+  // layer scratch and returns the row of each: records read ahead (waited for as demand
+  // reads are), from the host tier, or read now; the staging copied to the device in
+  // one copy per segment. Like load_scratch, each one also fills an empty real slot
+  // while there is one, and the counters count misses, loads, bytes and read time.
+  // Precondition as acquire's: every earlier use of the scratch has been evaluated.
+  // Throws as acquire's demand reads do (a failed or timed-out read: nothing of this
+  // call's rows is used) and std::invalid_argument for more experts than rows.
+  std::vector<int> load_layer(int li, const std::vector<int>& missing);
+
   // Reserves side rows for the predicted experts of layer li and fills them (background,
   // or inline in SYNC mode). Called by the prefetch primitive.
   void prefetch(int li, const int32_t* ids, size_t n);
@@ -318,10 +344,11 @@ class ExpertCache {
   // kernels come through the CPU stream, not the acquire kernels).
   enum class Write { kDemand, kFill, kDirect };
   void copy_record(int li, int expert, const uint8_t* buf, int row, Write how);
-  // Expert `expert` of layer li into `row` from the host tier, when it holds it: staged
-  // (staging on), or copied now (off). False: not held, the caller reads it.
+  // Expert `expert` of layer li from the host tier, when it holds it: staged into pool
+  // row `row` (staging on), or copied now into `to` (a pool row's or the layer scratch's
+  // spans). False: not held, the caller reads it.
   bool stage_from_tier(int li, int expert, int row);
-  bool copy_from_tier(int li, int expert, int row);
+  bool copy_from_tier(int li, int expert, const std::vector<Span>& to);
   // The spans of `row`'s segments in layer li's pool (sources unset).
   std::vector<Span> row_spans(int li, int row) const;
   void copy_row(int li, int from, int to, Write how);
@@ -394,6 +421,27 @@ class ExpertCache {
   bool pending_lfu_;
   bool side_lfu_;
   bool sync_;
+
+  // The layer scratch of each segment layout (made on first use, under mu_), which
+  // layout each MoE layer has, and the read-ahead not yet taken by load_layer per layout:
+  // its layer, experts (staging row i holds experts[i]) and reads.
+  struct ReadAhead {
+    int layer = -1;
+    std::vector<int> experts;
+    std::shared_ptr<ReadBatch> batch;
+  };
+  std::vector<std::shared_ptr<LayerScratch>> layer_scratch_;
+  std::vector<ReadAhead> read_ahead_;
+  std::vector<int> layout_;  // [li]: index into layer_scratch_
+  std::shared_ptr<LayerScratch> layer_scratch_locked(int li);
+  // Reads experts[i] of layer li into staging row rows[i] on the reader threads
+  // (prefetch lane when `ahead`, else demand); returns the batch to wait on.
+  std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
+                                         const std::vector<int>& experts,
+                                         const std::vector<int>& rows, bool ahead);
+  // Waits for `batch` as demand reads are waited for (read_timeout_s without progress
+  // gives the rest up); `give_up`: gives every read not yet copying up at once.
+  void settle(ReadBatch& batch, bool give_up);
 
   PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
   PoolWriter host_writer_{nullptr};

@@ -105,6 +105,13 @@ void StagedCopies::keep(const std::vector<Span>& spans, int layer, int expert) {
   release(slot);
 }
 
+bool StagedCopies::holds(int layer, int expert) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return false;
+  const int at = tier_[static_cast<size_t>(layer)].slot_of(expert);
+  return at >= 0 && !filling_[static_cast<size_t>(layer * tier_slots_ + at)];
+}
+
 bool StagedCopies::copy_cached(int layer, int expert, const std::vector<Span>& spans,
                                const PoolWriter& writer) {
   int slot;

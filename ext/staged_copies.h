@@ -118,6 +118,8 @@ class StagedCopies {
   // none holds it. Throws as PoolWriter::copy does.
   bool copy_cached(int layer, int expert, const std::vector<Span>& spans,
                    const PoolWriter& writer);
+  // Whether a tier slot of `layer` holds expert `expert` now (filled, not filling).
+  bool holds(int layer, int expert) const;
   // Host paths: keeps a record written directly (`spans` with host sources, as for
   // stage_record) in a tier slot of its layer when one is free of copies; no copy is
   // staged. Nothing happens without a tier or a slot, or when the tier holds it already.

@@ -124,12 +124,12 @@ def test_dense_layers_and_expert_bias(model_dirs, resident):
         assert_same(resident(model_type, **options), greedy_logits(sm.model))
 
 
-@pytest.mark.parametrize("host_chunks", [False, True], ids=["streamed", "host chunks"])
-def test_long_prefill_reads_each_expert_once_and_keeps_working_set(model_dirs, host_chunks):
+@pytest.mark.parametrize("layer_scratch", [False, True], ids=["streamed", "layer scratch"])
+def test_long_prefill_reads_each_expert_once_and_keeps_working_set(model_dirs, layer_scratch):
     """An over-capacity prefill streams each missing expert once per layer through the
     scratch rows and leaves the real region's pinned working set in place."""
     sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=3, scratch_slots=2))
-    sm.predictor.host_chunks = host_chunks
+    sm.predictor.layer_scratch = layer_scratch
     for li in range(sm.cache.num_layers):
         sm.cache.pin(li, 0)
     prompt = list(range(1, 100))

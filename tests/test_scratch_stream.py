@@ -122,9 +122,9 @@ def test_a_step_is_refused_without_the_previous_chunk_or_out_of_range(qwen_store
         cache.scratch_stream(0, [1, 8])
 
 
-@pytest.mark.parametrize("host_chunks", [False, True], ids=["streamed", "host chunks"])
+@pytest.mark.parametrize("layer_scratch", [False, True], ids=["streamed", "layer scratch"])
 @pytest.mark.parametrize("scratch", [1, 2, 3, 5])
-def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scratch, host_chunks):
+def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scratch, layer_scratch):
     """A cold cache of 2 slots and a 99-token prompt: every layer's call is over
     capacity; each routed expert is read once per layer and the logits are resident's,
     through the scratch stream and through the host's chunks (the path on MLX CUDA)."""
@@ -133,7 +133,7 @@ def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scra
     model, _ = load_model(model_dir)
     want = np.array(model(prompt))
     sm = load(model_dir, StreamConfig(expert_slots=2, scratch_slots=scratch))
-    sm.predictor.host_chunks = host_chunks
+    sm.predictor.layer_scratch = layer_scratch
     routed = {}
     sm.predictor.on_acquire = lambda li, ids: routed.setdefault(li, set(ids.reshape(-1).tolist()))
     got = np.array(sm.model(prompt))
@@ -147,15 +147,15 @@ def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scra
     assert sm.cache.check() == ""
 
 
-@pytest.mark.parametrize("host_chunks", [False, True], ids=["streamed", "host chunks"])
+@pytest.mark.parametrize("layer_scratch", [False, True], ids=["streamed", "layer scratch"])
 def test_a_failed_read_in_an_over_capacity_prefill_is_raised_naming_the_record(
-    model_dirs, host_chunks
+    model_dirs, layer_scratch
 ):
     """A record that cannot be read in a prefill over capacity: the forward raises
     ExpertReadError naming the file, layer and expert (from the host's chunk at once, or
     from the stream at the next layer's ids sync or the caller's check)."""
     sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=2, scratch_slots=2))
-    sm.predictor.host_chunks = host_chunks
+    sm.predictor.layer_scratch = layer_scratch
     sm.cache.inject_fault(1, "eio", count=10**6)
     with pytest.raises(
         ExpertReadError, match=r"layer01\.blob \(layer \d+, expert \d+\): read failed"

@@ -1,0 +1,127 @@
+"""The layer scratch: an over-capacity call's misses in one set of rows per layout.
+
+Where the pools are CUDA memory an over-capacity call puts every miss into the layer
+scratch at its one host wait (`load_layer`), the next layer's predicted misses read into
+page-locked staging meanwhile (`read_ahead`). On this machine the same code runs on host
+memory: these tests pin down that each row holds its expert's record, that a record read
+ahead is not read again, that reads a layer did not use cost bytes but no rows, that a
+failed read ahead is read again and a failed read is raised, that the host tier serves
+it, and that a prefill through it gives the resident logits with the read-ahead on.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model
+
+from engine._ext import AcquireMailbox
+from engine.cache import ExpertReadError, open_cache
+from engine.config import StreamConfig
+from engine.model import load
+
+from rowcheck import RowChecker
+
+
+def scratch_bytes(cache, li, row):
+    """The record in layer-scratch row `row` of MoE layer `li`, as bytes."""
+    return b"".join(np.array(a[row]).tobytes() for a in cache.layer_scratch(li))
+
+
+def stats(cache, li):
+    s = cache.snapshot(li)["stats"]
+    return {k: int(s[k]) for k in ("misses", "loads", "bytes_read", "host_hits", "read_errors")}
+
+
+def test_each_miss_lands_in_its_row_and_fills_the_empty_slots(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    checker = RowChecker(qwen_store, cache)
+    rows, missing = cache.acquire(1, np.arange(8, dtype=np.int32).reshape(-1, 2))
+    assert len(missing) == 8 and (rows == -1).all()
+    got = cache.load_layer(1, missing)
+    assert sorted(got) == list(range(8))
+    for e, r in zip(missing, got, strict=True):
+        assert scratch_bytes(cache, 1, r) == checker.records[(1, e)]
+    # The two most-routed (acquire's order) fill the empty real slots, as load_scratch does.
+    assert sorted(cache.snapshot(1)["slot_expert"].tolist()) == sorted(missing[:2])
+    assert checker.assert_all_published() == 2
+    stride = qwen_store.manifest.layers[1].stride
+    assert stats(cache, 1) == {
+        "misses": 8, "loads": 8, "bytes_read": 8 * stride, "host_hits": 0, "read_errors": 0
+    }
+    assert cache.check() == ""
+
+
+def test_a_record_read_ahead_is_not_read_again(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    checker = RowChecker(qwen_store, cache)
+    stride = qwen_store.manifest.layers[2].stride
+    assert cache.read_ahead(2, [6, 1, 1, 4]) == 3  # duplicates read once
+    got = cache.load_layer(2, [4, 6, 7])  # 1 read but not used; 7 not predicted
+    for e, r in zip([4, 6, 7], got, strict=True):
+        assert scratch_bytes(cache, 2, r) == checker.records[(2, e)]
+    s = stats(cache, 2)
+    assert (s["loads"], s["bytes_read"]) == (3, 4 * stride)  # 1 cost its bytes
+    # Residents are not read ahead: 4 and 6 took the empty slots.
+    assert cache.read_ahead(2, [4, 6, 5]) == 1
+
+
+def test_a_read_ahead_for_another_layer_is_given_up(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    checker = RowChecker(qwen_store, cache)
+    cache.read_ahead(1, [0, 1, 2, 3, 4, 5, 6, 7])
+    got = cache.load_layer(3, [2, 5])  # same layout: layer 1's staging rows are reused
+    for e, r in zip([2, 5], got, strict=True):
+        assert scratch_bytes(cache, 3, r) == checker.records[(3, e)]
+    assert stats(cache, 3)["loads"] == 2
+
+
+def test_a_failed_read_ahead_is_read_again_and_a_failed_read_is_raised(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    checker = RowChecker(qwen_store, cache)
+    cache.inject_fault(0, "corrupt", expert=3, count=2)  # the read ahead and its retry
+    cache.read_ahead(0, [3, 4])
+    got = cache.load_layer(0, [3, 4])
+    for e, r in zip([3, 4], got, strict=True):
+        assert scratch_bytes(cache, 0, r) == checker.records[(0, e)]
+    cache.inject_fault(0, "eio", expert=5, count=10**6)
+    with pytest.raises(ExpertReadError, match=r"layer00\.blob \(layer \d+, expert 5\): read failed"):
+        cache.load_layer(0, [5, 6])
+    assert stats(cache, 0)["read_errors"] == 2
+    assert cache.check() == ""
+
+
+def test_the_host_tier_serves_the_layer_scratch_and_keeps_what_it_read(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=0, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
+    checker = RowChecker(qwen_store, cache)
+    stride = qwen_store.manifest.layers[1].stride
+    cache.load_layer(1, [4, 5])  # read from disk, kept in the tier; 4 takes the slot
+    assert cache.read_ahead(1, [4, 5, 6]) == 1  # 4 resident, 5 in the tier
+    got = cache.load_layer(1, [5, 6])
+    for e, r in zip([5, 6], got, strict=True):
+        assert scratch_bytes(cache, 1, r) == checker.records[(1, e)]
+    s = stats(cache, 1)
+    assert (s["host_hits"], s["loads"], s["bytes_read"]) == (1, 4, 3 * stride)
+    del mailbox
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_a_prefill_through_the_layer_scratch_gives_the_resident_logits(model_dirs, slots):
+    """Every layer over capacity, the next layer's misses read ahead from the router's
+    prediction: the logits are resident's, each routed expert is loaded once per layer,
+    and what was read ahead beyond them is counted in bytes only."""
+    model_dir = model_dirs("qwen3_moe")
+    prompt = mx.array([list(range(1, 100))])
+    model, _ = load_model(model_dir)
+    want = np.array(model(prompt))
+    sm = load(model_dir, StreamConfig(expert_slots=slots))
+    sm.predictor.layer_scratch = True
+    routed = {}
+    sm.predictor.on_acquire = lambda li, ids: routed.setdefault(li, set(ids.reshape(-1).tolist()))
+    assert np.array_equal(want, np.array(sm.model(prompt)))
+    snap = sm.snapshot()
+    assert snap.stats["loads"].tolist() == [len(routed[li]) for li in range(sm.cache.num_layers)]
+    stride = sm.store.manifest.layers[0].stride
+    read = (snap.stats["bytes_read"] // stride).tolist()
+    assert all(r >= len(routed[li]) for li, r in enumerate(read))
+    assert sm.cache.check() == ""
