@@ -454,23 +454,26 @@ class ExpertCache:
             IndexError: `layer` or an expert out of range.
         """
 
-    def load_layer(self, layer: int, missing: Sequence[int]) -> list[int]:
+    def load_layer(self, layer: int, missing: Sequence[int], resident: Sequence[int] = [], resident_rows: Sequence[int] = []) -> list[int]:
         """
-        Puts `missing` (acquire's, for the same call of MoE layer `layer`)
-        into rows of its layer scratch (`layer_scratch`): records read ahead (`read_ahead`), from
-        the host tier, or read now on the reader threads, then the staging copied to the device
-        in one copy per segment. Each expert also fills an empty real slot while there is one
-        (as `load_scratch`); misses, loads, bytes and read time are counted.
+        Puts every expert of an over-capacity call of MoE layer `layer`
+        into rows of its layer scratch (`layer_scratch`), so that the call computes from it alone:
+        `missing` (acquire's) from records read ahead (`read_ahead`), the host tier, or read now
+        on the reader threads, the staging copied to the device in one copy per segment;
+        `resident` (the call's hits) from their pool rows `resident_rows` by device copies. Each
+        miss also fills an empty real slot while there is one (as `load_scratch`); misses, loads,
+        bytes and read time are counted.
 
         Returns:
-            The layer-scratch row of each expert of `missing`, in order.
+            The layer-scratch row of each expert, `missing` first, then `resident`.
 
         Precondition: as acquire's (every earlier use of the layer scratch has been evaluated:
         the caller synchronised on this call's ids).
 
         Raises:
-            IndexError: `layer` or an expert out of range.
-            ValueError: more experts than num_experts.
+            IndexError: `layer`, an expert or a pool row out of range.
+            ValueError: more experts than num_experts, or resident and resident_rows of
+                different lengths.
             ExpertReadError: a read failed (ChecksumError, ExpertReadTimeout).
         """
 

@@ -150,16 +150,25 @@ class Predictor:
         if not self.device_path:
             return None
         if self._device is None:
-            max_ids = min(AcquireMailbox.MAX_IDS, max(2 * n, 16))
-            self._device = DeviceAcquire(
-                self.cache,
-                x.shape[-1],
-                max_ids,
-                max(16, 2 * self.budget),
-                self._tier_slots,
-            )
+            self.start_device(x.shape[-1], n)
         device = self._device
         return device if n <= device.max_ids and x.shape[-1] == device.hidden else None
+
+    def start_device(self, hidden: int, n: int) -> None:
+        """Makes the acquire kernels for MoE inputs of `hidden` features and requests of
+        `n` ids (`device_acquire`) unless made already: what a model load calls, so that
+        compiling them and page-locking the host tier is part of the load, not of the
+        first reply. Nothing where the kernels are not used (`device_path`).
+
+        Raises:
+            RuntimeError: the CUDA runtime refused to map the mailbox's memory.
+        """
+        if not self.device_path or self._device is not None:
+            return
+        max_ids = min(AcquireMailbox.MAX_IDS, max(2 * n, 16))
+        self._device = DeviceAcquire(
+            self.cache, hidden, max_ids, max(16, 2 * self.budget), self._tier_slots
+        )
 
     @property
     def staging(self) -> bool:

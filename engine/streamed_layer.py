@@ -24,9 +24,10 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
   the ids are read on the host once (the layer's one host wait), and misses beyond the
   slots stream through the scratch rows chunk by chunk, each read once, the next chunk's
   reads in flight while a chunk computes (`_over_capacity`). Where the pools are CUDA
-  memory (`Predictor.layer_scratch`) all the misses go into the layer scratch at that
-  wait instead, in one copy, read ahead while the previous layer computed
-  (`ExpertCache.load_layer`, `read_ahead`).
+  memory (`Predictor.layer_scratch`) the call's experts all go into the layer scratch
+  at that wait instead, the misses in one copy, read ahead while the previous layer
+  computed (`ExpertCache.load_layer`, `read_ahead`), and the layer computes on it as on a
+  complete layer's table.
 """
 
 import mlx.core as mx
@@ -111,10 +112,12 @@ class StreamedExperts(nn.Module):
             if hook is not None:
                 hook(self._index, ids.copy())
             rows, missing = self._cache.acquire(self._index, ids)
-            if missing:
-                y = self._over_capacity(x, ids, rows, missing)
+            if missing and self._predictor.layer_scratch:
+                y = self._on_layer_scratch(x, ids, rows, missing)
                 if ahead is not None:  # after load_layer: the staging is free again
                     self._cache.read_ahead(self._index + 1, np.unique(np.asarray(ahead)).tolist())
+            elif missing:
+                y = self._over_capacity(x, ids, rows, missing)
             else:
                 y = self._experts(x, mx.array(rows))
         return y if token is None else mx.depends(y, token)
@@ -132,10 +135,25 @@ class StreamedExperts(nn.Module):
         rows = device.rows(self._index, indices, x if targets else None)
         return self._experts(x, rows)
 
+    def _on_layer_scratch(self, x, ids, rows, missing):
+        """More distinct misses than evictable slots, where the predictor keeps a layer
+        scratch: every expert of the call is put in it (`ExpertCache.load_layer`: the
+        misses read once, the hits copied from their rows), and the layer computes on it
+        as on a complete layer's table."""
+        flat_ids, flat_rows = ids.reshape(-1), rows.reshape(-1)
+        hit = flat_rows >= 0
+        resident, first = np.unique(flat_ids[hit], return_index=True)
+        at = self._cache.load_layer(
+            self._index, missing, resident.tolist(), flat_rows[hit][first].tolist()
+        )
+        table = np.zeros(self._cache.num_experts, np.int32)
+        table[missing + resident.tolist()] = at
+        scratch = dict(zip(self._pool, self._cache.layer_scratch(self._index), strict=True))
+        return expert_outputs(x, scratch, mx.array(table[ids]), self._quant, self._math)
+
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,
-        misses go through the scratch rows chunk by chunk (`_streamed_chunks`), or
-        through the layer scratch (`_layer_scratch`) where the predictor says so, each
+        misses go through the scratch rows chunk by chunk (`_streamed_chunks`), each
         expert read once; the outputs are put back in the (token, k) order of `ids`."""
         k = ids.shape[-1]
         tokens = x.reshape(-1, x.shape[-1])
@@ -146,8 +164,7 @@ class StreamedExperts(nn.Module):
         if resident.size:
             groups.append(resident)
             outputs.append(self._pairs(tokens, resident, mx.array(flat_rows[resident]), k))
-        chunks = self._layer_scratch if self._predictor.layer_scratch else self._streamed_chunks
-        for pairs, y in chunks(tokens, flat_ids, miss, missing, k):
+        for pairs, y in self._streamed_chunks(tokens, flat_ids, miss, missing, k):
             groups.append(pairs)
             outputs.append(y)
         order = np.concatenate(groups)
@@ -174,18 +191,6 @@ class StreamedExperts(nn.Module):
             )
             y = self._pairs(tokens, pairs, chunk_rows, k)
             yield pairs, y
-
-    def _layer_scratch(self, tokens, flat_ids, miss, missing, k):
-        """Yields one (pairs, outputs): every miss put in the layer scratch
-        (`ExpertCache.load_layer`) and computed on it in one pass."""
-        rows = self._cache.load_layer(self._index, missing)
-        row_of = np.zeros(self._cache.num_experts, np.int32)
-        row_of[missing] = rows
-        scratch = dict(zip(self._pool, self._cache.layer_scratch(self._index), strict=True))
-        pairs = np.flatnonzero(miss)
-        pair_rows = mx.array(row_of[flat_ids[pairs]]).reshape(-1, 1)
-        y = expert_outputs(tokens[mx.array(pairs // k)], scratch, pair_rows, self._quant, self._math)
-        yield pairs, y[:, 0]
 
     def _pairs(self, tokens, pairs, pair_rows, k):
         """Expert outputs (len(pairs), D) of the flat (token, k) pairs `pairs` (numpy

@@ -265,21 +265,24 @@ Returns:
 Raises:
     IndexError: `layer` or an expert out of range.)";
 
-const char* kLoadLayer = R"(Puts `missing` (acquire's, for the same call of MoE layer `layer`)
-into rows of its layer scratch (`layer_scratch`): records read ahead (`read_ahead`), from
-the host tier, or read now on the reader threads, then the staging copied to the device
-in one copy per segment. Each expert also fills an empty real slot while there is one
-(as `load_scratch`); misses, loads, bytes and read time are counted.
+const char* kLoadLayer = R"(Puts every expert of an over-capacity call of MoE layer `layer`
+into rows of its layer scratch (`layer_scratch`), so that the call computes from it alone:
+`missing` (acquire's) from records read ahead (`read_ahead`), the host tier, or read now
+on the reader threads, the staging copied to the device in one copy per segment;
+`resident` (the call's hits) from their pool rows `resident_rows` by device copies. Each
+miss also fills an empty real slot while there is one (as `load_scratch`); misses, loads,
+bytes and read time are counted.
 
 Returns:
-    The layer-scratch row of each expert of `missing`, in order.
+    The layer-scratch row of each expert, `missing` first, then `resident`.
 
 Precondition: as acquire's (every earlier use of the layer scratch has been evaluated:
 the caller synchronised on this call's ids).
 
 Raises:
-    IndexError: `layer` or an expert out of range.
-    ValueError: more experts than num_experts.
+    IndexError: `layer`, an expert or a pool row out of range.
+    ValueError: more experts than num_experts, or resident and resident_rows of
+        different lengths.
     ExpertReadError: a read failed (ChecksumError, ExpertReadTimeout).)";
 
 const char* kLoadScratch = R"(Reads `experts` (at most scratch_slots of the `missing` list of
@@ -806,11 +809,13 @@ NB_MODULE(_ext, m) {
           "layer"_a, "experts"_a, doc::kReadAhead)
       .def(
           "load_layer",
-          [](Cache& c, int li, const std::vector<int>& missing) {
+          [](Cache& c, int li, const std::vector<int>& missing, const std::vector<int>& resident,
+             const std::vector<int>& resident_rows) {
             nb::gil_scoped_release release;
-            return c.impl->load_layer(li, missing);
+            return c.impl->load_layer(li, missing, resident, resident_rows);
           },
-          "layer"_a, "missing"_a, doc::kLoadLayer)
+          "layer"_a, "missing"_a, "resident"_a = std::vector<int>{},
+          "resident_rows"_a = std::vector<int>{}, doc::kLoadLayer)
       .def(
           "scratch_stream",
           [](Cache& c, int li, std::vector<int> experts) {

@@ -1002,16 +1002,27 @@ int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
   return static_cast<int>(todo.size());
 }
 
-std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing) {
+std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing,
+                                         const std::vector<int>& resident,
+                                         const std::vector<int>& resident_rows) {
   check_layer(li, num_layers());
   const auto t0 = std::chrono::steady_clock::now();
-  for (int e : missing)
-    if (e < 0 || e >= num_experts_)
-      throw std::out_of_range("expert id " + std::to_string(e) + " out of range [0, " +
-                              std::to_string(num_experts_) + ") in MoE layer " +
-                              std::to_string(li));
-  if (static_cast<int>(missing.size()) > num_experts_)
-    throw std::invalid_argument("load_layer: " + std::to_string(missing.size()) +
+  for (const auto* ids : {&missing, &resident})
+    for (int e : *ids)
+      if (e < 0 || e >= num_experts_)
+        throw std::out_of_range("expert id " + std::to_string(e) + " out of range [0, " +
+                                std::to_string(num_experts_) + ") in MoE layer " +
+                                std::to_string(li));
+  if (resident.size() != resident_rows.size())
+    throw std::invalid_argument("load_layer: " + std::to_string(resident.size()) +
+                                " resident experts and " + std::to_string(resident_rows.size()) +
+                                " rows");
+  for (int r : resident_rows)
+    if (r < 0 || r >= rows(li))
+      throw std::out_of_range("pool row " + std::to_string(r) + " out of range [0, " +
+                              std::to_string(rows(li)) + ") in MoE layer " + std::to_string(li));
+  if (missing.size() + resident.size() > static_cast<size_t>(num_experts_))
+    throw std::invalid_argument("load_layer: " + std::to_string(missing.size() + resident.size()) +
                                 " experts for a layer scratch of " +
                                 std::to_string(num_experts_) + " rows");
   std::shared_ptr<LayerScratch> ls;
@@ -1063,6 +1074,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
     read_rows.push_back(r);
   }
   std::exception_ptr first;
+  std::vector<int> resident_at;
   uint64_t read_now = 0;
   const auto r0 = std::chrono::steady_clock::now();
   if (!reads.empty()) {
@@ -1086,9 +1098,19 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   const auto read_us = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
           .count());
-  if (!first && used > 0) {
+  if (!first) {
+    // The staged records, and the resident experts from their pool rows into rows from
+    // the top: the call then computes from the layer scratch alone.
+    std::vector<Span> copies = used > 0 ? ls->upload(used) : std::vector<Span>{};
+    std::vector<int> placed;
+    for (size_t i = 0; i < resident.size(); ++i) {
+      std::vector<Span> to = ls->row(--top), from = row_spans(li, resident_rows[i]);
+      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
+      placed.push_back(top);
+    }
     try {
-      writer_.copy(ls->upload(used));
+      writer_.copy(copies);
+      resident_at = std::move(placed);
     } catch (const std::exception& e) {
       first = std::make_exception_ptr(
           ReadError(L.path + " (layer " + std::to_string(L.layer) + ", layer scratch): " +
@@ -1097,6 +1119,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   }
   std::vector<int> rows;
   for (int e : missing) rows.push_back(row_of[static_cast<size_t>(e)]);
+  rows.insert(rows.end(), resident_at.begin(), resident_at.end());
   std::lock_guard<std::mutex> lk(mu_);
   const uint64_t ok = first ? 0 : static_cast<uint64_t>(missing.size());
   if (!first) {

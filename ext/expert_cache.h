@@ -285,15 +285,20 @@ class ExpertCache {
   // earlier read-ahead of the same layout not yet taken is given up (its reads finish
   // into their own buffers and are dropped). Returns how many reads it started.
   int read_ahead(int li, const std::vector<int>& experts);
-  // Puts `missing` (acquire's, for the same call of MoE layer li) into rows of li's
-  // layer scratch and returns the row of each: records read ahead (waited for as demand
-  // reads are), from the host tier, or read now; the staging copied to the device in
-  // one copy per segment. Like load_scratch, each one also fills an empty real slot
-  // while there is one, and the counters count misses, loads, bytes and read time.
+  // Puts every expert of an over-capacity call of MoE layer li into rows of li's layer
+  // scratch, so that the call computes from it alone: `missing` (acquire's) from records
+  // read ahead (waited for as demand reads are), the host tier, or read now, the staging
+  // copied to the device in one copy per segment; `resident` from their pool rows
+  // `resident_rows` (acquire's rows of the call's hits) by device copies. Returns the
+  // row of each, `missing` first. Like load_scratch, each miss also fills an empty real
+  // slot while there is one, and the counters count misses, loads, bytes and read time.
   // Precondition as acquire's: every earlier use of the scratch has been evaluated.
   // Throws as acquire's demand reads do (a failed or timed-out read: nothing of this
-  // call's rows is used) and std::invalid_argument for more experts than rows.
-  std::vector<int> load_layer(int li, const std::vector<int>& missing);
+  // call's rows is used), std::out_of_range for an id or row, std::invalid_argument for
+  // more experts than rows.
+  std::vector<int> load_layer(int li, const std::vector<int>& missing,
+                              const std::vector<int>& resident,
+                              const std::vector<int>& resident_rows);
 
   // Reserves side rows for the predicted experts of layer li and fills them (background,
   // or inline in SYNC mode). Called by the prefetch primitive.

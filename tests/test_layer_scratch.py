@@ -125,3 +125,23 @@ def test_a_prefill_through_the_layer_scratch_gives_the_resident_logits(model_dir
     read = (snap.stats["bytes_read"] // stride).tolist()
     assert all(r >= len(routed[li]) for li, r in enumerate(read))
     assert sm.cache.check() == ""
+
+
+def test_the_calls_hits_are_copied_in_beside_its_misses(qwen_store):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    checker = RowChecker(qwen_store, cache)
+    ids = np.arange(8, dtype=np.int32).reshape(-1, 2)
+    _, missing = cache.acquire(1, ids)
+    cache.load_layer(1, missing)  # the two most routed take the real slots
+    rows, missing = cache.acquire(1, ids)
+    resident = [e for e in range(8) if e not in missing]
+    hit_rows = [int(rows.reshape(-1)[e]) for e in resident]
+    assert len(resident) == 2 and all(r >= 0 for r in hit_rows)
+    got = cache.load_layer(1, missing, resident, hit_rows)
+    assert sorted(got) == list(range(8))
+    for e, r in zip(missing + resident, got, strict=True):
+        assert scratch_bytes(cache, 1, r) == checker.records[(1, e)]
+    with pytest.raises(IndexError, match="pool row 99 out of range"):
+        cache.load_layer(1, [], [0], [99])
+    with pytest.raises(ValueError, match="1 resident experts and 0 rows"):
+        cache.load_layer(1, [], [0], [])
