@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import mlx.core as mx  # noqa: F401  (mlx.core must be imported before the extension)
+import mlx.core as mx  # before the extension, which links against it
 import numpy as np
 
 from engine import _ext
@@ -223,8 +223,9 @@ def planned_pool_bytes(
     layers `specs` of `store` (default: all) under `config` (`engine._ext.planned_bytes`):
     every layer's pool (`pool_rows`; `targets` as there, `real` as `layer_rows`) and its
     expert table, plus one read buffer (a record's stride) per reader thread, and with
-    `io_uring` one per demand read in flight (`io_uring_depth`). More than `pool_bytes` of
-    the opened cache, which counts the pools' records only."""
+    `io_uring` one per demand read in flight (`io_uring_depth`); where the pools are CUDA
+    memory, also the layer scratch of a long prompt (`layer_scratch_bytes`). More than
+    `pool_bytes` of the opened cache, which counts the pools' records only."""
     m = store.manifest
     specs = m.layers if specs is None else specs
     real = real_slots(store, config, specs) if real is None else real
@@ -234,7 +235,30 @@ def planned_pool_bytes(
     depth = io_uring_depth(threads, m.top_k, largest) if config.io_uring else 0
     records = [s.record_bytes for s in specs]
     total = _ext.planned_bytes(rows, records, m.num_experts, threads, largest, depth)
+    if cuda_pools():
+        total += layer_scratch_bytes(specs, m.num_experts)
     return total, max(rows, default=0)
+
+
+def cuda_pools() -> bool:
+    """Whether the pools of a cache opened now are CUDA memory (MLX's default device is
+    a CUDA GPU): its over-capacity calls then use the layer scratch
+    (`Predictor.layer_scratch`)."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() != mx.cpu and cuda is not None and cuda.is_available()
+
+
+def layer_scratch_bytes(specs: Sequence[LayerSpec], num_experts: int) -> int:
+    """Bytes of device memory the layer scratch of `specs` takes (`ExpertCache.
+    layer_scratch`: num_experts records for each segment layout), and as many of
+    page-locked host staging."""
+    layouts = {
+        tuple(
+            (g.key, g.dtype, tuple(g.shape), g.offset, g.nbytes) for g in s.segments
+        ): s.record_bytes
+        for s in specs
+    }
+    return num_experts * sum(layouts.values())
 
 
 def check_pool_fits(

@@ -149,10 +149,10 @@ class StreamConfig:
         autopin_frac: fraction of `expert_slots` that autopin may pin (0 disables autopin).
         scratch_slots: scratch rows of an over-capacity call: one whose misses exceed the
             evictable slots streams them through these rows in two banks (from 2 rows
-            on), a chunk per bank, the next chunk read while one computes; where the
-            pools are CUDA memory, a chunk of all the rows at a time, each read once the
-            one before is computed (None: top-k). It counts experts, not tokens (unlike
-            mlx-lm's prefill chunk).
+            on), a chunk per bank, the next chunk read while one computes (None:
+            top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk). Where
+            the pools are CUDA memory such a call uses the layer scratch instead
+            (`engine.predictor.Predictor.layer_scratch`), and these rows go unused.
         reader_threads: background reader threads; None: `engine.cache.default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
             queue depth).

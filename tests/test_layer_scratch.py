@@ -46,7 +46,11 @@ def test_each_miss_lands_in_its_row_and_fills_the_empty_slots(qwen_store):
     assert checker.assert_all_published() == 2
     stride = qwen_store.manifest.layers[1].stride
     assert stats(cache, 1) == {
-        "misses": 8, "loads": 8, "bytes_read": 8 * stride, "host_hits": 0, "read_errors": 0
+        "misses": 8,
+        "loads": 8,
+        "bytes_read": 8 * stride,
+        "host_hits": 0,
+        "read_errors": 0,
     }
     assert cache.check() == ""
 
@@ -84,7 +88,9 @@ def test_a_failed_read_ahead_is_read_again_and_a_failed_read_is_raised(qwen_stor
     for e, r in zip([3, 4], got, strict=True):
         assert scratch_bytes(cache, 0, r) == checker.records[(0, e)]
     cache.inject_fault(0, "eio", expert=5, count=10**6)
-    with pytest.raises(ExpertReadError, match=r"layer00\.blob \(layer \d+, expert 5\): read failed"):
+    with pytest.raises(
+        ExpertReadError, match=r"layer00\.blob \(layer \d+, expert 5\): read failed"
+    ):
         cache.load_layer(0, [5, 6])
     assert stats(cache, 0)["read_errors"] == 2
     assert cache.check() == ""
