@@ -127,7 +127,7 @@ def test_a_step_is_refused_without_the_previous_chunk_or_out_of_range(qwen_store
 def test_an_over_capacity_prefill_reads_each_routed_expert_once(model_dirs, scratch, layer_scratch):
     """A cold cache of 2 slots and a 99-token prompt: every layer's call is over
     capacity; each routed expert is read once per layer and the logits are resident's,
-    through the scratch stream and through the host's chunks (the path on MLX CUDA)."""
+    through the scratch stream and through the layer scratch (the path on MLX CUDA)."""
     model_dir = model_dirs("qwen3_moe")
     prompt = mx.array([list(range(1, 100))])
     model, _ = load_model(model_dir)
@@ -152,7 +152,7 @@ def test_a_failed_read_in_an_over_capacity_prefill_is_raised_naming_the_record(
     model_dirs, layer_scratch
 ):
     """A record that cannot be read in a prefill over capacity: the forward raises
-    ExpertReadError naming the file, layer and expert (from the host's chunk at once, or
+    ExpertReadError naming the file, layer and expert (from the layer scratch at once, or
     from the stream at the next layer's ids sync or the caller's check)."""
     sm = load(model_dirs("qwen3_moe"), StreamConfig(expert_slots=2, scratch_slots=2))
     sm.predictor.layer_scratch = layer_scratch
