@@ -208,8 +208,10 @@ def pool_rows(
 
 
 def scratch_rows(config: StreamConfig, top_k: int) -> int:
-    """Scratch rows per MoE layer under `config`: scratch_slots, or top_k by default."""
-    return config.scratch_slots or top_k
+    """Scratch rows per MoE layer under `config`: scratch_slots, or by default top_k, and
+    1 (the least a pool has) where the pools are CUDA memory, whose over-capacity calls
+    use the layer scratch instead (`cuda_pools`)."""
+    return config.scratch_slots or (1 if cuda_pools() else top_k)
 
 
 def planned_pool_bytes(

@@ -152,7 +152,8 @@ class StreamConfig:
             on), a chunk per bank, the next chunk read while one computes (None:
             top-k). It counts experts, not tokens (unlike mlx-lm's prefill chunk). Where
             the pools are CUDA memory such a call uses the layer scratch instead
-            (`engine.predictor.Predictor.layer_scratch`), and these rows go unused.
+            (`engine.predictor.Predictor.layer_scratch`): these rows go unused, and
+            None means 1.
         reader_threads: background reader threads; None: `engine.cache.default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
             queue depth).

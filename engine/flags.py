@@ -175,7 +175,8 @@ FLAGS = (
         "--scratch-slots",
         "scratch_slots",
         int,
-        "experts per chunk of a call with more misses than evictable slots",
+        "experts per chunk of a call with more misses than evictable slots (unused on "
+        "MLX CUDA, where such a call puts a whole layer in the layer scratch)",
         deprecated=("--prefill-chunk",),
     ),
     Flag("--reader-threads", "reader_threads", int, "background reader threads"),
@@ -202,7 +203,7 @@ _NONE_MEANS = {
     "expert_slots": "all experts",
     "expert_memory": "not given: --expert-slots sizes them",
     "cutoff": "half the MoE layers",
-    "scratch_slots": "top-k",
+    "scratch_slots": "top-k; 1 on MLX CUDA",
     "reader_threads": "min(8, 2 x CPUs), at least top-k - 1",
 }
 
