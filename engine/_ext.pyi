@@ -319,10 +319,10 @@ class ExpertCache:
         raise_stream_error).
 
         Returns:
-            PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
-            one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
-            most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
-            chunks through a ScratchStream.
+            PLAN_TABLE: table(layer)[ids] on the device, the layer being complete (a one-token
+            call's top_k hits are counted now, a longer call's not at all); PLAN_STREAM:
+            acquire_op, n being at most expert_slots - pinned; PLAN_SYNC: acquire on host ids,
+            with over-capacity misses through a ScratchStream or the layer scratch.
 
         Raises:
             IndexError: `layer` out of range.
@@ -428,16 +428,48 @@ class ExpertCache:
             ExpertReadError: a read failed.
         """
 
-    def layer_scratch(self, layer: int) -> list[mlx.core.array]:
+    def layer_scratch(self, layer: int, bank: int = 0) -> list[mlx.core.array]:
         """
-        The layer scratch that MoE layer `layer`'s over-capacity calls use
-        where the pools are device memory (`load_layer`): per segment key, in the store's order,
-        an array (num_experts, *segment shape), shared by every layer of the same segment layout
-        and allocated on first use, with as many records of page-locked host staging.
+        Bank `bank` (0 or 1) of the layer scratch that MoE layer `layer`'s
+        over-capacity calls use where the pools are device memory (`load_layer` uses bank 0,
+        `load_whole` both in turn): per segment key, in the store's order, an array
+        (num_experts, *segment shape), shared by every layer of the same segment layout and
+        allocated on first use, with as many records of page-locked host staging.
 
         Raises:
-            IndexError: `layer` out of range.
+            IndexError: `layer` out of range, or a bank other than 0 and 1.
             MemoryError: it cannot be allocated (naming the bytes).
+        """
+
+    def read_layer(self, layer: int, bank: int) -> int:
+        """
+        Starts reading every expert of MoE layer `layer` that has no real
+        slot and is not in the host tier into bank `bank`'s staging, each in the row of its id,
+        on the reader threads behind demand reads (a long prompt's next call: `load_whole`); an
+        earlier read-ahead of that bank not yet taken is given up.
+
+        Returns:
+            How many records it started reading.
+
+        Raises:
+            IndexError: `layer` out of range, or a bank other than 0 and 1.
+        """
+
+    def load_whole(self, layer: int, bank: int) -> None:
+        """
+        Puts every expert of MoE layer `layer` in the row of its id of bank
+        `bank` of its layer scratch, so that a long prompt's call computes on it with the router's
+        ids as rows, never reading them on the host: records read by `read_layer` (waited for as
+        demand reads are), from the host tier, or read now, uploaded in runs of consecutive rows;
+        resident experts copied from their slots. Empty real slots take experts in id order.
+        Counts loads, bytes and read time, not lookups.
+
+        Precondition: every computation that read this bank before has been evaluated; the device
+        may be computing on the other bank.
+
+        Raises:
+            IndexError: `layer` out of range, or a bank other than 0 and 1.
+            ExpertReadError: a read failed (ChecksumError, ExpertReadTimeout).
         """
 
     def read_ahead(self, layer: int, experts: Sequence[int]) -> int:

@@ -28,6 +28,14 @@ from engine.device_acquire import DeviceAcquire
 from engine.memory import available_bytes, human_bytes
 
 
+# Ids per expert from which an over-capacity call on the layer scratch takes every expert
+# of its layer as routed (`Predictor.takes_whole`): a call of n ids leaves a given expert
+# out with odds of about exp(-n / num_experts) under balanced routing, under 2% from 4 on,
+# so reading the whole layer costs little beyond the routed experts, and spares the host
+# wait that reading the ids would cost.
+WHOLE_LAYER_IDS = 4
+
+
 class GenerationStopped(Exception):
     """Raised inside a forward pass when the caller's stop request is seen; the forward's
     KV cache is left partial, so the reply ends there (engine.generate.generate)."""
@@ -86,6 +94,8 @@ class Predictor:
         # An engine.trace.TraceRecorder: takes each call's lazy ids, on whichever path.
         self.recorder = None
         self._dense: dict[int, Router] = {}  # target -> its router's copy, made on first use
+        # The last whole-layer call (`whole_bank`): its MoE layer, input and bank.
+        self._whole: tuple[int, mx.array, int] | None = None
 
     def targets_for(self, layer: int) -> range:
         """MoE layers that `layer` prefetches, nearest first: up to layer + ahead_lo
@@ -129,6 +139,29 @@ class Predictor:
             return None
         logits = self.routers[nxt](x.reshape(-1, x.shape[-1]))
         return mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+
+    def takes_whole(self, n: int) -> bool:
+        """Whether an over-capacity call of `n` ids takes its whole layer into the layer
+        scratch without reading its ids (`ExpertCache.load_whole`): with the layer
+        scratch, from `WHOLE_LAYER_IDS` ids per expert on."""
+        return self.layer_scratch and n >= WHOLE_LAYER_IDS * self.cache.num_experts
+
+    def whole_bank(self, layer: int, x: mx.array) -> int:
+        """The layer-scratch bank (0 or 1) for a whole-layer call of MoE layer `layer`
+        whose input is `x`, once every computation that read it before has run. The two
+        banks alternate: the call before this one, in the same forward, used the other,
+        and the one before that used this one and fed that call's input, so the host
+        submits `x` and waits for that input while the device computes the call before.
+        The first such call of a forward waits for `x` itself."""
+        if self._whole is not None and layer > self._whole[0]:
+            mx.async_eval(x)
+            mx.eval(self._whole[1])
+            bank = 1 - self._whole[2]
+        else:
+            mx.eval(x)
+            bank = 0
+        self._whole = (layer, x, bank)
+        return bank
 
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills

@@ -8,9 +8,9 @@ those rows as `rhs_indices`, so every (token, expert) product is the one the res
 model computes.
 
 Three paths, chosen per call by the cache's `plan` from shapes and residency alone:
-- table (a decode step of a complete layer: every expert has a real slot, so nothing can
-  miss or be evicted): rows = the layer's device-side expert->slot table indexed by the
-  ids; no host work at all, on any device.
+- table (a call of a complete layer: every expert has a real slot, so nothing can miss
+  or be evicted): rows = the layer's device-side expert->slot table indexed by the ids;
+  no host work at all, on any device.
 - stream-ordered (every other decode step, and any call with at most `expert_slots -
   pinned` ids): the rows are a lazy `acquire_op` that the cache evaluates on the CPU
   stream when the ids exist. Nothing waits on the router, so a whole token's graph is
@@ -27,7 +27,10 @@ Three paths, chosen per call by the cache's `plan` from shapes and residency alo
   memory (`Predictor.layer_scratch`) the call's experts all go into the layer scratch
   at that wait instead, the misses in one copy, read ahead while the previous layer
   computed (`ExpertCache.load_layer`, `read_ahead`), and the layer computes on it as on a
-  complete layer's table.
+  complete layer's table. A call of at least `WHOLE_LAYER_IDS` ids per expert (a long
+  prompt) reads no ids at all: its whole layer goes into one of two banks, every expert
+  in the row of its id, while the device computes the layer before on the other
+  (`_whole_layer`).
 """
 
 import mlx.core as mx
@@ -83,6 +86,8 @@ class StreamedExperts(nn.Module):
                 device = self._predictor.device_acquire(x, indices.size)
                 if device is not None:
                     return self._on_device(device, plan, x, indices, targets)
+        if plan == PLAN_SYNC and hook is None and self._predictor.takes_whole(indices.size):
+            return self._whole_layer(x, indices)
         if plan == PLAN_STREAM and self._predictor.staging:
             plan = PLAN_SYNC  # staged writes reach the pools through the acquire kernels only
         token = self._predictor.prefetch_token(self._index, x)
@@ -134,6 +139,22 @@ class StreamedExperts(nn.Module):
             return mx.depends(y, device.prefetch(self._index, x)) if targets else y
         rows = device.rows(self._index, indices, x if targets else None)
         return self._experts(x, rows)
+
+    def _whole_layer(self, x, indices):
+        """A long prompt's call on the layer scratch: every expert of the layer in the row
+        of its id of a bank (`Predictor.whole_bank`, `ExpertCache.load_whole`), so the
+        router's ids are the rows and the host never reads them; the next layer's
+        experts are read into the other bank's staging meanwhile (`read_layer`)."""
+        bank = self._predictor.whole_bank(self._index, x)
+        # The first such call of a forward waited for x: staged pool writes can then be
+        # made by the host (the later ones find staging off).
+        self._cache.set_staging(False)
+        self._cache.raise_stream_error()
+        self._cache.load_whole(self._index, bank)
+        if self._index + 1 < self._cache.num_layers:
+            self._cache.read_layer(self._index + 1, 1 - bank)
+        scratch = dict(zip(self._pool, self._cache.layer_scratch(self._index, bank), strict=True))
+        return expert_outputs(x, scratch, indices, self._quant, self._math)
 
     def _on_layer_scratch(self, x, ids, rows, missing):
         """More distinct misses than evictable slots, where the predictor keeps a layer

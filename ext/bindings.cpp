@@ -212,10 +212,10 @@ token) gets its pool rows, after raising a pending stream error (see
 raise_stream_error).
 
 Returns:
-    PLAN_TABLE: table(layer)[ids] on the device, the layer being complete and the call
-    one token (its top_k hits are counted now); PLAN_STREAM: acquire_op, n being at
-    most expert_slots - pinned; PLAN_SYNC: acquire on host ids, with over-capacity
-    chunks through a ScratchStream.
+    PLAN_TABLE: table(layer)[ids] on the device, the layer being complete (a one-token
+    call's top_k hits are counted now, a longer call's not at all); PLAN_STREAM:
+    acquire_op, n being at most expert_slots - pinned; PLAN_SYNC: acquire on host ids,
+    with over-capacity misses through a ScratchStream or the layer scratch.
 
 Raises:
     IndexError: `layer` out of range.
@@ -245,14 +245,40 @@ Raises:
     ValueError: the layer's real region does not hold every expert.
     ExpertReadError (and subclasses): a read failed (the experts that landed stay).)";
 
-const char* kLayerScratch = R"(The layer scratch that MoE layer `layer`'s over-capacity calls use
-where the pools are device memory (`load_layer`): per segment key, in the store's order,
-an array (num_experts, *segment shape), shared by every layer of the same segment layout
-and allocated on first use, with as many records of page-locked host staging.
+const char* kLayerScratch = R"(Bank `bank` (0 or 1) of the layer scratch that MoE layer `layer`'s
+over-capacity calls use where the pools are device memory (`load_layer` uses bank 0,
+`load_whole` both in turn): per segment key, in the store's order, an array
+(num_experts, *segment shape), shared by every layer of the same segment layout and
+allocated on first use, with as many records of page-locked host staging.
 
 Raises:
-    IndexError: `layer` out of range.
+    IndexError: `layer` out of range, or a bank other than 0 and 1.
     MemoryError: it cannot be allocated (naming the bytes).)";
+
+const char* kReadLayer = R"(Starts reading every expert of MoE layer `layer` that has no real
+slot and is not in the host tier into bank `bank`'s staging, each in the row of its id,
+on the reader threads behind demand reads (a long prompt's next call: `load_whole`); an
+earlier read-ahead of that bank not yet taken is given up.
+
+Returns:
+    How many records it started reading.
+
+Raises:
+    IndexError: `layer` out of range, or a bank other than 0 and 1.)";
+
+const char* kLoadWhole = R"(Puts every expert of MoE layer `layer` in the row of its id of bank
+`bank` of its layer scratch, so that a long prompt's call computes on it with the router's
+ids as rows, never reading them on the host: records read by `read_layer` (waited for as
+demand reads are), from the host tier, or read now, uploaded in runs of consecutive rows;
+resident experts copied from their slots. Empty real slots take experts in id order.
+Counts loads, bytes and read time, not lookups.
+
+Precondition: every computation that read this bank before has been evaluated; the device
+may be computing on the other bank.
+
+Raises:
+    IndexError: `layer` out of range, or a bank other than 0 and 1.
+    ExpertReadError: a read failed (ChecksumError, ExpertReadTimeout).)";
 
 const char* kReadAhead = R"(Starts reading `experts` (int ids, the misses predicted for the
 next over-capacity call of MoE layer `layer`) into its layer scratch's host staging on the
@@ -795,11 +821,25 @@ NB_MODULE(_ext, m) {
           "layer"_a, "experts"_a, doc::kLoadScratch)
       .def(
           "layer_scratch",
-          [](Cache& c, int li) {
+          [](Cache& c, int li, int bank) {
             nb::gil_scoped_release release;
-            return c.impl->layer_scratch(li);
+            return c.impl->layer_scratch(li, bank);
           },
-          "layer"_a, doc::kLayerScratch)
+          "layer"_a, "bank"_a = 0, doc::kLayerScratch)
+      .def(
+          "read_layer",
+          [](Cache& c, int li, int bank) {
+            nb::gil_scoped_release release;
+            return c.impl->read_layer(li, bank);
+          },
+          "layer"_a, "bank"_a, doc::kReadLayer)
+      .def(
+          "load_whole",
+          [](Cache& c, int li, int bank) {
+            nb::gil_scoped_release release;
+            c.impl->load_whole(li, bank);
+          },
+          "layer"_a, "bank"_a, doc::kLoadWhole)
       .def(
           "read_ahead",
           [](Cache& c, int li, const std::vector<int>& experts) {

@@ -230,8 +230,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     layout_.push_back(static_cast<int>(at - layouts.begin()));
     if (at == layouts.end()) layouts.push_back(sig);
   }
-  layer_scratch_.resize(layouts.size());
-  read_ahead_.resize(layouts.size());
+  layer_scratch_.resize(2 * layouts.size());
+  read_ahead_.resize(2 * layouts.size());
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
   last_forward_.assign(layers_.size(), 0);
@@ -604,8 +604,10 @@ ExpertCache::Plan ExpertCache::plan(int li, int64_t n, int top_k) {
   // A staged copy may still be on its way to a row of this layer (a pin's load): the
   // call then takes an acquire, whose answer delivers it.
   const bool staged = complete_[li] && staging_on() && staged_->pending_into(pool_ranges_[li]);
-  if (complete_[li] && n == top_k && !staged) {
-    stats_[li].hits += static_cast<uint64_t>(top_k);
+  if (complete_[li] && !staged) {
+    // A token's top-k ids are distinct lookups; a longer call's distinct experts are not
+    // known without reading its ids, and go uncounted.
+    if (n == top_k) stats_[li].hits += static_cast<uint64_t>(top_k);
     return kPlanTable;
   }
   return n <= slots_[li] - R.pinned_count() ? kPlanStream : kPlanSync;
@@ -886,8 +888,14 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   return rows;
 }
 
-std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li) {
-  auto& ls = layer_scratch_.at(static_cast<size_t>(layout_.at(static_cast<size_t>(li))));
+size_t ExpertCache::scratch_index(int li, int bank) const {
+  if (bank < 0 || bank > 1)
+    throw std::out_of_range("layer scratch bank " + std::to_string(bank) + " is not 0 or 1");
+  return static_cast<size_t>(2 * layout_.at(static_cast<size_t>(li)) + bank);
+}
+
+std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li, int bank) {
+  auto& ls = layer_scratch_.at(scratch_index(li, bank));
   if (ls) return ls;
   const auto& L = layers_[li];
   std::vector<mx::array> arrays;
@@ -909,10 +917,10 @@ std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li) {
   return ls;
 }
 
-std::vector<mx::array> ExpertCache::layer_scratch(int li) {
+std::vector<mx::array> ExpertCache::layer_scratch(int li, int bank) {
   check_layer(li, num_layers());
   std::lock_guard<std::mutex> lk(mu_);
-  return layer_scratch_locked(li)->arrays;
+  return layer_scratch_locked(li, bank)->arrays;
 }
 
 std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
@@ -984,8 +992,8 @@ int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
   std::vector<int> todo;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li);
-    std::swap(old, read_ahead_[static_cast<size_t>(layout_[li])]);
+    ls = layer_scratch_locked(li, 0);
+    std::swap(old, read_ahead_[scratch_index(li, 0)]);
     std::vector<uint8_t> seen(static_cast<size_t>(num_experts_), 0);
     for (int e : experts) {
       if (seen[static_cast<size_t>(e)]++ || real_[li].slot_of(e) >= 0) continue;
@@ -998,8 +1006,151 @@ int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int>(i);
   auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, rows, true);
   std::lock_guard<std::mutex> lk(mu_);
-  read_ahead_[static_cast<size_t>(layout_[li])] = ReadAhead{li, todo, batch};
+  read_ahead_[scratch_index(li, 0)] = ReadAhead{li, todo, batch};
   return static_cast<int>(todo.size());
+}
+
+int ExpertCache::read_layer(int li, int bank) {
+  check_layer(li, num_layers());
+  std::shared_ptr<LayerScratch> ls;
+  ReadAhead old;
+  std::vector<int> todo;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ls = layer_scratch_locked(li, bank);
+    std::swap(old, read_ahead_[scratch_index(li, bank)]);
+    for (int e = 0; e < num_experts_; ++e)
+      if (real_[li].slot_of(e) < 0 && !(staged_ && staged_->holds(li, e))) todo.push_back(e);
+  }
+  if (old.batch) settle(*old.batch, true);  // its rows are about to be read into
+  auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, todo, true);
+  std::lock_guard<std::mutex> lk(mu_);
+  read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch};
+  return static_cast<int>(todo.size());
+}
+
+void ExpertCache::load_whole(int li, int bank) {
+  check_layer(li, num_layers());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::shared_ptr<LayerScratch> ls;
+  ReadAhead ahead;
+  std::vector<int> slot_of(static_cast<size_t>(num_experts_), -1);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ls = layer_scratch_locked(li, bank);
+    std::swap(ahead, read_ahead_[scratch_index(li, bank)]);
+    for (int e = 0; e < num_experts_; ++e) slot_of[static_cast<size_t>(e)] = real_[li].slot_of(e);
+  }
+  const auto& L = layers_[li];
+  std::vector<uint8_t> staged(static_cast<size_t>(num_experts_), 0);
+  uint64_t ahead_read = 0;
+  if (ahead.batch) {
+    settle(*ahead.batch, ahead.layer != li);
+    std::lock_guard<std::mutex> lk(ahead.batch->mu);
+    if (ahead.layer == li)
+      for (size_t i = 0; i < ahead.experts.size(); ++i)
+        if (ahead.batch->state[i] == kDone) {
+          staged[static_cast<size_t>(ahead.experts[i])] = 1;
+          ++ahead_read;
+        }
+  }
+  // Every expert in the row of its id: staged (read ahead, or read now) and uploaded
+  // in runs of consecutive rows, copied from the host tier, or, resident, from its slot.
+  uint64_t tier = 0, read_now = 0;
+  std::vector<int> reads;
+  for (int e = 0; e < num_experts_; ++e) {
+    if (slot_of[static_cast<size_t>(e)] >= 0 || staged[static_cast<size_t>(e)]) continue;
+    if (staged_ && staged_->holds(li, e) && copy_from_tier(li, e, ls->row(e))) {
+      ++tier;
+    } else {
+      reads.push_back(e);
+    }
+  }
+  std::exception_ptr first;
+  const auto r0 = std::chrono::steady_clock::now();
+  if (!reads.empty()) {
+    auto batch = stage_reads(li, ls, reads, reads, false);
+    settle(*batch, false);
+    std::lock_guard<std::mutex> lk(batch->mu);
+    for (size_t j = 0; j < reads.size(); ++j) {
+      if (batch->state[j] == kDone) {
+        staged[static_cast<size_t>(reads[j])] = 1;
+        ++read_now;
+      } else if (!first) {
+        first = batch->error[j] ? batch->error[j]
+                                : std::make_exception_ptr(ReadTimeout(
+                                      files_[li]->where(reads[j]) +
+                                      ": read timed out (no read finished within " +
+                                      duration_text(read_timeout_ms_) +
+                                      "; is the storage responding?)"));
+      }
+    }
+  }
+  const auto read_us = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
+          .count());
+  if (!first) {
+    std::vector<Span> copies;
+    for (int e = 0; e < num_experts_;) {
+      if (!staged[static_cast<size_t>(e)]) {
+        ++e;
+        continue;
+      }
+      int end = e;
+      while (end < num_experts_ && staged[static_cast<size_t>(end)]) ++end;
+      for (const Span& run : ls->upload(e, end)) copies.push_back(run);
+      e = end;
+    }
+    for (int e = 0; e < num_experts_; ++e) {
+      const int slot = slot_of[static_cast<size_t>(e)];
+      if (slot < 0) continue;
+      std::vector<Span> to = ls->row(e), from = row_spans(li, slot);
+      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
+    }
+    try {
+      writer_.copy(copies);
+    } catch (const std::exception& e) {
+      first = std::make_exception_ptr(
+          ReadError(L.path + " (layer " + std::to_string(L.layer) + ", layer scratch): " +
+                    e.what()));
+    }
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  const uint64_t loaded = tier + ahead_read + read_now;
+  if (!first) {
+    // As load_layer: empty real slots take experts from the rows (the routing is not
+    // read here, so in id order).
+    auto& R = real_[li];
+    std::vector<Span> copies;
+    std::vector<std::pair<int, int>> assigned;  // (slot, expert)
+    int slot = 0;
+    for (int e = 0; e < num_experts_; ++e) {
+      if (R.slot_of(e) >= 0) continue;
+      while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
+      if (slot == slots_[li]) break;
+      std::vector<Span> to = row_spans(li, slot), from = ls->row(e);
+      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
+      assigned.emplace_back(slot++, e);
+    }
+    try {
+      if (!copies.empty()) writer_.copy(copies);
+      for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
+    } catch (const std::exception&) {
+      // the slots stay empty: no partial row is ever mapped
+    }
+  }
+  auto& st = stats_[li];
+  ++st.overcap_calls;
+  st.loads += first ? 0 : loaded;
+  st.read_errors += first ? reads.size() - read_now : 0;
+  st.bytes_read += (ahead_read + read_now) * static_cast<uint64_t>(L.stride);
+  st.host_hits += tier;
+  st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
+  st.read_seconds_us += read_us;
+  st.acquire_seconds_us += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
+  if (first) std::rethrow_exception(first);
 }
 
 std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing,
@@ -1029,8 +1180,8 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   ReadAhead ahead;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li);
-    std::swap(ahead, read_ahead_[static_cast<size_t>(layout_[li])]);
+    ls = layer_scratch_locked(li, 0);
+    std::swap(ahead, read_ahead_[scratch_index(li, 0)]);
   }
   const auto& L = layers_[li];
   uint64_t ahead_read = 0;  // records the read-ahead landed (used or not)
@@ -1101,7 +1252,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   if (!first) {
     // The staged records, and the resident experts from their pool rows into rows from
     // the top: the call then computes from the layer scratch alone.
-    std::vector<Span> copies = used > 0 ? ls->upload(used) : std::vector<Span>{};
+    std::vector<Span> copies = ls->upload(0, used);
     std::vector<int> placed;
     for (size_t i = 0; i < resident.size(); ++i) {
       std::vector<Span> to = ls->row(--top), from = row_spans(li, resident_rows[i]);

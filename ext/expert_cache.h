@@ -217,10 +217,11 @@ class ExpertCache {
   std::vector<mx::array> pool(int li) const { return pools_.at(li); }
   // How the next call of MoE layer li with n expert ids (top_k per token) gets its rows:
   //   kPlanTable  the layer is complete (every expert has a real slot, which it keeps
-  //               until reset: a complete layer never misses, so never evicts) and the
-  //               call is one token: rows = table(li)[ids] on the device, no host work.
-  //               Its top_k lookups are counted as hits here (a token's top-k ids are
-  //               distinct); LFU frequencies are not touched (nothing can be evicted).
+  //               until reset: a complete layer never misses, so never evicts): rows =
+  //               table(li)[ids] on the device, no host work, for any number of ids.
+  //               A one-token call's top_k lookups are counted as hits here (a token's
+  //               top-k ids are distinct), a longer call's not at all; LFU frequencies
+  //               are not touched (nothing can be evicted).
   //   kPlanStream n <= slots - pinned: the call cannot be over capacity (each distinct
   //               miss finds a slot no other id of the call holds), so acquire_op may map
   //               it in stream order.
@@ -275,16 +276,30 @@ class ExpertCache {
   std::vector<int> load_scratch(int li, const std::vector<int>& experts, int first = 0);
 
   // The over-capacity path where the pools are device memory (ext/layer_scratch.h).
-  // The arrays (per segment, (num_experts, *shape)) of the layer scratch that MoE layer
-  // li's calls use, allocated on first use and shared by the layers of its segment layout.
-  // Throws std::bad_alloc (naming the bytes) when it cannot be allocated.
-  std::vector<mx::array> layer_scratch(int li);
+  // The arrays (per segment, (num_experts, *shape)) of bank `bank` (0 or 1) of the layer
+  // scratch that MoE layer li's calls use, allocated on first use and shared by the
+  // layers of its segment layout. Throws std::bad_alloc (naming the bytes) when it cannot
+  // be allocated, std::out_of_range for another bank.
+  std::vector<mx::array> layer_scratch(int li, int bank = 0);
   // Starts reading `experts` of MoE layer li into its layer scratch's staging on the
   // reader threads (behind demand reads), those with a real slot or in the host tier
   // left out: the misses a coming over-capacity call of li is predicted to have. An
   // earlier read-ahead of the same layout not yet taken is given up (its reads finish
   // into their own buffers and are dropped). Returns how many reads it started.
   int read_ahead(int li, const std::vector<int>& experts);
+  // A long prompt's calls, whose ids are never read on the host: read_layer starts
+  // reading every expert of MoE layer li without a real slot or a host-tier slot into
+  // bank `bank`'s staging, row = expert id, on the reader threads (behind demand reads;
+  // an earlier read-ahead of that bank not yet taken is given up), and returns how many;
+  // load_whole then puts every expert of li in the row of its id of that bank (waiting
+  // for the reads, reading what did not land), the resident ones copied from their
+  // slots, and fills empty real slots in id order. Counts loads, bytes and read time (not
+  // lookups: the routing is not seen). Precondition: every use of the bank before has
+  // been evaluated (the caller waits for it); the device may be computing on the other.
+  // Throws as load_layer does.
+  int read_layer(int li, int bank);
+  void load_whole(int li, int bank);
+
   // Puts every expert of an over-capacity call of MoE layer li into rows of li's layer
   // scratch, so that the call computes from it alone: `missing` (acquire's) from records
   // read ahead (waited for as demand reads are), the host tier, or read now, the staging
@@ -427,9 +442,9 @@ class ExpertCache {
   bool side_lfu_;
   bool sync_;
 
-  // The layer scratch of each segment layout (made on first use, under mu_), which
-  // layout each MoE layer has, and the read-ahead not yet taken by load_layer per layout:
-  // its layer, experts (staging row i holds experts[i]) and reads.
+  // The layer scratch of each segment layout's two banks (made on first use, under
+  // mu_), which layout each MoE layer has, and the read-ahead not yet taken per bank: its
+  // layer, experts (staging row i holds experts[i]; by id for read_layer) and reads.
   struct ReadAhead {
     int layer = -1;
     std::vector<int> experts;
@@ -437,8 +452,11 @@ class ExpertCache {
   };
   std::vector<std::shared_ptr<LayerScratch>> layer_scratch_;
   std::vector<ReadAhead> read_ahead_;
-  std::vector<int> layout_;  // [li]: index into layer_scratch_
-  std::shared_ptr<LayerScratch> layer_scratch_locked(int li);
+  std::vector<int> layout_;  // [li]: its layout's index
+  // Index into layer_scratch_ and read_ahead_ of li's layout's bank `bank`; throws
+  // std::out_of_range for a bank other than 0 and 1.
+  size_t scratch_index(int li, int bank) const;
+  std::shared_ptr<LayerScratch> layer_scratch_locked(int li, int bank);
   // Reads experts[i] of layer li into staging row rows[i] on the reader threads
   // (prefetch lane when `ahead`, else demand); returns the batch to wait on.
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,

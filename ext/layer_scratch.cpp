@@ -27,11 +27,12 @@ void LayerScratch::stage(int r, const uint8_t* record) const {
                 static_cast<size_t>(nbytes[s]));
 }
 
-std::vector<Span> LayerScratch::upload(int n) const {
+std::vector<Span> LayerScratch::upload(int first, int end) const {
   std::vector<Span> spans;
+  if (end <= first) return spans;
   for (size_t s = 0; s < offsets.size(); ++s)
-    spans.push_back({device[s], host->data() + rows * offsets[s],
-                     static_cast<size_t>(n) * static_cast<size_t>(nbytes[s])});
+    spans.push_back({device[s] + first * nbytes[s], host->data() + rows * offsets[s] + first * nbytes[s],
+                     static_cast<size_t>(end - first) * static_cast<size_t>(nbytes[s])});
   return spans;
 }
 

@@ -11,7 +11,11 @@
 // L's output: every kernel that read them has run.
 //
 // Staging is segment-major: segment s of staging row r is at host + rows * offset_s +
-// r * nbytes_s, so rows [0, n) of a segment are one contiguous copy.
+// r * nbytes_s, so consecutive rows of a segment are one contiguous copy.
+//
+// A long prompt's calls (ExpertCache::load_whole) use two of them per layout in turn, each
+// holding a whole layer, every expert in the row of its id, so that no ids are read on
+// the host: see engine/streamed_layer.py.
 #pragma once
 
 #include <cstddef>
@@ -42,8 +46,9 @@ struct LayerScratch {
   // Staging row r's segments as copies from a record at `record` (host bytes in the
   // blob's layout) into the staging.
   void stage(int r, const uint8_t* record) const;
-  // The copies of staging rows [0, n) into device rows [0, n): one span per segment.
-  std::vector<Span> upload(int n) const;
+  // The copies of staging rows [first, end) into the same device rows: one span per
+  // segment (none when the range is empty).
+  std::vector<Span> upload(int first, int end) const;
   // Device row r's segments as destinations (sources unset).
   std::vector<Span> row(int r) const;
   // Staging row r's segments as host sources (destinations unset).

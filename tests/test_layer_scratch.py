@@ -151,3 +151,62 @@ def test_the_calls_hits_are_copied_in_beside_its_misses(qwen_store):
         cache.load_layer(1, [], [0], [99])
     with pytest.raises(ValueError, match="1 resident experts and 0 rows"):
         cache.load_layer(1, [], [0], [])
+
+
+def greedy(model, prompt, steps=6, step_size=2048):
+    """Greedy tokens of mlx-lm's `generate_step` over `prompt`, its prefill in chunks
+    of `step_size` tokens."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(
+        mx.array(prompt), model, max_tokens=steps, prefill_step_size=step_size
+    ):
+        out.append(int(token))
+    return out
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_a_long_prompt_takes_whole_layers_and_gives_the_resident_logits(model_dirs, slots):
+    """99 tokens of 2 ids each over 8 experts (over WHOLE_LAYER_IDS per expert): each
+    layer's call puts its whole layer in a bank without reading the ids, every record
+    read once per layer, the empty real slots filled in id order; the logits are
+    resident's, cold and warm."""
+    model_dir = model_dirs("qwen3_moe")
+    prompt = mx.array([[1 + (i * 7) % 127 for i in range(99)]])
+    model, _ = load_model(model_dir)
+    want = np.array(model(prompt))
+    sm = load(model_dir, StreamConfig(expert_slots=slots))
+    sm.predictor.layer_scratch = True
+    assert sm.predictor.takes_whole(prompt.size * 2)
+    assert np.array_equal(want, np.array(sm.model(prompt)))
+    snap = sm.snapshot()
+    stride = sm.store.manifest.layers[0].stride
+    assert snap.stats["overcap_calls"].tolist() == [1] * sm.cache.num_layers
+    assert snap.stats["loads"].tolist() == [8] * sm.cache.num_layers
+    assert snap.stats["bytes_read"].tolist() == [8 * stride] * sm.cache.num_layers
+    assert (snap.stats["hits"] + snap.stats["misses"] == 0).all()  # the ids are not read
+    assert [sorted(row) for row in snap.slot_expert] == [list(range(slots))] * sm.cache.num_layers
+    # Again, warm: the resident experts are copied into the banks from their slots.
+    assert np.array_equal(want, np.array(sm.model(prompt)))
+    loads = sm.snapshot().stats["loads"].tolist()
+    assert loads == [8 + 8 - slots] * sm.cache.num_layers
+    assert sm.cache.check() == ""
+
+
+def test_whole_layers_across_prefill_chunks_and_a_warm_cache_give_the_resident_tokens(
+    model_dirs,
+):
+    """A prompt prefilled in chunks of 40 tokens (each chunk a forward of whole-layer
+    calls, the first of each waiting for its input), then decode, twice on the same cache
+    (the second time with the resident experts copied from their slots): mlx-lm's tokens."""
+    model_dir = model_dirs("qwen3_moe")
+    prompt = [1 + (i * 7) % 127 for i in range(129)]  # ids in the test models' vocabulary
+    model, _ = load_model(model_dir)
+    want = greedy(model, prompt, step_size=40)
+    sm = load(model_dir, StreamConfig(expert_slots=3))
+    sm.predictor.layer_scratch = True
+    assert greedy(sm.model, prompt, step_size=40) == want
+    assert greedy(sm.model, prompt, step_size=40) == want
+    assert (sm.snapshot().stats["overcap_calls"] >= 6).all()
+    assert sm.cache.check() == ""
