@@ -252,15 +252,15 @@ def cuda_pools() -> bool:
 
 def layer_scratch_bytes(specs: Sequence[LayerSpec], num_experts: int) -> int:
     """Bytes of device memory the layer scratch of `specs` takes (`ExpertCache.
-    layer_scratch`: num_experts records for each segment layout), and as many of
-    page-locked host staging."""
+    layer_scratch`: two banks of num_experts records for each segment layout), and as
+    many of page-locked host staging."""
     layouts = {
         tuple(
             (g.key, g.dtype, tuple(g.shape), g.offset, g.nbytes) for g in s.segments
         ): s.record_bytes
         for s in specs
     }
-    return num_experts * sum(layouts.values())
+    return 2 * num_experts * sum(layouts.values())
 
 
 def check_pool_fits(

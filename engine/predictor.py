@@ -27,7 +27,6 @@ from engine.config import AUTO_MEMORY_FRACTION, ConfigError, StreamConfig
 from engine.device_acquire import DeviceAcquire
 from engine.memory import available_bytes, human_bytes
 
-
 # Ids per expert from which an over-capacity call on the layer scratch takes every expert
 # of its layer as routed (`Predictor.takes_whole`): a call of n ids leaves a given expert
 # out with odds of about exp(-n / num_experts) under balanced routing, under 2% from 4 on,
