@@ -1025,7 +1025,7 @@ int ExpertCache::read_layer(int li, int bank) {
   if (old.batch) settle(*old.batch, true);  // its rows are about to be read into
   auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, todo, true);
   std::lock_guard<std::mutex> lk(mu_);
-  read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch};
+  read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch, true};
   return static_cast<int>(todo.size());
 }
 
@@ -1045,9 +1045,10 @@ void ExpertCache::load_whole(int li, int bank) {
   std::vector<uint8_t> staged(static_cast<size_t>(num_experts_), 0);
   uint64_t ahead_read = 0;
   if (ahead.batch) {
-    settle(*ahead.batch, ahead.layer != li);
+    const bool ours = ahead.layer == li && ahead.by_id;
+    settle(*ahead.batch, !ours);
     std::lock_guard<std::mutex> lk(ahead.batch->mu);
-    if (ahead.layer == li)
+    if (ours)
       for (size_t i = 0; i < ahead.experts.size(); ++i)
         if (ahead.batch->state[i] == kDone) {
           staged[static_cast<size_t>(ahead.experts[i])] = 1;
@@ -1189,9 +1190,10 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   std::vector<int> free_rows;  // staging rows whose read-ahead did not land
   int used = 0;                // staging rows [0, used) hold or will hold a record
   if (ahead.batch) {
-    settle(*ahead.batch, ahead.layer != li);
+    const bool ours = ahead.layer == li && !ahead.by_id;
+    settle(*ahead.batch, !ours);
     std::lock_guard<std::mutex> lk(ahead.batch->mu);
-    if (ahead.layer == li) {
+    if (ours) {
       used = static_cast<int>(ahead.experts.size());
       for (size_t i = 0; i < ahead.experts.size(); ++i) {
         if (ahead.batch->state[i] == kDone) {

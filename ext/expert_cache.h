@@ -444,11 +444,13 @@ class ExpertCache {
 
   // The layer scratch of each segment layout's two banks (made on first use, under
   // mu_), which layout each MoE layer has, and the read-ahead not yet taken per bank: its
-  // layer, experts (staging row i holds experts[i]; by id for read_layer) and reads.
+  // layer, experts (staging row i holds experts[i], or row e expert e for read_layer) and
+  // reads. Each of load_layer and load_whole takes only its own kind, for its layer.
   struct ReadAhead {
     int layer = -1;
     std::vector<int> experts;
     std::shared_ptr<ReadBatch> batch;
+    bool by_id = false;  // read_layer's: expert e in staging row e
   };
   std::vector<std::shared_ptr<LayerScratch>> layer_scratch_;
   std::vector<ReadAhead> read_ahead_;

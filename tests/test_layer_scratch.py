@@ -210,3 +210,20 @@ def test_whole_layers_across_prefill_chunks_and_a_warm_cache_give_the_resident_t
     assert greedy(sm.model, prompt, step_size=40) == want
     assert (sm.snapshot().stats["overcap_calls"] >= 6).all()
     assert sm.cache.check() == ""
+
+
+def test_a_read_ahead_of_the_other_kind_is_given_up(qwen_store):
+    """read_layer stages by expert id and read_ahead in order: each load takes only its
+    own kind (a stopped forward may leave either behind), so the rows hold the right
+    records either way."""
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    checker = RowChecker(qwen_store, cache)
+    cache.load_layer(1, [0, 1])  # 0 and 1 take the real slots
+    assert cache.read_layer(1, 0) == 6  # 2..7, by id, into bank 0's staging
+    got = cache.load_layer(1, [6, 2])  # in order: row 0 must hold 6, row 1 expert 2
+    for e, r in zip([6, 2], got, strict=True):
+        assert scratch_bytes(cache, 1, r) == checker.records[(1, e)]
+    cache.read_ahead(2, [5, 3])
+    cache.load_whole(2, 0)
+    for e in range(8):
+        assert scratch_bytes(cache, 2, e) == checker.records[(2, e)]

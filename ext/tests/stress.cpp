@@ -2,7 +2,9 @@
 // `make tsan` (ThreadSanitizer) at the repository root.
 //
 // One thread drives the cache as the generation thread does: acquire (forward after
-// forward, with over-capacity calls streamed through the scratch rows), asynchronous
+// forward, with over-capacity calls streamed through the scratch rows or put in the
+// layer scratch with the next layer read ahead), whole-layer calls into either bank of
+// the layer scratch, asynchronous
 // prefetch with re-predictions of in-flight experts, drains, resets, side-region mode and
 // SYNC switches, switches between every eviction policy, router hints for the predictive
 // policy, pin/unpin, and read faults: transient ones (one bad
@@ -20,6 +22,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -152,6 +155,18 @@ class Stress {
            std::memcmp(pool[1].data<uint8_t>() + static_cast<size_t>(row) * kSeg1,
                        want + kSeg0, kSeg1) == 0;
   }
+  // Whether row `row` of bank `bank` of layer li's layer scratch holds `expert`.
+  void expect_scratch_row(int li, int bank, int row, int expert, const char* what) {
+    ++rows_checked;
+    auto arrays = cache_->layer_scratch(li, bank);
+    const uint8_t* want = records_[li][expert].data();
+    if (std::memcmp(arrays[0].data<uint8_t>() + static_cast<size_t>(row) * kSeg0, want, kSeg0) ||
+        std::memcmp(arrays[1].data<uint8_t>() + static_cast<size_t>(row) * kSeg1, want + kSeg0,
+                    kSeg1))
+      violations.add(std::string(what) + ": MoE layer " + std::to_string(li) + " bank " +
+                     std::to_string(bank) + " row " + std::to_string(row) +
+                     " does not hold expert " + std::to_string(expert));
+  }
   void expect_row(int li, int row, int expert, const char* what) {
     ++rows_checked;
     if (!row_holds(li, row, expert))
@@ -172,6 +187,7 @@ class Stress {
   }
 
   void op_acquire();
+  void op_whole();
   void op_prefetch();
   void op_fault();
 
@@ -262,6 +278,30 @@ void Stress::op_acquire() {
       violations.add("acquire left an entry unset");
     }
   }
+  if (!missing.empty() && !staging_ && chance(0.5)) {  // the layer scratch (CUDA's path)
+    std::vector<int> resident, rows_of;
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (local[i] >= 0 && std::find(resident.begin(), resident.end(), ids[i]) == resident.end()) {
+        resident.push_back(ids[i]);
+        rows_of.push_back(local[i]);
+      }
+    std::vector<int> rows;
+    try {
+      rows = cache_->load_layer(li, missing, resident, rows_of);
+    } catch (const es::ReadError& e) {
+      error(li, e);
+      return;
+    }
+    std::vector<int> all = missing;
+    all.insert(all.end(), resident.begin(), resident.end());
+    for (size_t i = 0; i < all.size(); ++i) expect_scratch_row(li, 0, rows[i], all[i], "layer scratch");
+    if (chance(0.5)) {  // the next layer's predicted misses, read while "it computes"
+      std::vector<int> predicted;
+      for (int k = randint(1, 6); k > 0; --k) predicted.push_back(randint(0, kExperts - 1));
+      cache_->read_ahead((li + 1) % kLayers, predicted);
+    }
+    return;
+  }
   const int scratch = cache_->config().scratch_slots;
   for (size_t start = 0; start < missing.size(); start += static_cast<size_t>(scratch)) {
     std::vector<int> chunk(missing.begin() + static_cast<long>(start),
@@ -276,6 +316,21 @@ void Stress::op_acquire() {
     }
     for (size_t i = 0; i < chunk.size(); ++i) expect_row(li, rows[i], chunk[i], "scratch");
   }
+}
+
+void Stress::op_whole() {
+  // A long prompt's call: its whole layer into a bank, maybe read ahead by the call
+  // before (possibly for another layer, whose read-ahead is then given up).
+  int li = randint(0, kLayers - 1), bank = randint(0, 1);
+  if (chance(0.6)) cache_->read_layer(chance(0.8) ? li : randint(0, kLayers - 1), bank);
+  try {
+    cache_->load_whole(li, bank);
+  } catch (const es::ReadError& e) {
+    error(li, e);
+    return;
+  }
+  for (int e = 0; e < kExperts; ++e) expect_scratch_row(li, bank, e, e, "whole layer");
+  if (chance(0.5)) cache_->read_layer((li + 1) % kLayers, 1 - bank);
 }
 
 void Stress::op_prefetch() {
@@ -320,6 +375,8 @@ uint64_t Stress::drive(double seconds) {
     try {
       if (p < 0.38) {
         op_acquire();
+      } else if (p < 0.42) {
+        if (!staging_) op_whole();
       } else if (p < 0.68) {
         op_prefetch();
       } else if (p < 0.75) {
