@@ -293,7 +293,8 @@ def check_pool_fits(
     what = (
         f"{store.path}: the expert pools need {human_bytes(need)} ({len(specs)} MoE "
         f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
-        f"up to {human_bytes(largest)}) and the dense weights {human_bytes(dense)}, "
+        f"up to {human_bytes(largest)}{', and the layer scratch' if cuda_pools() else ''}) "
+        f"and the dense weights {human_bytes(dense)}, "
         f"{human_bytes(need + dense)} together, but {human_bytes(available)} of memory "
         "is available"
     )

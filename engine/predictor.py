@@ -93,8 +93,10 @@ class Predictor:
         # An engine.trace.TraceRecorder: takes each call's lazy ids, on whichever path.
         self.recorder = None
         self._dense: dict[int, Router] = {}  # target -> its router's copy, made on first use
-        # The last whole-layer call (`whole_bank`): its MoE layer, input and bank.
+        # The last whole-layer call of this forward (`whole_bank`): its MoE layer, input
+        # and bank; and the last call's MoE layer (`begin_call`).
         self._whole: tuple[int, mx.array, int] | None = None
+        self._last_layer = -1
 
     def targets_for(self, layer: int) -> range:
         """MoE layers that `layer` prefetches, nearest first: up to layer + ahead_lo
@@ -102,8 +104,17 @@ class Predictor:
         covers; empty past the last layer (see the module's docstring)."""
         return self._targets[layer]
 
-    def check_stop(self, layer: int) -> None:
-        """Raises GenerationStopped when the caller asked to stop."""
+    def begin_call(self, layer: int) -> None:
+        """A call of MoE layer `layer` begins (every path): one at or below the last
+        call's layer starts a forward, in which no whole-layer call was made yet
+        (`whole_bank`), whether the forward before ended or stopped midway.
+
+        Raises:
+            GenerationStopped: the caller asked to stop.
+        """
+        if layer <= self._last_layer:
+            self._whole = None
+        self._last_layer = layer
         if self.should_stop is not None and self.should_stop():
             raise GenerationStopped(f"stopped at MoE layer {layer}")
 
@@ -151,8 +162,8 @@ class Predictor:
         banks alternate: the call before this one, in the same forward, used the other,
         and the one before that used this one and fed that call's input, so the host
         submits `x` and waits for that input while the device computes the call before.
-        The first such call of a forward waits for `x` itself."""
-        if self._whole is not None and layer > self._whole[0]:
+        The first such call of a forward (`begin_call`) waits for `x` itself."""
+        if self._whole is not None:
             mx.async_eval(x)
             mx.eval(self._whole[1])
             bank = 1 - self._whole[2]
@@ -182,21 +193,29 @@ class Predictor:
         if not self.device_path:
             return None
         if self._device is None:
-            self.start_device(x.shape[-1], n)
+            self._make_device(x.shape[-1], n)
         device = self._device
         return device if n <= device.max_ids and x.shape[-1] == device.hidden else None
 
     def start_device(self, hidden: int, n: int) -> None:
-        """Makes the acquire kernels for MoE inputs of `hidden` features and requests of
-        `n` ids (`device_acquire`) unless made already: what a model load calls, so that
-        compiling them and page-locking the host tier is part of the load, not of the
-        first reply. Nothing where the kernels are not used (`device_path`).
+        """What a model load calls, so that allocating and page-locking is part of the
+        load, not of the first reply: the layer scratch's banks where it is used
+        (`layer_scratch`), and the acquire kernels for MoE inputs of `hidden` features
+        and requests of `n` ids where they are (`device_path`, as `device_acquire` would
+        make them), with the host tier.
 
         Raises:
+            MemoryError: the layer scratch cannot be allocated.
             RuntimeError: the CUDA runtime refused to map the mailbox's memory.
         """
-        if not self.device_path or self._device is not None:
-            return
+        if self.layer_scratch:
+            for layer in range(self.cache.num_layers):
+                for bank in (0, 1):
+                    self.cache.layer_scratch(layer, bank)
+        if self.device_path and self._device is None:
+            self._make_device(hidden, n)
+
+    def _make_device(self, hidden: int, n: int) -> None:
         max_ids = min(AcquireMailbox.MAX_IDS, max(2 * n, 16))
         self._device = DeviceAcquire(
             self.cache, hidden, max_ids, max(16, 2 * self.budget), self._tier_slots

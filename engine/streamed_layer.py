@@ -75,7 +75,7 @@ class StreamedExperts(nn.Module):
         Raises:
             GenerationStopped: the caller asked to stop (checked before any read).
         """
-        self._predictor.check_stop(self._index)
+        self._predictor.begin_call(self._index)
         if self._predictor.recorder is not None:
             self._predictor.recorder.route(self._index, indices, x)
         hook = self._predictor.on_acquire

@@ -8,6 +8,7 @@
 #include <exception>
 #include <stdexcept>
 #include <unordered_map>
+#include <utility>
 
 #include "errors.h"
 #include "slot_state.h"
@@ -958,26 +959,49 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
     }
     ls->stage(r, buf);
     if (staged_ && staged_->tier_slots() > 0) {
-      // Kept in the host tier too, so that a later miss of it is not read again.
-      std::vector<Span> spans = ls->staged(r);
-      for (size_t s = 0; s < spans.size(); ++s)
-        spans[s].src = buf + layers_[li].segments[s].offset;
-      staged_->keep(spans, li, e);
+      // Kept in the host tier too, so that a later miss of it is not read again; the
+      // record is staged whether or not that succeeds.
+      try {
+        std::vector<Span> spans = ls->staged(r);
+        for (size_t s = 0; s < spans.size(); ++s)
+          spans[s].src = buf + layers_[li].segments[s].offset;
+        staged_->keep(spans, li, e);
+      } catch (const std::exception&) {
+      }
     }
     std::lock_guard<std::mutex> lk(b.mu);
     settle_as(kDone, nullptr);
   };
-  if (ahead) {
-    for (size_t i = 0; i < experts.size(); ++i)
-      readers_->submit_prefetch(
-          [read, i, e = experts[i], r = rows[i]](bool cancelled) { read(i, e, r, cancelled); });
-  } else {
-    std::vector<std::function<void()>> tasks;
-    for (size_t i = 0; i < experts.size(); ++i)
-      tasks.emplace_back([read, i, e = experts[i], r = rows[i]] { read(i, e, r, false); });
-    readers_->submit_demand(std::move(tasks));
+  try {
+    if (ahead) {
+      for (size_t i = 0; i < experts.size(); ++i)
+        readers_->submit_prefetch(
+            [read, i, e = experts[i], r = rows[i]](bool cancelled) { read(i, e, r, cancelled); });
+    } else {
+      std::vector<std::function<void()>> tasks;
+      for (size_t i = 0; i < experts.size(); ++i)
+        tasks.emplace_back([read, i, e = experts[i], r = rows[i]] { read(i, e, r, false); });
+      readers_->submit_demand(std::move(tasks));
+    }
+  } catch (...) {
+    settle(*batch, true);  // what was queued never writes the rows
+    throw;
   }
   return batch;
+}
+
+void ExpertCache::retire(ReadAhead& ra) {
+  if (!ra.batch) return;
+  settle(*ra.batch, true);
+  uint64_t landed = 0;
+  {
+    std::lock_guard<std::mutex> lk(ra.batch->mu);
+    for (int state : ra.batch->state) landed += state == kDone;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  stats_[static_cast<size_t>(ra.layer)].bytes_read +=
+      landed * static_cast<uint64_t>(layers_[static_cast<size_t>(ra.layer)].stride);
+  ra = ReadAhead{};
 }
 
 int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
@@ -1001,7 +1025,7 @@ int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
       todo.push_back(e);
     }
   }
-  if (old.batch) settle(*old.batch, true);  // its rows are about to be read into
+  retire(old);  // its rows are about to be read into
   std::vector<int> rows(todo.size());
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int>(i);
   auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, rows, true);
@@ -1022,7 +1046,7 @@ int ExpertCache::read_layer(int li, int bank) {
     for (int e = 0; e < num_experts_; ++e)
       if (real_[li].slot_of(e) < 0 && !(staged_ && staged_->holds(li, e))) todo.push_back(e);
   }
-  if (old.batch) settle(*old.batch, true);  // its rows are about to be read into
+  retire(old);  // its rows are about to be read into
   auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, todo, true);
   std::lock_guard<std::mutex> lk(mu_);
   read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch, true};
@@ -1044,16 +1068,17 @@ void ExpertCache::load_whole(int li, int bank) {
   const auto& L = layers_[li];
   std::vector<uint8_t> staged(static_cast<size_t>(num_experts_), 0);
   uint64_t ahead_read = 0;
+  if (ahead.batch && !(ahead.layer == li && ahead.by_id)) retire(ahead);
   if (ahead.batch) {
-    const bool ours = ahead.layer == li && ahead.by_id;
-    settle(*ahead.batch, !ours);
+    settle(*ahead.batch, false);
     std::lock_guard<std::mutex> lk(ahead.batch->mu);
-    if (ours)
-      for (size_t i = 0; i < ahead.experts.size(); ++i)
-        if (ahead.batch->state[i] == kDone) {
-          staged[static_cast<size_t>(ahead.experts[i])] = 1;
-          ++ahead_read;
-        }
+    for (size_t i = 0; i < ahead.experts.size(); ++i) {
+      if (ahead.batch->state[i] != kDone) continue;
+      ++ahead_read;
+      // One that has a real slot since (the cache was used between) is copied from it.
+      const auto e = static_cast<size_t>(ahead.experts[i]);
+      staged[e] = slot_of[e] < 0;
+    }
   }
   // Every expert in the row of its id: staged (read ahead, or read now) and uploaded
   // in runs of consecutive rows, copied from the host tier, or, resident, from its slot.
@@ -1091,17 +1116,7 @@ void ExpertCache::load_whole(int li, int bank) {
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
           .count());
   if (!first) {
-    std::vector<Span> copies;
-    for (int e = 0; e < num_experts_;) {
-      if (!staged[static_cast<size_t>(e)]) {
-        ++e;
-        continue;
-      }
-      int end = e;
-      while (end < num_experts_ && staged[static_cast<size_t>(end)]) ++end;
-      for (const Span& run : ls->upload(e, end)) copies.push_back(run);
-      e = end;
-    }
+    std::vector<Span> copies = ls->upload(staged);
     for (int e = 0; e < num_experts_; ++e) {
       const int slot = slot_of[static_cast<size_t>(e)];
       if (slot < 0) continue;
@@ -1117,7 +1132,8 @@ void ExpertCache::load_whole(int li, int bank) {
     }
   }
   std::lock_guard<std::mutex> lk(mu_);
-  const uint64_t loaded = tier + ahead_read + read_now;
+  uint64_t loaded = tier;
+  for (int e = 0; e < num_experts_; ++e) loaded += staged[static_cast<size_t>(e)];
   if (!first) {
     // As load_layer: empty real slots take experts from the rows (the routing is not
     // read here, so in id order).
@@ -1185,46 +1201,49 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
     std::swap(ahead, read_ahead_[scratch_index(li, 0)]);
   }
   const auto& L = layers_[li];
-  uint64_t ahead_read = 0;  // records the read-ahead landed (used or not)
-  std::vector<int> row_of(static_cast<size_t>(num_experts_), -1);
-  std::vector<int> free_rows;  // staging rows whose read-ahead did not land
-  int used = 0;                // staging rows [0, used) hold or will hold a record
+  const auto E = static_cast<size_t>(num_experts_);
+  // Each row holds one expert: a record the read-ahead landed (staging row i: experts[i];
+  // used by this call or not) or one that a free row takes now (read into staging, copied
+  // from the host tier, or copied from its slot). Only rows holding a staged record are
+  // uploaded, in runs, so a row filled from the tier or a slot is never overwritten; the
+  // experts are distinct, so num_experts rows always suffice.
+  std::vector<int> row_of(E, -1);
+  std::vector<uint8_t> staged(E, 0);  // per row: holds a staged record to upload
+  uint64_t ahead_read = 0;            // records the read-ahead landed (used or not)
+  if (ahead.batch && !(ahead.layer == li && !ahead.by_id)) retire(ahead);
   if (ahead.batch) {
-    const bool ours = ahead.layer == li && !ahead.by_id;
-    settle(*ahead.batch, !ours);
-    std::lock_guard<std::mutex> lk(ahead.batch->mu);
-    if (ours) {
-      used = static_cast<int>(ahead.experts.size());
-      for (size_t i = 0; i < ahead.experts.size(); ++i) {
+    settle(*ahead.batch, false);
+    {
+      std::lock_guard<std::mutex> lk(ahead.batch->mu);
+      for (size_t i = 0; i < ahead.experts.size(); ++i)
         if (ahead.batch->state[i] == kDone) {
           row_of[static_cast<size_t>(ahead.experts[i])] = static_cast<int>(i);
+          staged[i] = 1;
           ++ahead_read;
-        } else {
-          free_rows.push_back(static_cast<int>(i));
         }
-      }
     }
   }
-  // The rest: from the host tier into rows from the top, else read now into staging.
+  std::vector<int> free_rows;  // lowest last
+  for (int r = num_experts_ - 1; r >= 0; --r)
+    if (!staged[static_cast<size_t>(r)]) free_rows.push_back(r);
+  auto take_row = [&] {
+    if (free_rows.empty()) throw std::logic_error("load_layer: no layer-scratch row left");
+    const int r = free_rows.back();
+    free_rows.pop_back();
+    return r;
+  };
   uint64_t tier = 0;
-  int top = num_experts_;
   std::vector<int> reads, read_rows;
   for (int e : missing) {
     if (row_of[static_cast<size_t>(e)] >= 0) continue;
-    if (copy_from_tier(li, e, ls->row(top - 1))) {
-      row_of[static_cast<size_t>(e)] = --top;
+    const int r = take_row();
+    if (copy_from_tier(li, e, ls->row(r))) {
+      row_of[static_cast<size_t>(e)] = r;
       ++tier;
-      continue;
-    }
-    int r;
-    if (!free_rows.empty()) {
-      r = free_rows.back();
-      free_rows.pop_back();
     } else {
-      r = used++;
+      reads.push_back(e);
+      read_rows.push_back(r);
     }
-    reads.push_back(e);
-    read_rows.push_back(r);
   }
   std::exception_ptr first;
   std::vector<int> resident_at;
@@ -1237,6 +1256,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
     for (size_t j = 0; j < reads.size(); ++j) {
       if (batch->state[j] == kDone) {
         row_of[static_cast<size_t>(reads[j])] = read_rows[j];
+        staged[static_cast<size_t>(read_rows[j])] = 1;
         ++read_now;
       } else if (!first) {
         first = batch->error[j] ? batch->error[j]
@@ -1252,18 +1272,21 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
           .count());
   if (!first) {
-    // The staged records, and the resident experts from their pool rows into rows from
-    // the top: the call then computes from the layer scratch alone.
-    std::vector<Span> copies = ls->upload(0, used);
-    std::vector<int> placed;
+    // The staged records, and the resident experts from their pool rows (a hit that was
+    // read ahead too keeps its staged row): the call then computes from the layer
+    // scratch alone.
+    std::vector<Span> copies = ls->upload(staged);
     for (size_t i = 0; i < resident.size(); ++i) {
-      std::vector<Span> to = ls->row(--top), from = row_spans(li, resident_rows[i]);
-      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
-      placed.push_back(top);
+      int r = row_of[static_cast<size_t>(resident[i])];
+      if (r < 0) {
+        r = take_row();
+        std::vector<Span> to = ls->row(r), from = row_spans(li, resident_rows[i]);
+        for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
+      }
+      resident_at.push_back(r);
     }
     try {
       writer_.copy(copies);
-      resident_at = std::move(placed);
     } catch (const std::exception& e) {
       first = std::make_exception_ptr(
           ReadError(L.path + " (layer " + std::to_string(L.layer) + ", layer scratch): " +
@@ -1275,6 +1298,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   rows.insert(rows.end(), resident_at.begin(), resident_at.end());
   std::lock_guard<std::mutex> lk(mu_);
   const uint64_t ok = first ? 0 : static_cast<uint64_t>(missing.size());
+  const uint64_t failed = first ? reads.size() - read_now : 0;
   if (!first) {
     // As load_scratch: the call's experts also fill the real region's empty slots, most
     // routed first (acquire's order), by device copies from the scratch rows.
@@ -1301,7 +1325,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   auto& st = stats_[li];
   st.misses += missing.size();
   st.loads += ok;
-  st.read_errors += missing.size() - ok;
+  st.read_errors += failed;
   st.bytes_read += (ahead_read + read_now) * static_cast<uint64_t>(L.stride);
   st.host_hits += tier;
   st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
@@ -1483,6 +1507,13 @@ bool ExpertCache::sync() const {
 }
 
 void ExpertCache::reset() {
+  std::vector<ReadAhead> aheads;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& ra : read_ahead_) aheads.push_back(std::exchange(ra, ReadAhead{}));
+  }
+  // Before the tier is emptied: a read that is copying keeps its record there first.
+  for (auto& ra : aheads) retire(ra);
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
   for (size_t li = 0; li < real_.size(); ++li) {
@@ -1494,10 +1525,6 @@ void ExpertCache::reset() {
   }
   if (staged_) staged_->clear_tier();
   last_li_ = -1;
-  for (auto& ra : read_ahead_) {
-    if (ra.batch) settle(*ra.batch, true);
-    ra = ReadAhead{};
-  }
 }
 
 LayerSnapshot ExpertCache::snapshot(int li) const {

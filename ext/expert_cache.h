@@ -464,6 +464,9 @@ class ExpertCache {
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
+  // Gives `ra` up (settle) and counts the records it landed in its layer's bytes_read
+  // (they were read, if never used); leaves it empty. Takes mu_: call without it.
+  void retire(ReadAhead& ra);
   // Waits for `batch` as demand reads are waited for (read_timeout_s without progress
   // gives the rest up); `give_up`: gives every read not yet copying up at once.
   void settle(ReadBatch& batch, bool give_up);

@@ -1,5 +1,6 @@
 #include "layer_scratch.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace es {
@@ -27,12 +28,22 @@ void LayerScratch::stage(int r, const uint8_t* record) const {
                 static_cast<size_t>(nbytes[s]));
 }
 
-std::vector<Span> LayerScratch::upload(int first, int end) const {
+std::vector<Span> LayerScratch::upload(const std::vector<uint8_t>& staged) const {
   std::vector<Span> spans;
-  if (end <= first) return spans;
-  for (size_t s = 0; s < offsets.size(); ++s)
-    spans.push_back({device[s] + first * nbytes[s], host->data() + rows * offsets[s] + first * nbytes[s],
-                     static_cast<size_t>(end - first) * static_cast<size_t>(nbytes[s])});
+  const int n = std::min(rows, static_cast<int>(staged.size()));
+  for (int first = 0; first < n;) {
+    if (!staged[static_cast<size_t>(first)]) {
+      ++first;
+      continue;
+    }
+    int end = first;
+    while (end < n && staged[static_cast<size_t>(end)]) ++end;
+    for (size_t s = 0; s < offsets.size(); ++s)
+      spans.push_back({device[s] + first * nbytes[s],
+                       host->data() + rows * offsets[s] + first * nbytes[s],
+                       static_cast<size_t>(end - first) * static_cast<size_t>(nbytes[s])});
+    first = end;
+  }
   return spans;
 }
 

@@ -46,9 +46,9 @@ struct LayerScratch {
   // Staging row r's segments as copies from a record at `record` (host bytes in the
   // blob's layout) into the staging.
   void stage(int r, const uint8_t* record) const;
-  // The copies of staging rows [first, end) into the same device rows: one span per
-  // segment (none when the range is empty).
-  std::vector<Span> upload(int first, int end) const;
+  // The copies of the staging rows r with staged[r] into the same device rows: per run
+  // of consecutive such rows, one span per segment.
+  std::vector<Span> upload(const std::vector<uint8_t>& staged) const;
   // Device row r's segments as destinations (sources unset).
   std::vector<Span> row(int r) const;
   // Staging row r's segments as host sources (destinations unset).
