@@ -176,7 +176,7 @@ FLAGS = (
         "scratch_slots",
         int,
         "experts per chunk of a call with more misses than evictable slots (unused on "
-        "MLX CUDA, where such a call puts a whole layer in the layer scratch)",
+        "MLX CUDA, where such a call uses the layer scratch)",
         deprecated=("--prefill-chunk",),
     ),
     Flag("--reader-threads", "reader_threads", int, "background reader threads"),

@@ -75,10 +75,11 @@ class Predictor:
             and cache.pool_writes == "cuda"
         )
         self._device: DeviceAcquire | None = None
-        # Where the pools are CUDA memory, an over-capacity call puts all its misses in
-        # the layer scratch (`ExpertCache.load_layer`) at its one host wait, the device
-        # idle, and reads the next layer's predicted misses while the device computes
-        # (`ahead_ids`). The scratch stream's rows would be written by a cache thread
+        # Where the pools are CUDA memory, an over-capacity call puts its experts in the
+        # layer scratch (`ExpertCache.load_layer`) at its one host wait, the device idle,
+        # and reads the next layer's predicted misses while the device computes
+        # (`ahead_ids`); a long prompt's call its whole layer, reading no ids
+        # (`takes_whole`). The scratch stream's rows would be written by a cache thread
         # while a graph runs, a CUDA runtime call that can wait behind a spinning kernel
         # (MLX's wait for a CPU-stream op, or an acquire kernel), and chunk by chunk.
         self.layer_scratch = cache.pool_writes == "cuda"
@@ -197,12 +198,13 @@ class Predictor:
         device = self._device
         return device if n <= device.max_ids and x.shape[-1] == device.hidden else None
 
-    def start_device(self, hidden: int, n: int) -> None:
+    def start_device(self, hidden: int | None, n: int) -> None:
         """What a model load calls, so that allocating and page-locking is part of the
         load, not of the first reply: the layer scratch's banks where it is used
         (`layer_scratch`), and the acquire kernels for MoE inputs of `hidden` features
         and requests of `n` ids where they are (`device_path`, as `device_acquire` would
-        make them), with the host tier.
+        make them), with the host tier; with `hidden` None (not in the model's config),
+        the kernels are made by the first call that takes them.
 
         Raises:
             MemoryError: the layer scratch cannot be allocated.
@@ -212,7 +214,7 @@ class Predictor:
             for layer in range(self.cache.num_layers):
                 for bank in (0, 1):
                     self.cache.layer_scratch(layer, bank)
-        if self.device_path and self._device is None:
+        if self.device_path and self._device is None and hidden is not None:
             self._make_device(hidden, n)
 
     def _make_device(self, hidden: int, n: int) -> None:
