@@ -72,6 +72,13 @@ mx::allocator::Data checked_malloc(size_t bytes, const std::string& what) {
   return data;
 }
 
+// Microseconds from t0 to now.
+uint64_t micros_since(std::chrono::steady_clock::time_point t0) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now() - t0)
+                                   .count());
+}
+
 std::string duration_text(int ms) {
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s" : std::to_string(ms) + " ms";
 }
@@ -389,21 +396,21 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
   for (size_t j = 0; j < rest.size(); ++j) landed[at[j]] = got[j];
   for (size_t j = 0; j < rest.size() && !first; ++j) {
     if (got[j]) continue;
-    first = errors[j] ? errors[j]
-                      : std::make_exception_ptr(ReadTimeout(
-                            files_[li]->where(rest[j].first) +
-                            ": read timed out (no read finished within " +
-                            duration_text(read_timeout_ms_) +
-                            "; is the storage responding?)"));
+    first = errors[j] ? errors[j] : timed_out(li, rest[j].first);
   }
   if (tally) {
-    tally->micros += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                               std::chrono::steady_clock::now() - t0)
-                                               .count());
+    tally->micros += micros_since(t0);
     if (ring)
       tally->io_uring_reads += static_cast<uint64_t>(std::count(got.begin(), got.end(), 1));
   }
   return first;
+}
+
+std::exception_ptr ExpertCache::timed_out(int li, int expert) const {
+  return std::make_exception_ptr(ReadTimeout(files_[li]->where(expert) +
+                                             ": read timed out (no read finished within " +
+                                             duration_text(read_timeout_ms_) +
+                                             "; is the storage responding?)"));
 }
 
 bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& loads,
@@ -1004,6 +1011,45 @@ void ExpertCache::retire(ReadAhead& ra) {
   ra = ReadAhead{};
 }
 
+std::exception_ptr ExpertCache::read_staged(int li, const std::shared_ptr<LayerScratch>& ls,
+                                            const std::vector<int>& experts,
+                                            const std::vector<int>& rows,
+                                            std::vector<uint8_t>& landed) {
+  landed.assign(experts.size(), 0);
+  if (experts.empty()) return nullptr;
+  auto batch = stage_reads(li, ls, experts, rows, false);
+  settle(*batch, false);
+  std::exception_ptr first;
+  std::lock_guard<std::mutex> lk(batch->mu);
+  for (size_t j = 0; j < experts.size(); ++j) {
+    landed[j] = batch->state[j] == kDone;
+    if (!landed[j] && !first) first = batch->error[j] ? batch->error[j] : timed_out(li, experts[j]);
+  }
+  return first;
+}
+
+void ExpertCache::fill_empty_slots(int li, const LayerScratch& ls,
+                                   const std::vector<std::pair<int, int>>& from) {
+  auto& R = real_[li];
+  std::vector<Span> copies;
+  std::vector<std::pair<int, int>> assigned;  // (slot, expert)
+  int slot = 0;
+  for (auto [e, row] : from) {
+    if (R.slot_of(e) >= 0) continue;
+    while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
+    if (slot == slots_[li]) break;
+    std::vector<Span> to = row_spans(li, slot), src = ls.row(row);
+    for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, src[s].dst, to[s].bytes});
+    assigned.emplace_back(slot++, e);
+  }
+  try {
+    if (!copies.empty()) writer_.copy(copies);
+    for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
+  } catch (const std::exception&) {
+    // the slots stay empty: no partial row is ever mapped
+  }
+}
+
 int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
   check_layer(li, num_layers());
   for (int e : experts)
@@ -1011,13 +1057,24 @@ int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
       throw std::out_of_range("expert id " + std::to_string(e) + " out of range [0, " +
                               std::to_string(num_experts_) + ") in MoE layer " +
                               std::to_string(li));
+  return start_read_ahead(li, 0, experts, false);
+}
+
+int ExpertCache::read_layer(int li, int bank) {
+  check_layer(li, num_layers());
+  std::vector<int> every(static_cast<size_t>(num_experts_));
+  for (int e = 0; e < num_experts_; ++e) every[static_cast<size_t>(e)] = e;
+  return start_read_ahead(li, bank, every, true);
+}
+
+int ExpertCache::start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id) {
   std::shared_ptr<LayerScratch> ls;
   ReadAhead old;
   std::vector<int> todo;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li, 0);
-    std::swap(old, read_ahead_[scratch_index(li, 0)]);
+    ls = layer_scratch_locked(li, bank);
+    std::swap(old, read_ahead_[scratch_index(li, bank)]);
     std::vector<uint8_t> seen(static_cast<size_t>(num_experts_), 0);
     for (int e : experts) {
       if (seen[static_cast<size_t>(e)]++ || real_[li].slot_of(e) >= 0) continue;
@@ -1026,30 +1083,12 @@ int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
     }
   }
   retire(old);  // its rows are about to be read into
-  std::vector<int> rows(todo.size());
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int>(i);
+  std::vector<int> rows = todo;  // by id
+  if (!by_id)
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int>(i);
   auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, rows, true);
   std::lock_guard<std::mutex> lk(mu_);
-  read_ahead_[scratch_index(li, 0)] = ReadAhead{li, todo, batch};
-  return static_cast<int>(todo.size());
-}
-
-int ExpertCache::read_layer(int li, int bank) {
-  check_layer(li, num_layers());
-  std::shared_ptr<LayerScratch> ls;
-  ReadAhead old;
-  std::vector<int> todo;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li, bank);
-    std::swap(old, read_ahead_[scratch_index(li, bank)]);
-    for (int e = 0; e < num_experts_; ++e)
-      if (real_[li].slot_of(e) < 0 && !(staged_ && staged_->holds(li, e))) todo.push_back(e);
-  }
-  retire(old);  // its rows are about to be read into
-  auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, todo, true);
-  std::lock_guard<std::mutex> lk(mu_);
-  read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch, true};
+  read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch, by_id};
   return static_cast<int>(todo.size());
 }
 
@@ -1092,29 +1131,15 @@ void ExpertCache::load_whole(int li, int bank) {
       reads.push_back(e);
     }
   }
-  std::exception_ptr first;
   const auto r0 = std::chrono::steady_clock::now();
-  if (!reads.empty()) {
-    auto batch = stage_reads(li, ls, reads, reads, false);
-    settle(*batch, false);
-    std::lock_guard<std::mutex> lk(batch->mu);
-    for (size_t j = 0; j < reads.size(); ++j) {
-      if (batch->state[j] == kDone) {
-        staged[static_cast<size_t>(reads[j])] = 1;
-        ++read_now;
-      } else if (!first) {
-        first = batch->error[j] ? batch->error[j]
-                                : std::make_exception_ptr(ReadTimeout(
-                                      files_[li]->where(reads[j]) +
-                                      ": read timed out (no read finished within " +
-                                      duration_text(read_timeout_ms_) +
-                                      "; is the storage responding?)"));
-      }
+  std::vector<uint8_t> landed;
+  std::exception_ptr first = read_staged(li, ls, reads, reads, landed);
+  const uint64_t read_us = micros_since(r0);
+  for (size_t j = 0; j < reads.size(); ++j)
+    if (landed[j]) {
+      staged[static_cast<size_t>(reads[j])] = 1;
+      ++read_now;
     }
-  }
-  const auto read_us = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
-          .count());
   if (!first) {
     std::vector<Span> copies = ls->upload(staged);
     for (int e = 0; e < num_experts_; ++e) {
@@ -1135,26 +1160,10 @@ void ExpertCache::load_whole(int li, int bank) {
   uint64_t loaded = tier;
   for (int e = 0; e < num_experts_; ++e) loaded += staged[static_cast<size_t>(e)];
   if (!first) {
-    // As load_layer: empty real slots take experts from the rows (the routing is not
-    // read here, so in id order).
-    auto& R = real_[li];
-    std::vector<Span> copies;
-    std::vector<std::pair<int, int>> assigned;  // (slot, expert)
-    int slot = 0;
-    for (int e = 0; e < num_experts_; ++e) {
-      if (R.slot_of(e) >= 0) continue;
-      while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
-      if (slot == slots_[li]) break;
-      std::vector<Span> to = row_spans(li, slot), from = ls->row(e);
-      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
-      assigned.emplace_back(slot++, e);
-    }
-    try {
-      if (!copies.empty()) writer_.copy(copies);
-      for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
-    } catch (const std::exception&) {
-      // the slots stay empty: no partial row is ever mapped
-    }
+    // Empty real slots take experts in id order: the routing is not read here.
+    std::vector<std::pair<int, int>> from;
+    for (int e = 0; e < num_experts_; ++e) from.emplace_back(e, e);
+    fill_empty_slots(li, *ls, from);
   }
   auto& st = stats_[li];
   ++st.overcap_calls;
@@ -1164,9 +1173,7 @@ void ExpertCache::load_whole(int li, int bank) {
   st.host_hits += tier;
   st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
   st.read_seconds_us += read_us;
-  st.acquire_seconds_us += static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
-          .count());
+  st.acquire_seconds_us += micros_since(t0);
   if (first) std::rethrow_exception(first);
 }
 
@@ -1245,32 +1252,18 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
       read_rows.push_back(r);
     }
   }
-  std::exception_ptr first;
   std::vector<int> resident_at;
   uint64_t read_now = 0;
   const auto r0 = std::chrono::steady_clock::now();
-  if (!reads.empty()) {
-    auto batch = stage_reads(li, ls, reads, read_rows, false);
-    settle(*batch, false);
-    std::lock_guard<std::mutex> lk(batch->mu);
-    for (size_t j = 0; j < reads.size(); ++j) {
-      if (batch->state[j] == kDone) {
-        row_of[static_cast<size_t>(reads[j])] = read_rows[j];
-        staged[static_cast<size_t>(read_rows[j])] = 1;
-        ++read_now;
-      } else if (!first) {
-        first = batch->error[j] ? batch->error[j]
-                                : std::make_exception_ptr(ReadTimeout(
-                                      files_[li]->where(reads[j]) +
-                                      ": read timed out (no read finished within " +
-                                      duration_text(read_timeout_ms_) +
-                                      "; is the storage responding?)"));
-      }
+  std::vector<uint8_t> landed;
+  std::exception_ptr first = read_staged(li, ls, reads, read_rows, landed);
+  const uint64_t read_us = micros_since(r0);
+  for (size_t j = 0; j < reads.size(); ++j)
+    if (landed[j]) {
+      row_of[static_cast<size_t>(reads[j])] = read_rows[j];
+      staged[static_cast<size_t>(read_rows[j])] = 1;
+      ++read_now;
     }
-  }
-  const auto read_us = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - r0)
-          .count());
   if (!first) {
     // The staged records, and the resident experts from their pool rows (a hit that was
     // read ahead too keeps its staged row): the call then computes from the layer
@@ -1301,26 +1294,10 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   const uint64_t failed = first ? reads.size() - read_now : 0;
   if (!first) {
     // As load_scratch: the call's experts also fill the real region's empty slots, most
-    // routed first (acquire's order), by device copies from the scratch rows.
-    auto& R = real_[li];
-    std::vector<Span> copies;
-    std::vector<std::pair<int, int>> assigned;  // (slot, expert)
-    int slot = 0;
-    for (size_t i = 0; i < missing.size(); ++i) {
-      const int e = missing[i];
-      if (R.slot_of(e) >= 0) continue;
-      while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
-      if (slot == slots_[li]) break;
-      std::vector<Span> to = row_spans(li, slot), from = ls->row(rows[i]);
-      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
-      assigned.emplace_back(slot++, e);
-    }
-    try {
-      if (!copies.empty()) writer_.copy(copies);
-      for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
-    } catch (const std::exception&) {
-      // the slots stay empty: no partial row is ever mapped
-    }
+    // routed first (acquire's order).
+    std::vector<std::pair<int, int>> from;
+    for (size_t i = 0; i < missing.size(); ++i) from.emplace_back(missing[i], rows[i]);
+    fill_empty_slots(li, *ls, from);
   }
   auto& st = stats_[li];
   st.misses += missing.size();
@@ -1330,9 +1307,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   st.host_hits += tier;
   st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
   st.read_seconds_us += read_us;
-  st.acquire_seconds_us += static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
-          .count());
+  st.acquire_seconds_us += micros_since(t0);
   if (first) std::rethrow_exception(first);
   return rows;
 }

@@ -459,11 +459,27 @@ class ExpertCache {
   // std::out_of_range for a bank other than 0 and 1.
   size_t scratch_index(int li, int bank) const;
   std::shared_ptr<LayerScratch> layer_scratch_locked(int li, int bank);
+  // read_ahead and read_layer: gives bank `bank`'s earlier read-ahead up and starts
+  // reading `experts` of layer li (duplicates, real slots and the host tier left out)
+  // into its staging, in order or (by_id) each in the row of its id; returns how many.
+  int start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id);
   // Reads experts[i] of layer li into staging row rows[i] on the reader threads
   // (prefetch lane when `ahead`, else demand); returns the batch to wait on.
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
+  // Reads experts[i] of layer li into staging row rows[i] of `ls` now and waits;
+  // landed[i] tells which landed. Returns the first error (a failed read, or a timeout).
+  std::exception_ptr read_staged(int li, const std::shared_ptr<LayerScratch>& ls,
+                                 const std::vector<int>& experts, const std::vector<int>& rows,
+                                 std::vector<uint8_t>& landed);
+  // Under mu_: each (expert, row of `ls`) of `from`, in order, without a real slot fills
+  // an empty one of layer li by a device copy, while one is left (an empty slot is mapped
+  // by no computation, so nothing reads it while it is written).
+  void fill_empty_slots(int li, const LayerScratch& ls,
+                        const std::vector<std::pair<int, int>>& from);
+  // The ReadTimeout of a read of `expert` of layer li given up after read_timeout_s.
+  std::exception_ptr timed_out(int li, int expert) const;
   // Gives `ra` up (settle) and counts the records it landed in its layer's bytes_read
   // (they were read, if never used); leaves it empty. Takes mu_: call without it.
   void retire(ReadAhead& ra);
