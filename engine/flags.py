@@ -191,7 +191,8 @@ FLAGS = (
         "--io-uring",
         "io_uring",
         None,
-        "demand reads through io_uring where the kernel has it (--no-io-uring: the reader threads)",
+        "demand and layer-scratch reads through io_uring where the kernel has it"
+        " (--no-io-uring: the reader threads)",
     ),
 )
 

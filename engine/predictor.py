@@ -163,14 +163,16 @@ class Predictor:
         banks alternate: the call before this one, in the same forward, used the other,
         and the one before that used this one and fed that call's input, so the host
         submits `x` and waits for that input while the device computes the call before.
-        The first such call of a forward (`begin_call`) waits for `x` itself."""
+        The first such call of a forward (`begin_call`) waits for `x` itself, its layer
+        read into bank 0's staging meanwhile (`ExpertCache.read_layer`)."""
         if self._whole is not None:
             mx.async_eval(x)
             mx.eval(self._whole[1])
             bank = 1 - self._whole[2]
         else:
-            mx.eval(x)
             bank = 0
+            self.cache.read_layer(layer, bank)
+            mx.eval(x)
         self._whole = (layer, x, bank)
         return bank
 

@@ -922,6 +922,14 @@ std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li, int bank
   }
   ls = std::make_shared<LayerScratch>(std::move(arrays), std::move(offsets), std::move(nbytes),
                                       L.record_bytes, num_experts_, writer_);
+  if (config_.io_uring && !stage_ring_) {
+    int64_t stride = 0;
+    for (const auto& layer : layers_) stride = std::max(stride, layer.stride);
+    const int64_t depth = std::clamp<int64_t>(kIoUringExtraBytes / std::max<int64_t>(stride, 1),
+                                              1, std::min(num_experts_, kMaxIoUringDepth));
+    // Host buffers, unpinned: their records are copied into the page-locked staging.
+    stage_ring_ = RingReader::create(static_cast<unsigned>(depth), static_cast<size_t>(stride));
+  }
   return ls;
 }
 
@@ -935,59 +943,125 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
                                                     const std::vector<int>& experts,
                                                     const std::vector<int>& rows, bool ahead) {
   auto batch = std::make_shared<ReadBatch>(experts.size());
-  auto read = [this, li, ls, batch](size_t i, int e, int r, bool cancelled) {
+  // Under b.mu: read i of b settles as `state`.
+  auto settle_as = [](ReadBatch& b, size_t i, int state, std::exception_ptr err) {
+    b.state[i] = state;
+    b.error[i] = std::move(err);
+    ++b.settled;
+    b.cv.notify_all();
+  };
+  auto give_up = [batch, settle_as](size_t i) {
+    std::lock_guard<std::mutex> lk(batch->mu);
+    if (batch->state[i] == kPending) settle_as(*batch, i, kAbandoned, nullptr);
+  };
+  // The record of read i (stride bytes at buf) goes into staging row rows[i], and into
+  // the host tier, unless the read was given up meanwhile (its bytes are dropped).
+  auto land = [this, li, ls, batch, settle_as, e = experts, r = rows](size_t i,
+                                                                      const uint8_t* buf) {
     auto& b = *batch;
-    auto settle_as = [&](int state, std::exception_ptr err) {
-      b.state[i] = state;
-      b.error[i] = std::move(err);
-      ++b.settled;
-      b.cv.notify_all();
-    };
     {
       std::lock_guard<std::mutex> lk(b.mu);
-      if (b.state[i] != kPending) return;  // given up before it started
-      if (cancelled) return settle_as(kAbandoned, nullptr);
-    }
-    uint8_t* buf = nullptr;
-    std::exception_ptr err;
-    try {
-      // Host memory only: the staging is copied to the device by load_layer.
-      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), host_writer_);
-      ReadClock::Span reading(&read_clock_);
-      files_[li]->read_record(e, buf, config_.verify_checksums);
-    } catch (...) {
-      err = std::current_exception();
-    }
-    {
-      std::lock_guard<std::mutex> lk(b.mu);
-      if (b.state[i] != kPending) return;  // given up while reading: drop the bytes
-      if (err) return settle_as(kFailed, err);
+      if (b.state[i] != kPending) return;
       b.state[i] = kCopying;
     }
-    ls->stage(r, buf);
+    ls->stage(r[i], buf);
     if (staged_ && staged_->tier_slots() > 0) {
       // Kept in the host tier too, so that a later miss of it is not read again; the
       // record is staged whether or not that succeeds.
       try {
-        std::vector<Span> spans = ls->staged(r);
+        std::vector<Span> spans = ls->staged(r[i]);
         for (size_t s = 0; s < spans.size(); ++s)
           spans[s].src = buf + layers_[li].segments[s].offset;
-        staged_->keep(spans, li, e);
+        staged_->keep(spans, li, e[i]);
       } catch (const std::exception&) {
       }
     }
     std::lock_guard<std::mutex> lk(b.mu);
-    settle_as(kDone, nullptr);
+    settle_as(b, i, kDone, nullptr);
   };
+  // Read i on this thread, through its bounce buffer.
+  auto read_one = [this, li, batch, settle_as, land, e = experts](size_t i) {
+    {
+      std::lock_guard<std::mutex> lk(batch->mu);
+      if (batch->state[i] != kPending) return;  // given up before it started
+    }
+    uint8_t* buf = nullptr;
+    try {
+      // Host memory only: the staging is copied to the device by its load.
+      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), host_writer_);
+      ReadClock::Span reading(&read_clock_);
+      files_[li]->read_record(e[i], buf, config_.verify_checksums);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(batch->mu);
+      if (batch->state[i] == kPending) settle_as(*batch, i, kFailed, std::current_exception());
+      return;
+    }
+    land(i, buf);
+  };
+  // The reads still pending, in one io_uring call on this thread (stage_ring_, as deep as
+  // a layer's records), waiting for the ring (`wait`) or not; false where it was not
+  // used (busy, or unavailable).
+  auto ring_all = [this, li, batch, settle_as, land, e = experts](bool wait) {
+    std::unique_lock<std::mutex> ring_lk(stage_ring_mu_, std::defer_lock);
+    if (wait) {
+      ring_lk.lock();
+    } else if (!ring_lk.try_lock()) {
+      return false;
+    }
+    std::vector<size_t> at;
+    std::vector<int> todo;
+    {
+      std::lock_guard<std::mutex> lk(batch->mu);
+      for (size_t i = 0; i < e.size(); ++i)
+        if (batch->state[i] == kPending) {
+          at.push_back(i);
+          todo.push_back(e[i]);
+        }
+    }
+    if (todo.empty()) return true;
+    std::vector<uint8_t> got;
+    std::vector<std::exception_ptr> errors;
+    if (!stage_ring_->read(
+            *files_[li], todo, config_.verify_checksums, read_timeout_ms_,
+            [&](size_t j, const uint8_t* bytes) { land(at[j], bytes); }, got, errors,
+            &read_clock_))
+      return false;
+    {
+      // Not landed: failed, or given up by the ring's timeout (the load words that error).
+      std::lock_guard<std::mutex> lk(batch->mu);
+      for (size_t j = 0; j < at.size(); ++j)
+        if (!got[j] && batch->state[at[j]] == kPending)
+          settle_as(*batch, at[j], errors[j] ? kFailed : kAbandoned, errors[j]);
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_[static_cast<size_t>(li)].io_uring_reads +=
+        static_cast<uint64_t>(std::count(got.begin(), got.end(), 1));
+    return true;
+  };
+  const size_t n = experts.size();
   try {
-    if (ahead) {
-      for (size_t i = 0; i < experts.size(); ++i)
-        readers_->submit_prefetch(
-            [read, i, e = experts[i], r = rows[i]](bool cancelled) { read(i, e, r, cancelled); });
+    if (stage_ring_ && ahead) {
+      readers_->submit_prefetch([batch, n, give_up, read_one, ring_all](bool cancelled) {
+        if (cancelled) {
+          for (size_t i = 0; i < n; ++i) give_up(i);
+        } else if (!ring_all(true)) {
+          for (size_t i = 0; i < n; ++i) read_one(i);  // one at a time: the ring is gone
+        }
+      });
+    } else if (stage_ring_ && ring_all(false)) {
+      // read on this thread; a busy ring (a read-ahead) leaves the reads to the readers
+    } else if (ahead) {
+      for (size_t i = 0; i < n; ++i)
+        readers_->submit_prefetch([i, give_up, read_one](bool cancelled) {
+          if (cancelled) {
+            give_up(i);
+          } else {
+            read_one(i);
+          }
+        });
     } else {
       std::vector<std::function<void()>> tasks;
-      for (size_t i = 0; i < experts.size(); ++i)
-        tasks.emplace_back([read, i, e = experts[i], r = rows[i]] { read(i, e, r, false); });
+      for (size_t i = 0; i < n; ++i) tasks.emplace_back([i, read_one] { read_one(i); });
       readers_->submit_demand(std::move(tasks));
     }
   } catch (...) {

@@ -463,8 +463,10 @@ class ExpertCache {
   // reading `experts` of layer li (duplicates, real slots and the host tier left out)
   // into its staging, in order or (by_id) each in the row of its id; returns how many.
   int start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id);
-  // Reads experts[i] of layer li into staging row rows[i] on the reader threads
-  // (prefetch lane when `ahead`, else demand); returns the batch to wait on.
+  // Reads experts[i] of layer li into staging row rows[i]: through stage_ring_ in one
+  // prefetch task when `ahead`, else on this thread where the ring is free; otherwise on
+  // the reader threads (prefetch lane when `ahead`, else demand). Returns the batch to
+  // wait on.
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
@@ -492,6 +494,12 @@ class ExpertCache {
   std::shared_ptr<StagedCopies> staged_;  // see enable_staging
   std::atomic<bool> staging_on_{false};
   ReadClock read_clock_;  // before the readers: outlives their threads
+  // The layer scratch's reads through io_uring (stage_reads), made with the first layer
+  // scratch where config_.io_uring: a layer's misses in flight at once, up to
+  // kIoUringExtraBytes of buffers; its mutex lets one call use it at a time (null: the
+  // reader threads read them). Before the readers: a read-ahead task on one uses it.
+  std::mutex stage_ring_mu_;
+  std::unique_ptr<RingReader> stage_ring_;
   std::unique_ptr<ReaderPool> readers_;
   std::unique_ptr<RingReader> ring_;  // null: demand reads use readers_
 };

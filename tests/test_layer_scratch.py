@@ -34,8 +34,8 @@ def stats(cache, li):
     return {k: int(s[k]) for k in ("misses", "loads", "bytes_read", "host_hits", "read_errors")}
 
 
-def test_each_miss_lands_in_its_row_and_fills_the_empty_slots(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+def test_each_miss_lands_in_its_row_and_fills_the_empty_slots(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=io_uring))
     checker = RowChecker(qwen_store, cache)
     rows, missing = cache.acquire(1, np.arange(8, dtype=np.int32).reshape(-1, 2))
     assert len(missing) == 8 and (rows == -1).all()
@@ -54,11 +54,13 @@ def test_each_miss_lands_in_its_row_and_fills_the_empty_slots(qwen_store):
         "host_hits": 0,
         "read_errors": 0,
     }
+    # Through io_uring, in one call, where the kernel has it.
+    assert cache.snapshot(1)["stats"]["io_uring_reads"] == (8 if cache.io_uring else 0)
     assert cache.check() == ""
 
 
-def test_a_record_read_ahead_is_not_read_again(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+def test_a_record_read_ahead_is_not_read_again(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=io_uring))
     checker = RowChecker(qwen_store, cache)
     stride = qwen_store.manifest.layers[2].stride
     assert cache.read_ahead(2, [6, 1, 1, 4]) == 3  # duplicates read once
@@ -71,8 +73,8 @@ def test_a_record_read_ahead_is_not_read_again(qwen_store):
     assert cache.read_ahead(2, [4, 6, 5]) == 1
 
 
-def test_a_read_ahead_for_another_layer_is_given_up(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+def test_a_read_ahead_for_another_layer_is_given_up(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=io_uring))
     checker = RowChecker(qwen_store, cache)
     stride = qwen_store.manifest.layers[1].stride
     cache.read_ahead(1, [0, 1, 2, 3, 4, 5, 6, 7])
@@ -85,8 +87,8 @@ def test_a_read_ahead_for_another_layer_is_given_up(qwen_store):
     assert (stats(cache, 1)["bytes_read"], stats(cache, 1)["loads"]) == (8 * stride, 0)
 
 
-def test_a_failed_read_ahead_is_read_again_and_a_failed_read_is_raised(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+def test_a_failed_read_ahead_is_read_again_and_a_failed_read_is_raised(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=io_uring))
     checker = RowChecker(qwen_store, cache)
     cache.inject_fault(0, "corrupt", expert=3, count=2)  # the read ahead and its retry
     cache.read_ahead(0, [3, 4])
@@ -102,8 +104,8 @@ def test_a_failed_read_ahead_is_read_again_and_a_failed_read_is_raised(qwen_stor
     assert cache.check() == ""
 
 
-def test_the_host_tier_serves_the_layer_scratch_and_keeps_what_it_read(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=0, io_uring=False))
+def test_the_host_tier_serves_the_layer_scratch_and_keeps_what_it_read(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=0, io_uring=io_uring))
     mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
     checker = RowChecker(qwen_store, cache)
     stride = qwen_store.manifest.layers[1].stride
@@ -139,8 +141,8 @@ def test_a_prefill_through_the_layer_scratch_gives_the_resident_logits(model_dir
     assert sm.cache.check() == ""
 
 
-def test_the_calls_hits_are_copied_in_beside_its_misses(qwen_store):
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+def test_the_calls_hits_are_copied_in_beside_its_misses(qwen_store, io_uring):
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=io_uring))
     checker = RowChecker(qwen_store, cache)
     ids = np.arange(8, dtype=np.int32).reshape(-1, 2)
     _, missing = cache.acquire(1, ids)
@@ -218,11 +220,11 @@ def test_whole_layers_across_prefill_chunks_and_a_warm_cache_give_the_resident_t
     assert sm.cache.check() == ""
 
 
-def test_a_read_ahead_of_the_other_kind_is_given_up(qwen_store):
+def test_a_read_ahead_of_the_other_kind_is_given_up(qwen_store, io_uring):
     """read_layer stages by expert id and read_ahead in order: each load takes only its
     own kind (a stopped forward may leave either behind), so the rows hold the right
     records either way."""
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=False))
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=2, io_uring=io_uring))
     checker = RowChecker(qwen_store, cache)
     cache.load_layer(1, [0, 1])  # 0 and 1 take the real slots
     assert cache.read_layer(1, 0) == 6  # 2..7, by id, into bank 0's staging
@@ -235,12 +237,12 @@ def test_a_read_ahead_of_the_other_kind_is_given_up(qwen_store):
         assert scratch_bytes(cache, 2, e) == checker.records[(2, e)]
 
 
-def test_a_hit_that_was_read_ahead_keeps_one_row(qwen_store):
+def test_a_hit_that_was_read_ahead_keeps_one_row(qwen_store, io_uring):
     """A side hit can have been read ahead too (read_ahead leaves out real slots and the
     tier only): it keeps its staged row, and no two experts share a row."""
     cache = open_cache(
         qwen_store,
-        StreamConfig(expert_slots=2, side_slots=2, side_lfu=True, sync=True, io_uring=False),
+        StreamConfig(expert_slots=2, side_slots=2, side_lfu=True, sync=True, io_uring=io_uring),
     )
     checker = RowChecker(qwen_store, cache)
     cache.prefetch(1, np.array([0, 1], np.int32))  # side rows, filled inline (sync)
