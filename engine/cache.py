@@ -415,12 +415,12 @@ class CacheSnapshot:
             promotions_declined: side hits left in their side row because no slot was
             free of the call's experts and pins or the policy kept every occupant;
             prefetch_late: misses whose fill was already being read, waited for instead
-            of read again, counted among side_hits; io_uring_reads: records read through
-            io_uring, on demand or into the layer scratch).
+            of read again, counted among side_hits; io_uring_reads: records demand-read
+            through io_uring, counted among loads).
         inflight: side-region fills in flight, all layers.
         forward: forward passes begun so far.
-        io_uring: whether demand reads (and the layer scratch's) go through io_uring
-            (`StreamConfig.io_uring` and the kernel has it), else the reader threads read them.
+        io_uring: whether demand reads go through io_uring (`StreamConfig.io_uring` and
+            the kernel has it), else the reader threads read them.
     """
 
     slot_expert: np.ndarray

@@ -166,9 +166,8 @@ class StreamConfig:
             the submitting thread.
         io_uring: demand reads through io_uring on the thread that waits for them (one
             system call per batch of misses, no hand-off to a reader thread),
-            `engine.cache.io_uring_depth` in flight, and the layer scratch's reads through a
-            second ring (a layer's misses in flight at once), used where the kernel has it
-            (Linux 5.11+, not disabled); else, and for prefetch fills, the reader threads read.
+            `engine.cache.io_uring_depth` in flight, used where the kernel has it (Linux 5.11+, not
+            disabled); else, and for prefetch fills, the reader threads read.
         device_acquire: on an MLX CUDA device, a decode step's acquire is a kernel on the
             GPU's stream that a host thread answers through mapped memory
             (`engine.device_acquire`); False takes the CPU-stream `acquire_op`, the path

@@ -191,8 +191,7 @@ FLAGS = (
         "--io-uring",
         "io_uring",
         None,
-        "demand and layer-scratch reads through io_uring where the kernel has it"
-        " (--no-io-uring: the reader threads)",
+        "demand reads through io_uring where the kernel has it (--no-io-uring: the reader threads)",
     ),
 )
 

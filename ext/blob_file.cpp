@@ -133,24 +133,32 @@ void BlobFile::check_expert(int expert) const {
                     std::to_string(num_records_) + ")");
 }
 
-size_t BlobFile::read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const {
-  if (fault == Fault::kEIO) throw read_failed(expert, EIO);
-  if (fault == Fault::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-  const off_t base = static_cast<off_t>(offset(expert));
-  size_t want = static_cast<size_t>(stride_);
-  if (fault == Fault::kShortRead) want /= 2;
+size_t BlobFile::read_bytes(uint8_t* dst, size_t want, off_t base, int* err) const {
   size_t got = 0;
+  *err = 0;
   while (got < want) {
     ssize_t n = ::pread(fd_, dst + got, want - got, base + static_cast<off_t>(got));
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw read_failed(expert, errno);
+      *err = errno;
+      break;
     }
     if (n == 0) break;  // end of file: never read zeros past it
     got += static_cast<size_t>(n);
     // O_DIRECT continues only at aligned offsets; a misaligned short read is an error.
     if (direct_ && got % kAlign != 0 && got < want) break;
   }
+  return got;
+}
+
+size_t BlobFile::read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const {
+  if (fault == Fault::kEIO) throw read_failed(expert, EIO);
+  if (fault == Fault::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  size_t want = static_cast<size_t>(stride_);
+  if (fault == Fault::kShortRead) want /= 2;
+  int err = 0;
+  const size_t got = read_bytes(dst, want, static_cast<off_t>(offset(expert)), &err);
+  if (err) throw read_failed(expert, err);
   return got;
 }
 
@@ -172,19 +180,41 @@ void BlobFile::finish_record(int expert, uint8_t* buf, size_t got, Fault fault,
                         ", the manifest says " + std::to_string(checksums_[expert]));
 }
 
-void BlobFile::read_record(int expert, uint8_t* dst, bool verify) const {
+void BlobFile::read_record(int expert, uint8_t* dst, bool verify, int attempts) const {
   check_expert(expert);
-  for (int attempt = 0;; ++attempt) {
+  for (int attempt = 1;; ++attempt) {
     try {
       int delay_ms = 0;
       const Fault fault = take_fault(expert, &delay_ms);
       finish_record(expert, dst, read_once(expert, dst, fault, delay_ms), fault, verify);
       return;
     } catch (const ReadError&) {
-      if (attempt == 0) continue;  // one retry, after a failed read or a checksum mismatch
+      if (attempt < attempts) continue;  // a retry, after a failed read or a checksum mismatch
       throw;
     }
   }
+}
+
+bool BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
+                        std::vector<uint8_t>& ok) const {
+  check_expert(first);
+  check_expert(first + count - 1);
+  if (armed_any_.load(std::memory_order_relaxed)) return false;
+  ok.assign(static_cast<size_t>(count), 0);
+  int err = 0;
+  const size_t got = read_bytes(dst, static_cast<size_t>(count) * static_cast<size_t>(stride_),
+                                static_cast<off_t>(offset(first)), &err);
+  for (int i = 0; i < count; ++i) {
+    if (got < static_cast<size_t>(i + 1) * static_cast<size_t>(stride_)) break;
+    try {
+      finish_record(first + i, dst + static_cast<size_t>(i) * static_cast<size_t>(stride_),
+                    static_cast<size_t>(stride_), Fault::kNone, verify);
+      ok[static_cast<size_t>(i)] = 1;
+    } catch (const ReadError&) {
+      // read again on its own: read_record's second attempt words any error
+    }
+  }
+  return true;
 }
 
 }  // namespace es

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/types.h>
+
 #include "errors.h"
 
 namespace es {
@@ -36,9 +38,18 @@ class BlobFile {
 
   // Reads record `expert` (stride bytes) into `dst`, which must be 4096-aligned and
   // hold stride bytes. Retries EINTR and short reads; verifies the crc32 of the first
-  // record_bytes bytes when `verify`, re-reading once on a mismatch. Throws ReadError
-  // (or ChecksumError) naming the file, layer and expert.
-  void read_record(int expert, uint8_t* dst, bool verify) const;
+  // record_bytes bytes when `verify`; `attempts` 2 re-reads once after a failed read or a
+  // mismatch (1: after read_run's attempt). Throws ReadError (or ChecksumError) naming
+  // the file, layer and expert.
+  void read_record(int expert, uint8_t* dst, bool verify, int attempts = 2) const;
+  // Records first .. first + count - 1, adjacent in the file, in one read of count *
+  // stride bytes into `dst` (4096-aligned, that many bytes): a few large reads go at the
+  // disk's rate where many small ones wait on its latency. The first attempt of each:
+  // ok[i] = 1 where record first + i arrived whole (and with its crc32, when `verify`);
+  // the others take read_record(..., 1), which words their error. Returns false,
+  // reading nothing, while a fault is armed (faults are per record: read_record takes
+  // them). Throws ReadError for an id out of range.
+  bool read_run(int first, int count, uint8_t* dst, bool verify, std::vector<uint8_t>& ok) const;
 
   // The pieces of read_record that another reader of this file's records (io_uring,
   // ext/ring_reader.h) shares, so that both follow the same rules: at most two attempts
@@ -76,6 +87,9 @@ class BlobFile {
  private:
   // One attempt with the fault already taken; returns the bytes read.
   size_t read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const;
+  // Up to `want` bytes at `base` into dst (EINTR retried, short reads continued at
+  // aligned counts under O_DIRECT); returns how many, *err the errno of a failed read.
+  size_t read_bytes(uint8_t* dst, size_t want, off_t base, int* err) const;
 
   std::string path_;
   int layer_;

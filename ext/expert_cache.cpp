@@ -922,14 +922,6 @@ std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li, int bank
   }
   ls = std::make_shared<LayerScratch>(std::move(arrays), std::move(offsets), std::move(nbytes),
                                       L.record_bytes, num_experts_, writer_);
-  if (config_.io_uring && !stage_ring_) {
-    int64_t stride = 0;
-    for (const auto& layer : layers_) stride = std::max(stride, layer.stride);
-    const int64_t depth = std::clamp<int64_t>(kIoUringExtraBytes / std::max<int64_t>(stride, 1),
-                                              1, std::min(num_experts_, kMaxIoUringDepth));
-    // Host buffers, unpinned: their records are copied into the page-locked staging.
-    stage_ring_ = RingReader::create(static_cast<unsigned>(depth), static_cast<size_t>(stride));
-  }
   return ls;
 }
 
@@ -943,6 +935,7 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
                                                     const std::vector<int>& experts,
                                                     const std::vector<int>& rows, bool ahead) {
   auto batch = std::make_shared<ReadBatch>(experts.size());
+  const auto stride = static_cast<size_t>(layers_[li].stride);
   // Under b.mu: read i of b settles as `state`.
   auto settle_as = [](ReadBatch& b, size_t i, int state, std::exception_ptr err) {
     b.state[i] = state;
@@ -950,9 +943,13 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
     ++b.settled;
     b.cv.notify_all();
   };
-  auto give_up = [batch, settle_as](size_t i) {
+  // Whether read i is still pending (not given up); a `state` other than kPending
+  // settles it so if it is.
+  auto pending = [batch, settle_as](size_t i, int state, std::exception_ptr err) {
     std::lock_guard<std::mutex> lk(batch->mu);
-    if (batch->state[i] == kPending) settle_as(*batch, i, kAbandoned, nullptr);
+    if (batch->state[i] != kPending) return false;
+    if (state != kPending) settle_as(*batch, i, state, std::move(err));
+    return state == kPending;
   };
   // The record of read i (stride bytes at buf) goes into staging row rows[i], and into
   // the host tier, unless the read was given up meanwhile (its bytes are dropped).
@@ -979,89 +976,71 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
     std::lock_guard<std::mutex> lk(b.mu);
     settle_as(b, i, kDone, nullptr);
   };
-  // Read i on this thread, through its bounce buffer.
-  auto read_one = [this, li, batch, settle_as, land, e = experts](size_t i) {
-    {
-      std::lock_guard<std::mutex> lk(batch->mu);
-      if (batch->state[i] != kPending) return;  // given up before it started
-    }
+  // Read i on this thread (`attempts` as BlobFile::read_record).
+  auto read_one = [this, li, stride, pending, land, e = experts](size_t i, int attempts) {
+    if (!pending(i, kPending, nullptr)) return;  // given up before it started
     uint8_t* buf = nullptr;
     try {
       // Host memory only: the staging is copied to the device by its load.
-      buf = bounce_buffer(static_cast<size_t>(layers_[li].stride), host_writer_);
+      buf = bounce_buffer(stride, host_writer_);
       ReadClock::Span reading(&read_clock_);
-      files_[li]->read_record(e[i], buf, config_.verify_checksums);
+      files_[li]->read_record(e[i], buf, config_.verify_checksums, attempts);
     } catch (...) {
-      std::lock_guard<std::mutex> lk(batch->mu);
-      if (batch->state[i] == kPending) settle_as(*batch, i, kFailed, std::current_exception());
+      pending(i, kFailed, std::current_exception());
       return;
     }
     land(i, buf);
   };
-  // The reads still pending, in one io_uring call on this thread (stage_ring_, as deep as
-  // a layer's records), waiting for the ring (`wait`) or not; false where it was not
-  // used (busy, or unavailable).
-  auto ring_all = [this, li, batch, settle_as, land, e = experts](bool wait) {
-    std::unique_lock<std::mutex> ring_lk(stage_ring_mu_, std::defer_lock);
-    if (wait) {
-      ring_lk.lock();
-    } else if (!ring_lk.try_lock()) {
-      return false;
+  // Reads `run` (reads of adjacent records, in file order) on this thread: one read of
+  // them all, then any it did not deliver on its own.
+  auto read_run = [this, li, stride, pending, land, read_one,
+                   e = experts](const std::vector<size_t>& run, bool cancelled) {
+    if (cancelled) {
+      for (size_t i : run) pending(i, kAbandoned, nullptr);
+      return;
     }
-    std::vector<size_t> at;
-    std::vector<int> todo;
-    {
-      std::lock_guard<std::mutex> lk(batch->mu);
-      for (size_t i = 0; i < e.size(); ++i)
-        if (batch->state[i] == kPending) {
-          at.push_back(i);
-          todo.push_back(e[i]);
-        }
+    if (run.size() == 1) return read_one(run[0], 2);
+    std::vector<uint8_t> ok;
+    bool tried = false;
+    try {
+      uint8_t* buf = bounce_buffer(run.size() * stride, host_writer_);
+      {
+        ReadClock::Span reading(&read_clock_);
+        tried = files_[li]->read_run(e[run[0]], static_cast<int>(run.size()), buf,
+                                     config_.verify_checksums, ok);
+      }
+      for (size_t j = 0; j < run.size() && tried; ++j)
+        if (ok[j]) land(run[j], buf + j * stride);
+    } catch (const std::exception&) {
+      tried = false;  // the records are read on their own, which words any error
+      ok.clear();
     }
-    if (todo.empty()) return true;
-    std::vector<uint8_t> got;
-    std::vector<std::exception_ptr> errors;
-    if (!stage_ring_->read(
-            *files_[li], todo, config_.verify_checksums, read_timeout_ms_,
-            [&](size_t j, const uint8_t* bytes) { land(at[j], bytes); }, got, errors,
-            &read_clock_))
-      return false;
-    {
-      // Not landed: failed, or given up by the ring's timeout (the load words that error).
-      std::lock_guard<std::mutex> lk(batch->mu);
-      for (size_t j = 0; j < at.size(); ++j)
-        if (!got[j] && batch->state[at[j]] == kPending)
-          settle_as(*batch, at[j], errors[j] ? kFailed : kAbandoned, errors[j]);
-    }
-    std::lock_guard<std::mutex> lk(mu_);
-    stats_[static_cast<size_t>(li)].io_uring_reads +=
-        static_cast<uint64_t>(std::count(got.begin(), got.end(), 1));
-    return true;
+    // After the run's bytes are landed: read_one reuses the same bounce buffer.
+    for (size_t j = 0; j < run.size(); ++j)
+      if (!tried || !ok[j]) read_one(run[j], tried ? 1 : 2);
   };
-  const size_t n = experts.size();
+  // Runs of adjacent records, up to kReadRunBytes each (one record where it is larger).
+  std::vector<size_t> order(experts.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return experts[a] < experts[b]; });
+  const size_t per_run = std::max<size_t>(1, kReadRunBytes / stride);
+  std::vector<std::vector<size_t>> runs;
+  for (size_t i : order) {
+    if (!runs.empty() && runs.back().size() < per_run && experts[i] == experts[runs.back().back()] + 1) {
+      runs.back().push_back(i);
+    } else {
+      runs.push_back({i});
+    }
+  }
   try {
-    if (stage_ring_ && ahead) {
-      readers_->submit_prefetch([batch, n, give_up, read_one, ring_all](bool cancelled) {
-        if (cancelled) {
-          for (size_t i = 0; i < n; ++i) give_up(i);
-        } else if (!ring_all(true)) {
-          for (size_t i = 0; i < n; ++i) read_one(i);  // one at a time: the ring is gone
-        }
-      });
-    } else if (stage_ring_ && ring_all(false)) {
-      // read on this thread; a busy ring (a read-ahead) leaves the reads to the readers
-    } else if (ahead) {
-      for (size_t i = 0; i < n; ++i)
-        readers_->submit_prefetch([i, give_up, read_one](bool cancelled) {
-          if (cancelled) {
-            give_up(i);
-          } else {
-            read_one(i);
-          }
-        });
+    if (ahead) {
+      for (auto& run : runs)
+        readers_->submit_prefetch(
+            [read_run, run = std::move(run)](bool cancelled) { read_run(run, cancelled); });
     } else {
       std::vector<std::function<void()>> tasks;
-      for (size_t i = 0; i < n; ++i) tasks.emplace_back([i, read_one] { read_one(i); });
+      for (auto& run : runs)
+        tasks.emplace_back([read_run, run = std::move(run)] { read_run(run, false); });
       readers_->submit_demand(std::move(tasks));
     }
   } catch (...) {

@@ -97,6 +97,10 @@ inline constexpr int kMaxIoUringDepth = 4096;
 // Bytes of read buffers the ring may hold in all where io_uring_depth raises its depth
 // past reader_threads + 1 (a bound on the total, not on what is added).
 inline constexpr int64_t kIoUringExtraBytes = int64_t{64} << 20;
+// Bytes of adjacent records the layer scratch reads in one read (BlobFile::read_run):
+// its whole-layer and read-ahead reads are mostly runs of adjacent experts, and records
+// far under a megabyte are read at the disk's latency one by one, at its rate in runs.
+inline constexpr size_t kReadRunBytes = size_t{1} << 20;
 
 // Demand reads in flight through io_uring, one buffer of `stride` bytes (a record) each:
 // reader_threads + 1, raised to max(top_k, 8) while those buffers stay within
@@ -463,10 +467,9 @@ class ExpertCache {
   // reading `experts` of layer li (duplicates, real slots and the host tier left out)
   // into its staging, in order or (by_id) each in the row of its id; returns how many.
   int start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id);
-  // Reads experts[i] of layer li into staging row rows[i]: through stage_ring_ in one
-  // prefetch task when `ahead`, else on this thread where the ring is free; otherwise on
-  // the reader threads (prefetch lane when `ahead`, else demand). Returns the batch to
-  // wait on.
+  // Reads experts[i] of layer li into staging row rows[i] on the reader threads
+  // (prefetch lane when `ahead`, else demand), adjacent records in runs of up to
+  // kReadRunBytes per task; returns the batch to wait on.
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
@@ -494,12 +497,6 @@ class ExpertCache {
   std::shared_ptr<StagedCopies> staged_;  // see enable_staging
   std::atomic<bool> staging_on_{false};
   ReadClock read_clock_;  // before the readers: outlives their threads
-  // The layer scratch's reads through io_uring (stage_reads), made with the first layer
-  // scratch where config_.io_uring: a layer's misses in flight at once, up to
-  // kIoUringExtraBytes of buffers; its mutex lets one call use it at a time (null: the
-  // reader threads read them). Before the readers: a read-ahead task on one uses it.
-  std::mutex stage_ring_mu_;
-  std::unique_ptr<RingReader> stage_ring_;
   std::unique_ptr<ReaderPool> readers_;
   std::unique_ptr<RingReader> ring_;  // null: demand reads use readers_
 };
