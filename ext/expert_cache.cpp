@@ -1019,11 +1019,15 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
     for (size_t j = 0; j < run.size(); ++j)
       if (!tried || !ok[j]) read_one(run[j], tried ? 1 : 2);
   };
-  // Runs of adjacent records, up to kReadRunBytes each (one record where it is larger).
+  // Runs of adjacent records: the reads shared evenly among the reader threads (each
+  // checks and copies its own records), up to kReadRunBytes each (one record where it is
+  // larger).
   std::vector<size_t> order(experts.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return experts[a] < experts[b]; });
-  const size_t per_run = std::max<size_t>(1, kReadRunBytes / stride);
+  const size_t threads = static_cast<size_t>(std::max(config_.reader_threads, 1));
+  const size_t per_run = std::clamp<size_t>((order.size() + threads - 1) / threads, 1,
+                                            std::max<size_t>(1, kReadRunBytes / stride));
   std::vector<std::vector<size_t>> runs;
   for (size_t i : order) {
     if (!runs.empty() && runs.back().size() < per_run && experts[i] == experts[runs.back().back()] + 1) {

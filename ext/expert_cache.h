@@ -97,9 +97,10 @@ inline constexpr int kMaxIoUringDepth = 4096;
 // Bytes of read buffers the ring may hold in all where io_uring_depth raises its depth
 // past reader_threads + 1 (a bound on the total, not on what is added).
 inline constexpr int64_t kIoUringExtraBytes = int64_t{64} << 20;
-// Bytes of adjacent records the layer scratch reads in one read (BlobFile::read_run):
-// its whole-layer and read-ahead reads are mostly runs of adjacent experts, and records
-// far under a megabyte are read at the disk's latency one by one, at its rate in runs.
+// Bytes of adjacent records the layer scratch reads in one read at most
+// (BlobFile::read_run): its whole-layer and read-ahead reads are mostly runs of adjacent
+// experts, and records far under a megabyte are read at the disk's latency one by one,
+// at its rate in runs.
 inline constexpr size_t kReadRunBytes = size_t{1} << 20;
 
 // Demand reads in flight through io_uring, one buffer of `stride` bytes (a record) each:
@@ -468,8 +469,9 @@ class ExpertCache {
   // into its staging, in order or (by_id) each in the row of its id; returns how many.
   int start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id);
   // Reads experts[i] of layer li into staging row rows[i] on the reader threads
-  // (prefetch lane when `ahead`, else demand), adjacent records in runs of up to
-  // kReadRunBytes per task; returns the batch to wait on.
+  // (prefetch lane when `ahead`, else demand), adjacent records in runs, one per task:
+  // as many runs as reader threads where the records allow, of up to kReadRunBytes
+  // each; returns the batch to wait on.
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
