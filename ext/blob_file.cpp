@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -195,26 +196,34 @@ void BlobFile::read_record(int expert, uint8_t* dst, bool verify, int attempts) 
   }
 }
 
-bool BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
+void BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
                         std::vector<uint8_t>& ok) const {
   check_expert(first);
   check_expert(first + count - 1);
-  if (armed_any_.load(std::memory_order_relaxed)) return false;
+  std::vector<Fault> faults(static_cast<size_t>(count));
+  int delay_ms = 0;
+  for (int i = 0; i < count; ++i) {
+    int d = 0;
+    faults[static_cast<size_t>(i)] = take_fault(first + i, &d);
+    if (faults[static_cast<size_t>(i)] == Fault::kDelay) delay_ms = std::max(delay_ms, d);
+  }
+  if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
   ok.assign(static_cast<size_t>(count), 0);
   int err = 0;
-  const size_t got = read_bytes(dst, static_cast<size_t>(count) * static_cast<size_t>(stride_),
+  const auto stride = static_cast<size_t>(stride_);
+  const size_t got = read_bytes(dst, static_cast<size_t>(count) * stride,
                                 static_cast<off_t>(offset(first)), &err);
   for (int i = 0; i < count; ++i) {
-    if (got < static_cast<size_t>(i + 1) * static_cast<size_t>(stride_)) break;
+    const Fault fault = faults[static_cast<size_t>(i)];
+    if (fault == Fault::kEIO || fault == Fault::kShortRead) continue;  // its attempt failed
+    if (got < static_cast<size_t>(i + 1) * stride) break;
     try {
-      finish_record(first + i, dst + static_cast<size_t>(i) * static_cast<size_t>(stride_),
-                    static_cast<size_t>(stride_), Fault::kNone, verify);
+      finish_record(first + i, dst + static_cast<size_t>(i) * stride, stride, fault, verify);
       ok[static_cast<size_t>(i)] = 1;
     } catch (const ReadError&) {
       // read again on its own: read_record's second attempt words any error
     }
   }
-  return true;
 }
 
 }  // namespace es

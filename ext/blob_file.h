@@ -46,10 +46,10 @@ class BlobFile {
   // stride bytes into `dst` (4096-aligned, that many bytes): a few large reads go at the
   // disk's rate where many small ones wait on its latency. The first attempt of each:
   // ok[i] = 1 where record first + i arrived whole (and with its crc32, when `verify`);
-  // the others take read_record(..., 1), which words their error. Returns false,
-  // reading nothing, while a fault is armed (faults are per record: read_record takes
-  // them). Throws ReadError for an id out of range.
-  bool read_run(int first, int count, uint8_t* dst, bool verify, std::vector<uint8_t>& ok) const;
+  // the others take read_record(..., 1), which words their error. Each record takes its
+  // armed fault as that attempt: kEIO and kShortRead fail it, kCorrupt flips its first
+  // byte, kDelay delays the whole read. Throws ReadError for an id out of range.
+  void read_run(int first, int count, uint8_t* dst, bool verify, std::vector<uint8_t>& ok) const;
 
   // The pieces of read_record that another reader of this file's records (io_uring,
   // ext/ring_reader.h) shares, so that both follow the same rules: at most two attempts

@@ -993,31 +993,44 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
   };
   // Reads `run` (reads of adjacent records, in file order) on this thread: one read of
   // them all, then any it did not deliver on its own.
-  auto read_run = [this, li, stride, pending, land, read_one,
-                   e = experts](const std::vector<size_t>& run, bool cancelled) {
+  auto read_run = [this, li, stride, batch, pending, land, read_one,
+                   e = experts](std::vector<size_t> run, bool cancelled) {
     if (cancelled) {
       for (size_t i : run) pending(i, kAbandoned, nullptr);
       return;
     }
-    if (run.size() == 1) return read_one(run[0], 2);
+    {
+      // Only the span from its first to its last read still pending (a given-up
+      // read-ahead reads nothing more).
+      std::lock_guard<std::mutex> lk(batch->mu);
+      auto wanted = [&](size_t i) { return batch->state[i] == kPending; };
+      run.erase(run.begin(), std::find_if(run.begin(), run.end(), wanted));
+      run.erase(std::find_if(run.rbegin(), run.rend(), wanted).base(), run.end());
+    }
+    if (run.size() <= 1) {
+      if (!run.empty()) read_one(run[0], 2);
+      return;
+    }
+    // A buffer of its own, unpinned: the thread's bounce buffer stays the size (and
+    // page-locking) its other reads need.
+    thread_local std::unique_ptr<AlignedBuffer> run_buffer;
     std::vector<uint8_t> ok;
-    bool tried = false;
     try {
-      uint8_t* buf = bounce_buffer(run.size() * stride, host_writer_);
+      const size_t bytes = run.size() * stride;
+      if (!run_buffer || run_buffer->size() < bytes)
+        run_buffer = std::make_unique<AlignedBuffer>(bytes);
       {
         ReadClock::Span reading(&read_clock_);
-        tried = files_[li]->read_run(e[run[0]], static_cast<int>(run.size()), buf,
-                                     config_.verify_checksums, ok);
+        files_[li]->read_run(e[run[0]], static_cast<int>(run.size()), run_buffer->data(),
+                             config_.verify_checksums, ok);
       }
-      for (size_t j = 0; j < run.size() && tried; ++j)
-        if (ok[j]) land(run[j], buf + j * stride);
+      for (size_t j = 0; j < run.size(); ++j)
+        if (ok[j]) land(run[j], run_buffer->data() + j * stride);
     } catch (const std::exception&) {
-      tried = false;  // the records are read on their own, which words any error
-      ok.clear();
+      ok.clear();  // no attempt made: each read on its own, which words any error
     }
-    // After the run's bytes are landed: read_one reuses the same bounce buffer.
     for (size_t j = 0; j < run.size(); ++j)
-      if (!tried || !ok[j]) read_one(run[j], tried ? 1 : 2);
+      if (ok.empty() || !ok[j]) read_one(run[j], ok.empty() ? 2 : 1);
   };
   // Runs of adjacent records: the reads shared evenly among the reader threads (each
   // checks and copies its own records), up to kReadRunBytes each (one record where it is

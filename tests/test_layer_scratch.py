@@ -115,7 +115,9 @@ def test_a_bad_record_in_a_run_is_read_alone_and_named(qwen_store, tmp_path):
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0xFF]))
-    cache = open_cache(ExpertStore(store_dir), StreamConfig(expert_slots=2, io_uring=False))
+    # Two reader threads: runs of four of the eight records.
+    config = StreamConfig(expert_slots=2, reader_threads=2, io_uring=False)
+    cache = open_cache(ExpertStore(store_dir), config)
     checker = RowChecker(qwen_store, cache)
     assert cache.read_layer(1, 0) == 8
     with pytest.raises(
@@ -128,6 +130,25 @@ def test_a_bad_record_in_a_run_is_read_alone_and_named(qwen_store, tmp_path):
     cache.load_whole(2, 0)
     for e in range(8):
         assert scratch_bytes(cache, 2, e) == checker.records[(2, e)]
+    assert cache.check() == ""
+
+
+def test_a_fault_in_a_run_takes_one_of_its_records_two_attempts(qwen_store):
+    """A record's armed fault takes its attempt in the run (BlobFile::read_run): one
+    corrupt attempt is read again alone and lands; two fail the load, naming it."""
+    config = StreamConfig(expert_slots=2, reader_threads=2, io_uring=False)
+    cache = open_cache(qwen_store, config)
+    checker = RowChecker(qwen_store, cache)
+    cache.inject_fault(1, "corrupt", expert=5, count=1)
+    cache.load_whole(1, 0)  # a load's own reads: runs of four
+    for e in range(8):
+        assert scratch_bytes(cache, 1, e) == checker.records[(1, e)]
+    cache.inject_fault(2, "corrupt", expert=5, count=2)
+    with pytest.raises(
+        ExpertReadError, match=r"layer02\.blob \(layer \d+, expert 5\): checksum mismatch"
+    ):
+        cache.load_whole(2, 0)
+    assert stats(cache, 2)["read_errors"] == 1
     assert cache.check() == ""
 
 
