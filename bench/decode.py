@@ -418,7 +418,8 @@ def prefill_suite(
         fraction of the baseline's), and for the engine "fraction", "overcap_calls",
         "bytes_read", "reading_s" (seconds with a read in flight: `reading_seconds`) and
         "MBps_while_reading" (bytes_read / reading_s; 0 with nothing read), of the median
-        repetition. The baseline is the first row: resident,
+        repetition; "same_tokens": every repetition's first token equals the baseline's
+        first repetition's. The baseline is the first row: resident,
         or for an expert store (no mlx-lm model) the engine at the first fraction (at
         100%: every expert cached).
 
@@ -449,6 +450,7 @@ def prefill_suite(
         for name in names[start:] + names[:start]:
             onces[name].append(runs[name]())
     rows = []
+    first = onces[names[0]][0]["timing"].tokens
     for name in names:
         ttft, lo, hi = med_spread([o["timing"].prefill_s for o in onces[name]])
         row = {
@@ -458,6 +460,7 @@ def prefill_suite(
             "prefill_tps": len(prompt) / ttft,
             "ratio": rows[0]["ttft_s"] / ttft if rows else 1.0,
             "reps": reps,
+            "same_tokens": all(o["timing"].tokens == first for o in onces[name]),
         }
         if name in configs:
             o = sorted(onces[name], key=lambda o: o["timing"].prefill_s)[reps // 2]
@@ -479,5 +482,6 @@ def prefill_suite(
         log(
             f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})"
             + reads
+            + ("" if row["same_tokens"] else f"; FIRST TOKEN DIFFERS from {names[0]}'s")
         )
     return {"prompt_tokens": len(prompt), "baseline": names[0], "rows": rows}

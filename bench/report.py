@@ -287,15 +287,15 @@ def prefill_markdown(p: dict) -> str:
         "engine's cache cold: every expert the prompt routes to is read); median and "
         "spread (min..max) over the repetitions.\n",
         f"| run | time to first token, ms (min..max) | prefill tok/s | × {p['baseline']} | "
-        "over-capacity calls | MB read |",
-        "|---|---|---|---|---|---|",
+        "over-capacity calls | MB read | first token as the baseline's |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in p["rows"]:
         lo, hi = r["ttft_s_spread"]
         out.append(
             f"| {r['name']} | {r['ttft_s'] * 1e3:.0f} ({lo * 1e3:.0f}..{hi * 1e3:.0f}) | "
             f"{r['prefill_tps']:.1f} | {r['ratio']:.2f} | "
-            f"{r.get('overcap_calls', '—')} | {_mb(r.get('bytes_read'))} |"
+            f"{r.get('overcap_calls', '—')} | {_mb(r.get('bytes_read'))} | {r['same_tokens']} |"
         )
     return "\n".join(out) + "\n"
 

@@ -254,6 +254,7 @@ def test_prefill_suite_times_the_first_token_against_resident(model_dirs, tmp_pa
         assert 0 < lo <= r["ttft_s"] <= hi and r["reps"] == 3
         assert r["ratio"] == pytest.approx(base / r["ttft_s"])
         assert r["prefill_tps"] == pytest.approx(1536 / r["ttft_s"])
+        assert r["same_tokens"], r["name"]
     assert [r["overcap_calls"] for r in p["rows"][1:]] == [0, layers, 3 * layers]
     # 100%: every expert was read at load (as resident mlx-lm reads every weight), none after
     assert [r["bytes_read"] > 0 for r in p["rows"][1:]] == [False, True, True]
