@@ -1037,13 +1037,15 @@ std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_pt
   // larger).
   std::vector<size_t> order(experts.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return experts[a] < experts[b]; });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return experts[a] < experts[b]; });
   const size_t threads = static_cast<size_t>(std::max(config_.reader_threads, 1));
   const size_t per_run = std::clamp<size_t>((order.size() + threads - 1) / threads, 1,
                                             std::max<size_t>(1, kReadRunBytes / stride));
   std::vector<std::vector<size_t>> runs;
   for (size_t i : order) {
-    if (!runs.empty() && runs.back().size() < per_run && experts[i] == experts[runs.back().back()] + 1) {
+    if (!runs.empty() && runs.back().size() < per_run &&
+        experts[i] == experts[runs.back().back()] + 1) {
       runs.back().push_back(i);
     } else {
       runs.push_back({i});
