@@ -1086,11 +1086,13 @@ void ExpertCache::retire(ReadAhead& ra) {
 std::exception_ptr ExpertCache::read_staged(int li, const std::shared_ptr<LayerScratch>& ls,
                                             const std::vector<int>& experts,
                                             const std::vector<int>& rows,
-                                            std::vector<uint8_t>& landed) {
+                                            std::vector<uint8_t>& landed, uint64_t& micros) {
   landed.assign(experts.size(), 0);
   if (experts.empty()) return nullptr;
+  const auto t0 = std::chrono::steady_clock::now();
   auto batch = stage_reads(li, ls, experts, rows, false);
   settle(*batch, false);
+  micros = micros_since(t0);
   std::exception_ptr first;
   std::lock_guard<std::mutex> lk(batch->mu);
   for (size_t j = 0; j < experts.size(); ++j) {
@@ -1098,6 +1100,17 @@ std::exception_ptr ExpertCache::read_staged(int li, const std::shared_ptr<LayerS
     if (!landed[j] && !first) first = batch->error[j] ? batch->error[j] : timed_out(li, experts[j]);
   }
   return first;
+}
+
+std::exception_ptr ExpertCache::copy_to_scratch(int li, const std::vector<Span>& copies) {
+  try {
+    writer_.copy(copies);
+    return nullptr;
+  } catch (const std::exception& e) {
+    const auto& L = layers_[li];
+    return std::make_exception_ptr(ReadError(L.path + " (layer " + std::to_string(L.layer) +
+                                             ", layer scratch): " + e.what()));
+  }
 }
 
 void ExpertCache::fill_empty_slots(int li, const LayerScratch& ls,
@@ -1203,10 +1216,9 @@ void ExpertCache::load_whole(int li, int bank) {
       reads.push_back(e);
     }
   }
-  const auto r0 = std::chrono::steady_clock::now();
   std::vector<uint8_t> landed;
-  std::exception_ptr first = read_staged(li, ls, reads, reads, landed);
-  const uint64_t read_us = micros_since(r0);
+  uint64_t read_us = 0;
+  std::exception_ptr first = read_staged(li, ls, reads, reads, landed, read_us);
   for (size_t j = 0; j < reads.size(); ++j)
     if (landed[j]) {
       staged[static_cast<size_t>(reads[j])] = 1;
@@ -1220,13 +1232,7 @@ void ExpertCache::load_whole(int li, int bank) {
       std::vector<Span> to = ls->row(e), from = row_spans(li, slot);
       for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
     }
-    try {
-      writer_.copy(copies);
-    } catch (const std::exception& e) {
-      first = std::make_exception_ptr(
-          ReadError(L.path + " (layer " + std::to_string(L.layer) + ", layer scratch): " +
-                    e.what()));
-    }
+    first = copy_to_scratch(li, copies);
   }
   std::lock_guard<std::mutex> lk(mu_);
   uint64_t loaded = tier;
@@ -1326,10 +1332,9 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
   }
   std::vector<int> resident_at;
   uint64_t read_now = 0;
-  const auto r0 = std::chrono::steady_clock::now();
   std::vector<uint8_t> landed;
-  std::exception_ptr first = read_staged(li, ls, reads, read_rows, landed);
-  const uint64_t read_us = micros_since(r0);
+  uint64_t read_us = 0;
+  std::exception_ptr first = read_staged(li, ls, reads, read_rows, landed, read_us);
   for (size_t j = 0; j < reads.size(); ++j)
     if (landed[j]) {
       row_of[static_cast<size_t>(reads[j])] = read_rows[j];
@@ -1350,13 +1355,7 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
       }
       resident_at.push_back(r);
     }
-    try {
-      writer_.copy(copies);
-    } catch (const std::exception& e) {
-      first = std::make_exception_ptr(
-          ReadError(L.path + " (layer " + std::to_string(L.layer) + ", layer scratch): " +
-                    e.what()));
-    }
+    first = copy_to_scratch(li, copies);
   }
   std::vector<int> rows;
   for (int e : missing) rows.push_back(row_of[static_cast<size_t>(e)]);

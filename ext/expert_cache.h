@@ -476,10 +476,14 @@ class ExpertCache {
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
   // Reads experts[i] of layer li into staging row rows[i] of `ls` now and waits;
-  // landed[i] tells which landed. Returns the first error (a failed read, or a timeout).
+  // landed[i] tells which landed, `micros` how long it waited (unchanged with nothing to
+  // read). Returns the first error (a failed read, or a timeout).
   std::exception_ptr read_staged(int li, const std::shared_ptr<LayerScratch>& ls,
                                  const std::vector<int>& experts, const std::vector<int>& rows,
-                                 std::vector<uint8_t>& landed);
+                                 std::vector<uint8_t>& landed, uint64_t& micros);
+  // Makes the copies into (and within) layer li's layer scratch; returns their failure as
+  // a ReadError naming the layer's file, or null.
+  std::exception_ptr copy_to_scratch(int li, const std::vector<Span>& copies);
   // Under mu_: each (expert, row of `ls`) of `from`, in order, without a real slot fills
   // an empty one of layer li by a device copy, while one is left (an empty slot is mapped
   // by no computation, so nothing reads it while it is written).

@@ -2,10 +2,10 @@
 
 Where the pools are CUDA memory an over-capacity call puts every miss into the layer
 scratch at its one host wait (`load_layer`), the next layer's predicted misses read into
-page-locked staging meanwhile (`read_ahead`). On this machine the same code runs on host
-memory: these tests pin down that each row holds its expert's record, that a record read
-ahead is not read again, that reads a layer did not use cost bytes but no rows, that a
-failed read ahead is read again and a failed read is raised, that the host tier serves
+page-locked staging meanwhile (`read_ahead`). On the CPU backend the same code runs on
+host memory: these tests pin down that each row holds its expert's record, that a record
+read ahead is not read again, that reads a layer did not use cost bytes but no rows, that
+a failed read ahead is read again and a failed read is raised, that the host tier serves
 it, and that a prefill through it gives the resident logits with the read-ahead on.
 """
 
