@@ -10,13 +10,15 @@ experts, prefetch off and on, below 100% also with the CPU-stream acquire
 resident. For a synthetic Qwen3-30B-A3B-shaped store (`python -m engine.synthetic`, no
 resident reference fits the comparison): at 100% a bare device table (the pools indexed
 by `table[ids]` with no cache call at all: the ceiling of any expert cache on these
-pools), then each fraction with prefetch, from a dropped page cache with no host tier
-(O_DIRECT reads) and with the host tier warmed by one decode. Each row splits a decode
-token's time into the cache's acquire calls (demand reads included), the reads alone,
-and the rest (compute, graph building and any wait), with the bytes read from disk and
-copied from the host tier per token, and the read rate while reading (bytes over the
-wall time with a read in flight, `reading_seconds`), for the synthetic store against
-`dd`'s own O_DIRECT rate of one of its blob files.
+pools), then each fraction from a dropped page cache with no host tier (O_DIRECT reads),
+prefetch on and off, and with prefetch and the host tier warmed by one decode. Each row
+splits a decode token's time into the cache's acquire calls (demand reads included), the
+reads alone, and the rest (compute, graph building and any wait), with the bytes read
+from disk and copied from the host tier per token, the records demand-read and the
+prefetch fills (and of them used) per token, and the read rate while reading (bytes over
+the wall time with a read in flight, `reading_seconds`); the synthetic store's disk rows
+against `dd`'s own O_DIRECT rate of two of its blob files just before and just after the
+row (`dd_beside`).
 
 With --prefill, time to first token of a long prompt: the embedded model's
 1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's
@@ -76,7 +78,10 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
     sm.predictor.on_acquire = None
     after = snapshot(sm.cache).totals()
     n = max(len(out) - 1, 1)
-    d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read", "host_bytes")}
+    d = {
+        k: after[k] - before[k]
+        for k in ("hits", "misses", "bytes_read", "host_bytes", "prefetch_issued", "prefetch_used")
+    }
     lookups = d["hits"] + d["misses"]
     acq = after["acquire_seconds"] - before["acquire_seconds"]
     rd = after["read_seconds"] - before["read_seconds"]
@@ -92,6 +97,9 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
         "other_ms_per_token": 1e3 * (dt - acq) / n,
         "MB_read_per_token": d["bytes_read"] / n / 1e6,
         "MB_host_per_token": d["host_bytes"] / n / 1e6,
+        "demand_reads_per_token": d["misses"] / n,
+        "fills_per_token": d["prefetch_issued"] / n,
+        "fills_used_per_token": d["prefetch_used"] / n,
         # Over the wall time with a read in flight (demand reads and fills counted
         # once where they overlap): the figure dd's rate compares with.
         "reading_ms_per_token": 1e3 * reading / n,
@@ -126,22 +134,35 @@ def dd_rate(path: Path) -> float:
     return float(value) * {"GB/s": 1e3, "MB/s": 1.0, "kB/s": 1e-3, "B/s": 1e-6}[unit]
 
 
+def dd_beside(store: Path) -> float:
+    """`dd_rate` of two of `store`'s blob files (a quarter and three quarters through its
+    layers), their mean: a read-rate row compares with this taken just before and just
+    after it, since a cloud volume's rate moves by a third within minutes."""
+    files = sorted(store.glob("layer*.blob"))
+    return statistics.mean(dd_rate(files[i * len(files) // 4]) for i in (1, 3))
+
+
 def row(label: str, r: dict, base: float) -> str:
+    dd = r.get("dd_MBps")
     return (
         f"| {label} | {r['decode_tps']:.1f} | {r['decode_tps'] / base:.2f} | "
         f"{r['hit_rate']:.1%} | {r['ms_per_token']:.2f} | {r['acquire_ms_per_token']:.2f} | "
         f"{r['read_ms_per_token']:.2f} | {r['other_ms_per_token']:.2f} | "
         f"{r['MB_read_per_token']:.1f} | {r['MB_host_per_token']:.1f} | "
+        f"{r['demand_reads_per_token']:.1f} | {r['fills_per_token']:.1f} "
+        f"({r['fills_used_per_token']:.1f}) | "
         f"{r['reading_ms_per_token']:.2f} | {r['MBps_while_reading']:.0f} | "
-        f"{r.get('same_tokens', '')} |"
+        + (f"{dd:.0f} | {r['MBps_while_reading'] / dd:.2f} | " if dd else " | | ")
+        + f"{r.get('same_tokens', '')} |"
     )
 
 
 HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
-    "| rest ms | MB read/token | MB from host tier/token | ms with a read in flight "
-    "| MB/s while reading | same tokens as baseline |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| rest ms | MB read/token | MB from host tier/token | demand reads/token "
+    "| fills/token (used) | ms with a read in flight | MB/s while reading "
+    "| dd MB/s beside | ÷ dd | same tokens as baseline |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -240,7 +261,7 @@ def synthetic(
     vocab = probe.store.config["vocab_size"]
     del probe
     prompt = rng.integers(0, vocab, 16).tolist()
-    res = {"dd_MBps": dd_rate(store / "layer00.blob"), "runs": {}}
+    res = {"runs": {}}
 
     sm = load(store, StreamConfig())  # every expert: filled at load
     run_streamed(sm, prompt, 8)
@@ -255,7 +276,7 @@ def synthetic(
     res["bare_table_tps"] = base
     log(
         f"\n### Synthetic Qwen3-30B-A3B shapes ({e} experts, top-{k}), {tokens} tokens: "
-        f"bare device table {base:.1f} tok/s; dd O_DIRECT {res['dd_MBps']:.0f} MB/s\n\n"
+        f"bare device table {base:.1f} tok/s\n\n"
         f"(pool writes: {sm.cache.pool_writes}; record crc32: {CRC32_IMPLEMENTATION})\n\n{HEADER}"
     )
     for sync_path in (False, True):
@@ -282,20 +303,24 @@ def synthetic(
     del sm
     for frac in [f for f in fractions if f < 1.0]:
         slots = round(e * frac)
-        side = {"side_slots": 2 * k, "prefetch": True}
+        on = {"side_slots": 2 * k, "prefetch": True}
         for label, fields, warm in (
-            ("disk, O_DIRECT, no host tier", {"host_memory": None}, False),
-            ("host tier (warmed by one decode)", {"host_memory": "auto"}, True),
+            ("prefetch on, disk, O_DIRECT, no host tier", on | {"host_memory": None}, False),
+            ("prefetch off, disk, O_DIRECT, no host tier", {"host_memory": None}, False),
+            ("prefetch on, host tier (warmed by one decode)", on | {"host_memory": "auto"}, True),
         ):
+            dd_before = None if warm else dd_beside(store)
             drop_page_cache()
-            sm = load(store, StreamConfig(expert_slots=slots, **side, **fields))
+            sm = load(store, StreamConfig(expert_slots=slots, **fields))
             if warm:
                 run_streamed(sm, prompt, tokens)
             r = run_streamed(sm, prompt, tokens)
+            if dd_before is not None:
+                r["dd_MBps"] = (dd_before + dd_beside(store)) / 2
             r["same_tokens"] = r.pop("tokens") == bare_tokens
             tier = sm.cache.host_tier
             r["host_tier"] = {"slots_per_layer": tier[0], "held": tier[1], "bytes": tier[2]}
-            label = f"{frac:.1%} ({slots} slots), prefetch on, {label}"
+            label = f"{frac:.1%} ({slots} slots), {label}"
             res["runs"][label] = r
             log(row(label, r, base))
             del sm

@@ -283,6 +283,9 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
         assert keys <= r.keys() and r["same_tokens"], label
     disk = runs["25.0% (2 slots), prefetch on, disk, O_DIRECT, no host tier"]
     assert disk["MB_read_per_token"] > 0 and disk["MBps_while_reading"] > 0
+    assert disk["fills_per_token"] > 0 and "dd_MBps" in disk
+    demand_only = runs["25.0% (2 slots), prefetch off, disk, O_DIRECT, no host tier"]
+    assert demand_only["fills_per_token"] == 0 and demand_only["demand_reads_per_token"] > 0
 
 
 def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
