@@ -2,7 +2,7 @@
 
 Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
 
-    python -m bench.device --out DIR [--synthetic STORE] [--tokens N]
+    python -m bench.device --out DIR [--synthetic STORE] [--tokens N] [--side-slots N]
 
 For the embedded model: mlx-lm resident, then the engine at 100/50/25/12.5% of the
 experts, prefetch off and on, below 100% also with the CPU-stream acquire
@@ -201,7 +201,9 @@ def tps_of(model, prompt: list[int], tokens: int) -> Callable[[], float]:
     return run
 
 
-def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -> dict:
+def embedded(
+    tokens: int, log, fractions=FRACTIONS, rounds: int | None = None, side_slots=None
+) -> dict:
     from mlx_lm import load as mlx_load
 
     from engine.resources import default_model_path
@@ -215,8 +217,11 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -
     res = {"resident": {"decode_tps": base}, "runs": {}}
     probe = load(None, StreamConfig())
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
+    on = {"side_slots": side_slots or 2 * k, "prefetch": True}
+    res["side_slots"] = on["side_slots"]
     log(
-        f"\n### Embedded model, {tokens} tokens: mlx-lm resident {base:.1f} tok/s\n\n"
+        f"\n### Embedded model, {tokens} tokens: mlx-lm resident {base:.1f} tok/s; "
+        f"prefetch side rows per bank: {on['side_slots']}\n\n"
         f"(pool writes: {probe.cache.pool_writes}; record crc32: {CRC32_IMPLEMENTATION})"
         f"\n\n{HEADER}"
     )
@@ -224,7 +229,7 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -
     for frac in fractions:
         slots = max(1, round(e * frac))
         for prefetch in (False, True):
-            side = {"side_slots": 2 * k, "prefetch": True} if prefetch else {}
+            side = on if prefetch else {}
             # The CPU-stream acquire, the path before the acquire kernels, beside them.
             for device in [True] + ([False] if frac < 1.0 else []):
                 cfg = StreamConfig(expert_slots=slots, device_acquire=device, **side)
@@ -242,8 +247,8 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -
         for label, frac, fields in (
             ("100%", 1.0, {}),
             ("25%, prefetch off", 0.25, {}),
-            ("25%, prefetch on", 0.25, {"side_slots": 2 * k, "prefetch": True}),
-            ("12.5%, prefetch on", 0.125, {"side_slots": 2 * k, "prefetch": True}),
+            ("25%, prefetch on", 0.25, on),
+            ("12.5%, prefetch on", 0.125, on),
         ):
             sm = load(None, StreamConfig(expert_slots=max(1, round(e * frac)), **fields))
             run_streamed(sm, prompt, 8)
@@ -253,7 +258,7 @@ def embedded(tokens: int, log, fractions=FRACTIONS, rounds: int | None = None) -
 
 
 def synthetic(
-    store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int | None = None
+    store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int | None = None, side_slots=None
 ) -> dict:
     rng = np.random.default_rng(0)
     probe = load(store, StreamConfig(expert_slots=1))
@@ -261,7 +266,8 @@ def synthetic(
     vocab = probe.store.config["vocab_size"]
     del probe
     prompt = rng.integers(0, vocab, 16).tolist()
-    res = {"runs": {}}
+    on = {"side_slots": side_slots or 2 * k, "prefetch": True}
+    res = {"runs": {}, "side_slots": on["side_slots"]}
 
     sm = load(store, StreamConfig())  # every expert: filled at load
     run_streamed(sm, prompt, 8)
@@ -276,7 +282,8 @@ def synthetic(
     res["bare_table_tps"] = base
     log(
         f"\n### Synthetic Qwen3-30B-A3B shapes ({e} experts, top-{k}), {tokens} tokens: "
-        f"bare device table {base:.1f} tok/s\n\n"
+        f"bare device table {base:.1f} tok/s; "
+        f"prefetch side rows per bank: {on['side_slots']}\n\n"
         f"(pool writes: {sm.cache.pool_writes}; record crc32: {CRC32_IMPLEMENTATION})\n\n{HEADER}"
     )
     for sync_path in (False, True):
@@ -303,7 +310,6 @@ def synthetic(
     del sm
     for frac in [f for f in fractions if f < 1.0]:
         slots = round(e * frac)
-        on = {"side_slots": 2 * k, "prefetch": True}
         for label, fields, warm in (
             ("prefetch on, disk, O_DIRECT, no host tier", on | {"host_memory": None}, False),
             ("prefetch off, disk, O_DIRECT, no host tier", {"host_memory": None}, False),
@@ -365,6 +371,12 @@ def main(argv=None) -> int:
         help="fractions of the experts cached, comma-separated (default 1,0.5,0.25,0.125)",
     )
     p.add_argument(
+        "--side-slots",
+        type=positive_int,
+        help="side rows per bank of the prefetch-on rows, and the experts each prediction "
+        "prefetches (default 2 x top_k)",
+    )
+    p.add_argument(
         "--rounds",
         type=positive_int,
         default=None,
@@ -393,10 +405,12 @@ def main(argv=None) -> int:
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
     results = {}
     if not args.skip_embedded and not args.no_decode:
-        results["embedded"] = embedded(args.tokens, log, args.fractions, args.rounds)
+        results["embedded"] = embedded(
+            args.tokens, log, args.fractions, args.rounds, args.side_slots
+        )
     if args.synthetic and not args.no_decode:
         results["synthetic"] = synthetic(
-            args.synthetic, args.tokens, log, args.fractions, args.rounds
+            args.synthetic, args.tokens, log, args.fractions, args.rounds, args.side_slots
         )
     if args.prefill:
         if not args.skip_embedded:
