@@ -34,6 +34,7 @@ Figures go to stdout and DIR/device.json.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -45,7 +46,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 from engine.cache import CRC32_IMPLEMENTATION, snapshot
-from engine.config import StreamConfig
+from engine.config import ConfigError, StreamConfig
 from engine.flags import positive_int
 from engine.model import load
 from engine.streamed_layer import StreamedExperts
@@ -120,18 +121,20 @@ def drop_page_cache() -> None:
 
 
 def dd_rate(path: Path) -> float:
-    """MB/s of one O_DIRECT sequential read of `path` with 2 MiB blocks (dd's figure), or
+    """MB/s (1e6 bytes) of one O_DIRECT sequential read of `path` with 2 MiB blocks by
+    dd: the bytes and seconds it reports (its own rate has two significant figures), or
     0.0 where dd cannot read it so (a file system without O_DIRECT, such as tmpfs)."""
     r = subprocess.run(
         ["dd", f"if={path}", "of=/dev/null", "bs=2M", "iflag=direct"],
         capture_output=True,
         text=True,
+        env=os.environ | {"LC_ALL": "C"},
     )
-    if r.returncode != 0:
+    # GNU dd's last line: "N bytes (...) copied, S s, R GB/s".
+    done = re.search(r"^(\d+) bytes .*copied, ([\d.]+) s,", r.stderr, re.MULTILINE)
+    if r.returncode != 0 or not done or not float(done[2]):
         return 0.0
-    last = r.stderr.strip().splitlines()[-1]  # "... bytes ... copied, 1.2 s, 1.3 GB/s"
-    value, unit = last.rsplit(",", 1)[1].split()
-    return float(value) * {"GB/s": 1e3, "MB/s": 1.0, "kB/s": 1e-3, "B/s": 1e-6}[unit]
+    return int(done[1]) / float(done[2]) / 1e6
 
 
 def dd_beside(store: Path) -> float:
@@ -140,6 +143,19 @@ def dd_beside(store: Path) -> float:
     after it, since a cloud volume's rate moves by a third within minutes."""
     files = sorted(store.glob("layer*.blob"))
     return statistics.mean(dd_rate(files[i * len(files) // 4]) for i in (1, 3))
+
+
+def fractions(text: str) -> tuple[float, ...]:
+    """An argparse type: comma-separated fractions of the experts, each in (0, 1]."""
+    try:
+        values = tuple(float(f) for f in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0.0 < v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"must be fractions in (0, 1] separated by commas, e.g. 1,0.25; got {text!r}"
+        )
+    return values
 
 
 def row(label: str, r: dict, base: float) -> str:
@@ -227,7 +243,7 @@ def embedded(
     )
     del probe
     for frac in fractions:
-        slots = max(1, round(e * frac))
+        slots = max(k, round(e * frac))  # never below top-k, as the CLI refuses
         for prefetch in (False, True):
             side = on if prefetch else {}
             # The CPU-stream acquire, the path before the acquire kernels, beside them.
@@ -250,7 +266,7 @@ def embedded(
             ("25%, prefetch on", 0.25, on),
             ("12.5%, prefetch on", 0.125, on),
         ):
-            sm = load(None, StreamConfig(expert_slots=max(1, round(e * frac)), **fields))
+            sm = load(None, StreamConfig(expert_slots=max(k, round(e * frac)), **fields))
             run_streamed(sm, prompt, 8)
             runs[f"engine {label}"] = tps_of(sm.model, prompt, tokens)
         res["alternated"] = alternated(runs, rounds, log)
@@ -281,7 +297,7 @@ def synthetic(
     base = (len(bare_tokens) - 1) / dt
     res["bare_table_tps"] = base
     log(
-        f"\n### Synthetic Qwen3-30B-A3B shapes ({e} experts, top-{k}), {tokens} tokens: "
+        f"\n### Store {store} ({e} experts, top-{k}), {tokens} tokens: "
         f"bare device table {base:.1f} tok/s; "
         f"prefetch side rows per bank: {on['side_slots']}\n\n"
         f"(pool writes: {sm.cache.pool_writes}; record crc32: {CRC32_IMPLEMENTATION})\n\n{HEADER}"
@@ -309,7 +325,7 @@ def synthetic(
         log(f"\nPartial capacity:\n\n{HEADER}")
     del sm
     for frac in [f for f in fractions if f < 1.0]:
-        slots = round(e * frac)
+        slots = max(k, round(e * frac))
         for label, fields, warm in (
             ("prefetch on, disk, O_DIRECT, no host tier", on | {"host_memory": None}, False),
             ("prefetch off, disk, O_DIRECT, no host tier", {"host_memory": None}, False),
@@ -366,7 +382,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-embedded", action="store_true", help="only the synthetic store")
     p.add_argument(
         "--fractions",
-        type=lambda v: tuple(float(f) for f in v.split(",")),
+        type=fractions,
         default=FRACTIONS,
         help="fractions of the experts cached, comma-separated (default 1,0.5,0.25,0.125)",
     )
@@ -395,31 +411,45 @@ def main(argv=None) -> int:
         help="leave out the decode rows (with --prefill: only the time to first token)",
     )
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    lines = []
+    sections = {
+        "embedded": not args.skip_embedded and not args.no_decode,
+        "synthetic": args.synthetic and not args.no_decode,
+        "prefill_embedded": args.prefill and not args.skip_embedded,
+        "prefill_synthetic": args.prefill and args.synthetic,
+    }
+    if not any(sections.values()):
+        p.error("nothing to run: give --synthetic STORE, or leave out --skip-embedded")
+    if args.synthetic and not (args.synthetic / "manifest.json").is_file():
+        p.error(f"--synthetic {args.synthetic}: not a store (no manifest.json)")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror}")
+    lines, results = [], {}
 
     def log(s):
         print(s, flush=True)
         lines.append(s)
 
+    def run(section: str) -> dict:
+        rounds, store = args.rounds, args.synthetic
+        if section == "embedded":
+            return embedded(args.tokens, log, args.fractions, rounds, args.side_slots)
+        if section == "synthetic":
+            return synthetic(store, args.tokens, log, args.fractions, rounds, args.side_slots)
+        return prefill(None if section == "prefill_embedded" else store, log, rounds or 3)
+
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
-    results = {}
-    if not args.skip_embedded and not args.no_decode:
-        results["embedded"] = embedded(
-            args.tokens, log, args.fractions, args.rounds, args.side_slots
-        )
-    if args.synthetic and not args.no_decode:
-        results["synthetic"] = synthetic(
-            args.synthetic, args.tokens, log, args.fractions, args.rounds, args.side_slots
-        )
-    if args.prefill:
-        if not args.skip_embedded:
-            results["prefill_embedded"] = prefill(None, log, args.rounds or 3)
-        if args.synthetic:
-            results["prefill_synthetic"] = prefill(args.synthetic, log, args.rounds or 3)
-    (args.out / "device.json").write_text(json.dumps(results, indent=1))
-    (args.out / "device.md").write_text("\n".join(lines) + "\n")
-    return 0
+    for section in [name for name, wanted in sections.items() if wanted]:
+        try:
+            results[section] = run(section)
+        except ConfigError as e:  # e.g. --side-slots above the store's experts
+            log(f"\n{section}: stopped: {e}")
+            break
+        finally:  # what was measured is kept, whatever stops the rest
+            (args.out / "device.json").write_text(json.dumps(results, indent=1))
+            (args.out / "device.md").write_text("\n".join(lines) + "\n")
+    return 0 if len(results) == sum(map(bool, sections.values())) else 1
 
 
 if __name__ == "__main__":

@@ -310,3 +310,51 @@ def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
         assert part["MBps_while_reading"] == pytest.approx(
             part["bytes_read"] / part["reading_s"] / 1e6
         )
+
+
+def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys):
+    """`bench.device` checks its arguments before it measures anything: each mistake is
+    one line naming the flag, exit status 2."""
+    import bench.device as device
+
+    out = ["--out", str(tmp_path / "out")]
+    for argv, message in (
+        (["--skip-embedded"], "nothing to run"),
+        (["--fractions", "1,abc"], "--fractions: must be fractions in (0, 1]"),
+        (["--fractions", "0"], "got '0'"),
+        (["--synthetic", str(tmp_path)], f"--synthetic {tmp_path}: not a store"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            device.main(out + argv)
+        assert e.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_device_bench_keeps_the_rows_measured_before_a_refused_config(qwen_store, tmp_path):
+    """A store that refuses one of the runs (--side-slots above its experts) stops the
+    bench with exit status 1, and device.md keeps the rows measured before it."""
+    import bench.device as device
+
+    argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
+    argv += ["--fractions", "1,0.25", "--tokens", "2", "--side-slots", "100"]
+    assert device.main(argv) == 1
+    md = (tmp_path / "device.md").read_text()
+    assert "| 100% (8 slots) |" in md and "synthetic: stopped: side_slots = 100" in md
+
+
+def test_dd_rate_is_dds_bytes_over_its_seconds(monkeypatch, tmp_path):
+    """dd prints its rate to two significant figures; `dd_rate` divides the bytes and
+    seconds it printed instead, and gives 0.0 where dd failed."""
+    import subprocess
+
+    import bench.device as device
+
+    def fake(stderr: str, code: int = 0):
+        return lambda *a, **k: subprocess.CompletedProcess(a, code, "", stderr)
+
+    line = "512+0 records out\n1073741824 bytes (1.1 GB, 1.0 GiB) copied, 0.7 s, 1.5 GB/s\n"
+    monkeypatch.setattr(device.subprocess, "run", fake(line))
+    assert device.dd_rate(tmp_path) == pytest.approx(1073.741824 / 0.7)
+    monkeypatch.setattr(device.subprocess, "run", fake("dd: failed to open: Invalid argument", 1))
+    assert device.dd_rate(tmp_path) == 0.0
