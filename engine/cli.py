@@ -697,11 +697,9 @@ def build_parser() -> argparse.ArgumentParser:
         wanted = f"must be a size (e.g. 1GiB) or 0 (off), got {text!r}"
         try:
             value = 0 if text.strip() == "0" else parse_memory(text)
-        except ValueError as e:
-            # parse_memory's "must be > 0" would contradict the 0 this flag takes
-            raise argparse.ArgumentTypeError(
-                wanted if str(e).startswith("must be > 0") else str(e)
-            ) from None
+        except ValueError:
+            # parse_memory's own words offer "auto" and refuse 0, both wrong for this flag
+            raise argparse.ArgumentTypeError(wanted) from None
         if value == "auto":
             raise argparse.ArgumentTypeError(wanted)
         return int(value)

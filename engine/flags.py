@@ -271,9 +271,11 @@ def _parse(field: str, text: str):
         if text.strip().lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"expected 0 or 1, got {text!r}")
-    if "float" in str(kind):
-        return float(text)
-    return int(text)
+    number = float if "float" in str(kind) else int
+    try:
+        return number(text)
+    except ValueError:
+        raise ValueError(f"expected {'a number' if number is float else 'an integer'}") from None
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> dict:

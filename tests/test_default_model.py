@@ -117,8 +117,12 @@ def test_cli_reads_env_once_and_flags_win(tmp_path):
         {"EXPERT_SLOTS": "5", "SIDEREGION_SYNC": "1", "SIDEREGION_LFU": "1", "PREFILL_CHUNK": "6"},
     )
     assert (cfg.expert_slots, cfg.sync, cfg.side_lfu, cfg.scratch_slots) == (3, True, False, 6)
-    with pytest.raises(ValueError, match="EXPERT_SLOTS"):
+    with pytest.raises(ValueError) as e:
         stream_config(build_parser().parse_args(["generate"]), {"EXPERT_SLOTS": "many"})
+    assert str(e.value) == "environment variable EXPERT_SLOTS='many': expected an integer"
+    with pytest.raises(ValueError) as e:
+        stream_config(build_parser().parse_args(["generate"]), {"AUTOPIN_BUDGET_FRAC": "x"})
+    assert str(e.value) == "environment variable AUTOPIN_BUDGET_FRAC='x': expected a number"
 
 
 def test_cli_bad_model_is_a_clear_error(tmp_path):

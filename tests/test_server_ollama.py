@@ -144,4 +144,6 @@ def test_bad_requests_get_ollamas_400_naming_the_field(served, route, body, fiel
 def test_the_client_raises_response_error(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="m", prompt=PROMPT, options={"num_predict": -5})
-    assert e.value.status_code == 400 and "options.num_predict" in e.value.error
+    assert e.value.status_code == 400
+    # -1 (Ollama's "no limit") is taken, so the message offers it
+    assert e.value.error == "options.num_predict must be -1 (up to the context) or >= 1, got -5"
