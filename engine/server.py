@@ -54,6 +54,8 @@ from engine.server_requests import Job, RequestError, Served
 PROMPT_CACHE_ENTRIES = 10
 # The prompt cache's key for the one model served (mlx-lm's keys a model provider's).
 _MODEL_KEY = "model"
+# Why the jobs a shutdown (Ctrl+C, SIGTERM) ends fail: queued ones and the reply in progress.
+SHUTTING_DOWN = "the server is shutting down"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -299,9 +301,10 @@ class GenerationThread:
 
     def cancel_all(self) -> None:
         """Fails every queued job and cancels the reply in progress (it ends at its next
-        MoE layer, with no finish reason); returns at once."""
-        self._drain("the server is shutting down")
+        MoE layer with an error naming the tokens sent); returns at once."""
+        self._drain(SHUTTING_DOWN)
         if (job := self._current) is not None:
+            job.ended_by = SHUTTING_DOWN
             job.cancel.set()
 
     def close(self, timeout: float = 30.0) -> None:
@@ -412,7 +415,11 @@ class GenerationThread:
                 s.decode_seconds += len(result.tokens) / result.decode_tps
             s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
             s.last_error = None
-        job.emit("done", {"finish": finish, "stop": matcher.matched, "usage": usage})
+        if finish is None and job.ended_by:
+            sent = usage["completion_tokens"]
+            job.emit("error", f"{job.ended_by}: the reply was cut after {sent} tokens")
+        else:
+            job.emit("done", {"finish": finish, "stop": matcher.matched, "usage": usage})
 
     def _logprobs(self, r, top: int) -> dict:
         """The log-probability of response `r`'s token and of the `top` most likely tokens

@@ -283,7 +283,10 @@ class Job:
             that cut the reply, or None), "usage" ({"prompt_tokens", "completion_tokens",
             "total_tokens", "cached_tokens"})) or ("error", message); read on the event
             loop. ("gone",) is put there when the client disconnects (`watch`).
-        cancel: set when the client has gone; the generation ends at the next MoE layer.
+        cancel: set when the client has gone, or the server ends the reply; the
+            generation ends at the next MoE layer.
+        ended_by: why the server set `cancel` (None: the client went): the reply then
+            ends with ("error", message), so a client still reading learns it was cut.
     """
 
     prompt: list[int]
@@ -296,6 +299,7 @@ class Job:
     logprobs: int | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    ended_by: str | None = None
 
     def emit(self, *event) -> None:
         """Hands `event` to the event loop (thread-safe; dropped once the loop is closed)."""

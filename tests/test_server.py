@@ -420,3 +420,29 @@ def test_pipelined_rates_of_nothing_are_null():
     assert out["hit_rate"] is None and out["prefetch_accuracy"] is None
     out = combine_stats([rank | {"hits": 3, "misses": 1, "prefetch_issued": 2}, rank])
     assert out["hit_rate"] == 0.75 and out["prefetch_accuracy"] == 0.0
+
+
+def test_a_shutdown_ends_the_stream_in_progress_with_an_error():
+    """Ctrl+C or SIGTERM (`cancel_all`) while a reply streams: the reply stops at its next
+    MoE layer and its stream ends with an error saying so and how many tokens were sent,
+    not with a chunk whose finish_reason is null (which reads like an ordinary end)."""
+    small = Served()
+    try:
+        with small.client().completions.with_streaming_response.create(
+            model="any", prompt=PROMPT, max_tokens=1500, stream=True
+        ) as response:
+            lines = (line for line in response.iter_lines() if line)
+            first = json.loads(next(lines).removeprefix("data: "))
+            assert first["choices"][0]["text"]
+            small.engine.cancel_all()
+            *_, last = [
+                json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"
+            ]
+        message = last["error"]["message"]
+        assert message.startswith("the server is shutting down: the reply was cut after ")
+        sent = int(message.rsplit(" ", 2)[1])
+        assert 1 <= sent < 1500
+        s = small.stats()["server"]
+        assert (s["cancelled"], s["completed"], s["completion_tokens"]) == (1, 0, sent)
+    finally:
+        small.close()
