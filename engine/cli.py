@@ -167,7 +167,7 @@ def _generate(args) -> int:
     import mlx.core as mx
 
     from engine.chat import has_chat_template
-    from engine.generate import check_context, prompt_tokens
+    from engine.generate import ContextError, check_context, prompt_tokens
 
     _check_generate_flags(args)
     if args.pipeline:
@@ -183,7 +183,15 @@ def _generate(args) -> int:
             file=sys.stderr,
         )
     prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
-    check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
+    try:
+        check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
+    except ContextError as e:  # in this command's terms: which flag to change
+        room = e.limit - e.prompt_tokens
+        fix = f"give --max-tokens {room} or less" if room >= 1 else "shorten the prompt"
+        raise ValueError(
+            f"the prompt ({e.prompt_tokens} tokens) + --max-tokens ({e.max_tokens}) exceeds "
+            f"the model's context of {e.limit} tokens: {fix}"
+        ) from None
     if args.seed is not None:
         mx.random.seed(args.seed)
     if args.record_trace:

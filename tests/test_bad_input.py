@@ -247,7 +247,14 @@ def test_prompt_longer_than_the_context(store_dir, capsys):
     prompt = " ".join(["cat"] * 600)
     code, err = cli(capsys, "generate", "--model", str(store_dir), "--prompt", prompt)
     assert code == 2
-    assert "prompt (600 tokens) + max_tokens (64) exceeds the model's context of 512" in err
+    assert (
+        "the prompt (600 tokens) + --max-tokens (64) exceeds the model's context of 512 "
+        "tokens: shorten the prompt"
+    ) in err
+    prompt = " ".join(["cat"] * 500)
+    argv = ["generate", "--model", str(store_dir), "--prompt", prompt, "--max-tokens", "20"]
+    code, err = cli(capsys, *argv)
+    assert code == 2 and "context of 512 tokens: give --max-tokens 12 or less" in err
 
 
 # ---- permissions ------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_echoed_prompt_and_reply_keep_their_space(capfd):
         (["--reader-threads", "0"], "--reader-threads 0: must be in [1, 256]"),
         (["--reader-threads", "100000"], "--reader-threads 100000: must be in [1, 256]"),
         (["--prefetch"], "--prefetch needs side-region slots to fill: add --side-slots N"),
-        (["--prompt", "cat " * 5000], "prompt (5003 tokens) + max_tokens (64) exceeds"),
+        (["--prompt", "cat " * 5000], "the prompt (5003 tokens) + --max-tokens (64) exceeds"),
         (
             ["--expert-slots", "8", "--expert-memory", "50MiB"],
             "error: --expert-slots and --expert-memory are both given: give one of them",
@@ -193,17 +193,24 @@ def test_ctrl_c_cuts_the_reply_in_progress():
         json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode(),
         {"Content-Type": "application/json"},
     )
-    chunks = []
+    chunks, errors = [], []
     with urllib.request.urlopen(request, timeout=60) as reply:
         for line in reply:
             if line.startswith(b"data: {"):
-                chunks.append(json.loads(line[6:])["choices"][0])
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"]["message"])
+                    continue
+                chunks.append(event["choices"][0])
                 if len(chunks) == 2:
                     p.send_signal(signal.SIGINT)
     rc, err = p.wait(60), p.stderr.read()
     assert rc in (130, 0) and "Traceback" not in err, (rc, err[-3000:])  # the server's words
     assert len(chunks) < 100, len(chunks)  # ended at the next MoE layer, not after 400
-    assert chunks[-1]["finish_reason"] is None  # cut short: neither "length" nor "stop"
+    # cut short: no finish reason, and the stream's last event says why
+    assert all(c["finish_reason"] is None for c in chunks)
+    [message] = errors
+    assert message.startswith("the server is shutting down: the reply was cut after "), message
 
 
 def test_a_cut_trace_file_is_named(capfd, tmp_path):
