@@ -214,15 +214,17 @@ def _generate_with(sm, prompt, args) -> int:
         return 0
     if _echoes(sm, args):
         print(args.prompt, end="", flush=True)
-    result = generate(
-        sm,
-        prompt,
-        args.max_tokens,
-        args.temp,
-        args.top_p,
-        on_response=lambda r: print(r.text, end="", flush=True),
-    )
-    print(flush=True)  # the reply's line ends on stdout, before the figures on stderr
+    try:
+        result = generate(
+            sm,
+            prompt,
+            args.max_tokens,
+            args.temp,
+            args.top_p,
+            on_response=lambda r: print(r.text, end="", flush=True),
+        )
+    finally:  # Ctrl+C included: the shell's prompt then starts on a line of its own
+        print(flush=True)  # the reply's line ends on stdout, before the figures on stderr
     s = result.stats()
     print(
         f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {_figure(s['hit_rate'], '.1%')}  "

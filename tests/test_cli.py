@@ -447,3 +447,17 @@ def test_version(capfd):
         main(["--version"])
     assert exit_.value.code == 0
     assert capfd.readouterr().out == f"expertstream {version('expertstream')}\n"
+
+
+def test_ctrl_c_in_generate_ends_the_reply_line(capfd, monkeypatch):
+    """Ctrl+C while `generate` prints: exit 130, and the reply printed so far ends with a
+    newline, so that the shell's prompt starts on a line of its own."""
+    import engine.generate
+
+    def cut(sm, prompt, max_tokens, temp, top_p, on_response):
+        on_response(type("Response", (), {"text": " there was"}))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.generate, "generate", cut)
+    code, out, err = run(capfd, "generate", "--prompt", "Once upon a time,")
+    assert code == 130 and out == "Once upon a time, there was\n", out
