@@ -28,7 +28,7 @@ alternated rounds (`bench.decode.prefill_suite`), each engine row with the MB/s 
 reading (`reading_seconds`), the synthetic store's beside `dd`'s. --no-decode leaves the
 decode rows out.
 
-Figures go to stdout and DIR/device.json.
+Figures go to stdout, DIR/device.json and DIR/device.md, each section's as it ends.
 """
 
 import argparse
@@ -130,8 +130,8 @@ def dd_rate(path: Path) -> float:
         text=True,
         env=os.environ | {"LC_ALL": "C"},
     )
-    # GNU dd's last line: "N bytes (...) copied, S s, R GB/s".
-    done = re.search(r"^(\d+) bytes .*copied, ([\d.]+) s,", r.stderr, re.MULTILINE)
+    # GNU dd's last line: "N bytes (...) copied, S s, R GB/s" (S as %g: 2.3e-05 too).
+    done = re.search(r"^(\d+) bytes .*copied, ([\d.e+-]+) s,", r.stderr, re.MULTILINE)
     if r.returncode != 0 or not done or not float(done[2]):
         return 0.0
     return int(done[1]) / float(done[2]) / 1e6
@@ -139,10 +139,12 @@ def dd_rate(path: Path) -> float:
 
 def dd_beside(store: Path) -> float:
     """`dd_rate` of two of `store`'s blob files (a quarter and three quarters through its
-    layers), their mean: a read-rate row compares with this taken just before and just
-    after it, since a cloud volume's rate moves by a third within minutes."""
+    layers), their mean, or 0.0 (unknown) where dd could not read one: a read-rate row
+    compares with this taken just before and just after it, since a cloud volume's rate
+    moves by a third within minutes."""
     files = sorted(store.glob("layer*.blob"))
-    return statistics.mean(dd_rate(files[i * len(files) // 4]) for i in (1, 3))
+    rates = [dd_rate(files[i * len(files) // 4]) for i in (1, 3)]
+    return statistics.mean(rates) if all(rates) else 0.0
 
 
 def fractions(text: str) -> tuple[float, ...]:
@@ -156,6 +158,15 @@ def fractions(text: str) -> tuple[float, ...]:
             f"must be fractions in (0, 1] separated by commas, e.g. 1,0.25; got {text!r}"
         )
     return values
+
+
+def decode_tokens(text: str) -> int:
+    """An argparse type: tokens per decode run, at least 2 (the rate is over the tokens
+    after the first)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text!r}")
+    return value
 
 
 def row(label: str, r: dict, base: float) -> str:
@@ -217,9 +228,9 @@ def tps_of(model, prompt: list[int], tokens: int) -> Callable[[], float]:
     return run
 
 
-def embedded(
-    tokens: int, log, fractions=FRACTIONS, rounds: int | None = None, side_slots=None
-) -> dict:
+def embedded(tokens: int, log, fractions=FRACTIONS, rounds=None, side_slots=None, res=None) -> dict:
+    """The embedded model's rows (module docstring), into `res` (a new dict by default)
+    as they are measured; returns it."""
     from mlx_lm import load as mlx_load
 
     from engine.resources import default_model_path
@@ -230,7 +241,8 @@ def embedded(
     decode(model, prompt, 8)  # first use of each kernel compiles it
     ref, dt, _ = decode(model, prompt, tokens)
     base = (len(ref) - 1) / dt
-    res = {"resident": {"decode_tps": base}, "runs": {}}
+    res = {} if res is None else res
+    res |= {"resident": {"decode_tps": base}, "runs": {}}
     probe = load(None, StreamConfig())
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
     on = {"side_slots": side_slots or 2 * k, "prefetch": True}
@@ -274,8 +286,10 @@ def embedded(
 
 
 def synthetic(
-    store: Path, tokens: int, log, fractions=FRACTIONS, rounds: int | None = None, side_slots=None
+    store: Path, tokens: int, log, fractions=FRACTIONS, rounds=None, side_slots=None, res=None
 ) -> dict:
+    """A synthetic store's rows (module docstring), into `res` (a new dict by default) as
+    they are measured; returns it."""
     rng = np.random.default_rng(0)
     probe = load(store, StreamConfig(expert_slots=1))
     e, k = probe.cache.num_experts, probe.store.manifest.top_k
@@ -283,7 +297,8 @@ def synthetic(
     del probe
     prompt = rng.integers(0, vocab, 16).tolist()
     on = {"side_slots": side_slots or 2 * k, "prefetch": True}
-    res = {"runs": {}, "side_slots": on["side_slots"]}
+    res = {} if res is None else res
+    res |= {"runs": {}, "side_slots": on["side_slots"]}
 
     sm = load(store, StreamConfig())  # every expert: filled at load
     run_streamed(sm, prompt, 8)
@@ -338,7 +353,8 @@ def synthetic(
                 run_streamed(sm, prompt, tokens)
             r = run_streamed(sm, prompt, tokens)
             if dd_before is not None:
-                r["dd_MBps"] = (dd_before + dd_beside(store)) / 2
+                dd_after = dd_beside(store)
+                r["dd_MBps"] = (dd_before + dd_after) / 2 if dd_before and dd_after else 0.0
             r["same_tokens"] = r.pop("tokens") == bare_tokens
             tier = sm.cache.host_tier
             r["host_tier"] = {"slots_per_layer": tier[0], "held": tier[1], "bytes": tier[2]}
@@ -364,21 +380,29 @@ def prefill(store: Path | None, log, rounds: int) -> dict:
         return prefill_suite(model, long_prompt(prompt, 1536), reps=rounds, log=log)
     vocab = resolve_store(store).config["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, 2048).tolist()
-    out = {"dd_MBps": dd_rate(store / "layer00.blob")}
-    log(f"\ndd O_DIRECT {out['dd_MBps']:.0f} MB/s")
+    out = {}
     for reads, uncached in (("buffered", False), ("O_DIRECT", True)):
         log(f"\n### Time to first token, synthetic store, {reads} reads\n")
+        before = dd_beside(store) if uncached else 0.0
         out[reads] = prefill_suite(
             store, prompt, (1.0, 0.25), rounds, {"uncached_io": uncached}, log=log
         )
+    after = dd_beside(store)
+    out["dd_MBps"] = (before + after) / 2 if before and after else 0.0
+    log(f"\ndd O_DIRECT beside the O_DIRECT rows: {out['dd_MBps']:.0f} MB/s")
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for device.json")
+    p.add_argument("--out", type=Path, required=True, help="folder for device.json and device.md")
     p.add_argument("--synthetic", type=Path, help="a synthetic 30B-A3B-shaped store")
-    p.add_argument("--tokens", type=positive_int, default=64, help="decode tokens per run")
+    p.add_argument(
+        "--tokens",
+        type=decode_tokens,
+        default=64,
+        help="tokens per decode run (at least 2: tok/s counts those after the first)",
+    )
     p.add_argument("--skip-embedded", action="store_true", help="only the synthetic store")
     p.add_argument(
         "--fractions",
@@ -417,39 +441,56 @@ def main(argv=None) -> int:
         "prefill_embedded": args.prefill and not args.skip_embedded,
         "prefill_synthetic": args.prefill and args.synthetic,
     }
+    if args.no_decode and not args.prefill:
+        p.error("--no-decode leaves nothing to run without --prefill")
     if not any(sections.values()):
         p.error("nothing to run: give --synthetic STORE, or leave out --skip-embedded")
-    if args.synthetic and not (args.synthetic / "manifest.json").is_file():
-        p.error(f"--synthetic {args.synthetic}: not a store (no manifest.json)")
+    if args.synthetic and not list(args.synthetic.glob("layer*.blob")):
+        p.error(f"--synthetic {args.synthetic}: not a store (no layer*.blob files)")
+    if args.side_slots and not args.no_decode:
+        from engine.model import resolve_store
+        from engine.resources import default_model_path
+
+        for model in [args.synthetic] * bool(sections["synthetic"]) + [default_model_path()] * bool(
+            sections["embedded"]
+        ):
+            experts = resolve_store(model).manifest.num_experts
+            if args.side_slots > experts:
+                p.error(f"--side-slots {args.side_slots}: {model} has {experts} experts a layer")
+    lines, results = [], {}
+
+    def save() -> None:
+        (args.out / "device.json").write_text(json.dumps(results, indent=1))
+        (args.out / "device.md").write_text("\n".join(lines) + "\n")
+
     try:
         args.out.mkdir(parents=True, exist_ok=True)
+        save()  # a folder it cannot write is refused before anything is measured
     except OSError as e:
         p.error(f"--out {args.out}: {e.strerror}")
-    lines, results = [], {}
 
     def log(s):
         print(s, flush=True)
         lines.append(s)
 
-    def run(section: str) -> dict:
-        rounds, store = args.rounds, args.synthetic
+    def run(section: str, res: dict) -> dict:
+        rounds, store, side = args.rounds, args.synthetic, args.side_slots
         if section == "embedded":
-            return embedded(args.tokens, log, args.fractions, rounds, args.side_slots)
+            return embedded(args.tokens, log, args.fractions, rounds, side, res)
         if section == "synthetic":
-            return synthetic(store, args.tokens, log, args.fractions, rounds, args.side_slots)
+            return synthetic(store, args.tokens, log, args.fractions, rounds, side, res)
         return prefill(None if section == "prefill_embedded" else store, log, rounds or 3)
 
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
     for section in [name for name, wanted in sections.items() if wanted]:
         try:
-            results[section] = run(section)
-        except ConfigError as e:  # e.g. --side-slots above the store's experts
+            results[section] = run(section, results.setdefault(section, {}))
+        except ConfigError as e:  # a run the model refuses: the rest still runs
             log(f"\n{section}: stopped: {e}")
-            break
+            results[section]["stopped"] = str(e)
         finally:  # what was measured is kept, whatever stops the rest
-            (args.out / "device.json").write_text(json.dumps(results, indent=1))
-            (args.out / "device.md").write_text("\n".join(lines) + "\n")
-    return 0 if len(results) == sum(map(bool, sections.values())) else 1
+            save()
+    return 1 if any("stopped" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def _generate(args) -> int:
     import mlx.core as mx
 
     from engine.chat import has_chat_template
-    from engine.generate import ContextError, check_context, prompt_tokens
+    from engine.generate import prompt_tokens
 
     _check_generate_flags(args)
     if args.pipeline:
@@ -183,15 +183,7 @@ def _generate(args) -> int:
             file=sys.stderr,
         )
     prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
-    try:
-        check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
-    except ContextError as e:  # in this command's terms: which flag to change
-        room = e.limit - e.prompt_tokens
-        fix = f"give --max-tokens {room} or less" if room >= 1 else "shorten the prompt"
-        raise ValueError(
-            f"the prompt ({e.prompt_tokens} tokens) + --max-tokens ({e.max_tokens}) exceeds "
-            f"the model's context of {e.limit} tokens: {fix}"
-        ) from None
+    _check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
     if args.seed is not None:
         mx.random.seed(args.seed)
     if args.record_trace:
@@ -203,6 +195,22 @@ def _generate(args) -> int:
         print(f"wrote routing trace {path}", file=sys.stderr)
         return code
     return _generate_with(sm, prompt, args)
+
+
+def _check_context(sm, prompt_tokens: int, max_tokens: int) -> None:
+    """`engine.generate.check_context` in this command's terms: a ValueError naming
+    --max-tokens and the most that fits, or that the prompt alone is too long."""
+    from engine.generate import ContextError, check_context
+
+    try:
+        check_context(sm, prompt_tokens, max_tokens)
+    except ContextError as e:
+        room = e.limit - e.prompt_tokens
+        fix = f"give --max-tokens {room} or less" if room >= 1 else "shorten the prompt"
+        raise ValueError(
+            f"the prompt ({e.prompt_tokens} tokens) + --max-tokens ({e.max_tokens}) exceeds "
+            f"the model's context of {e.limit} tokens: {fix}"
+        ) from None
 
 
 def _generate_with(sm, prompt, args) -> int:
@@ -244,7 +252,7 @@ def _generate_pipeline(args) -> int:
     import mlx.core as mx
 
     from engine import pipeline
-    from engine.generate import check_context, generate, prompt_tokens
+    from engine.generate import generate, prompt_tokens
     from engine.model import load_stage
     from engine.store import layer_range
 
@@ -258,7 +266,7 @@ def _generate_pipeline(args) -> int:
     if rank == 0:  # rank 0 tokenizes; the others take its ids
         try:
             prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
-            check_context(sm, len(prompt), args.max_tokens)
+            _check_context(sm, len(prompt), args.max_tokens)
         except ValueError as e:
             error = str(e)
     pipeline.agree(error, group)
@@ -281,6 +289,9 @@ def _generate_pipeline(args) -> int:
         )
     except RuntimeError as e:  # MLX's distributed backends raise RuntimeError
         raise pipeline.lost(rank, e) from None
+    finally:
+        if show:  # Ctrl+C included: the reply's line ends, as in `generate` alone
+            print(flush=True)
     ranks = pipeline.gather_json(
         {"layers": [sm.stage.start, sm.stage.end], **result.stats()}, group
     )
@@ -290,7 +301,6 @@ def _generate_pipeline(args) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": stats}))
         return 0
-    print(flush=True)
     print("--", file=sys.stderr)
     for r, s in enumerate(ranks):
         print(

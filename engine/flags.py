@@ -270,7 +270,7 @@ def _parse(field: str, text: str):
             return True
         if text.strip().lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"expected 0 or 1, got {text!r}")
+        raise ValueError("expected 0 or 1")
     number = float if "float" in str(kind) else int
     try:
         return number(text)

@@ -216,6 +216,7 @@ class GenerationThread:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._current: Job | None = None
+        self._closing = False  # set by cancel_all: every job from then on fails
         self.sm = None
         self.stats = ServerStats()
         self.thread = threading.Thread(target=self._run, name="expertstream-generate", daemon=True)
@@ -302,6 +303,7 @@ class GenerationThread:
     def cancel_all(self) -> None:
         """Fails every queued job and cancels the reply in progress (it ends at its next
         MoE layer with an error naming the tokens sent); returns at once."""
+        self._closing = True  # a job taken from the queue but not yet current fails too
         self._drain(SHUTTING_DOWN)
         if (job := self._current) is not None:
             job.ended_by = SHUTTING_DOWN
@@ -347,9 +349,11 @@ class GenerationThread:
             return
         self._ready.set()
         while (job := self._next_job()) is not None:
-            if job.cancel.is_set():
+            if job.cancel.is_set() or self._closing:
                 with self.stats.lock:
                     self.stats.cancelled += 1
+                if self._closing:
+                    job.emit("error", SHUTTING_DOWN)
                 continue
             self._current = job
             try:
@@ -361,8 +365,11 @@ class GenerationThread:
     def _serve(self, job: Job) -> None:
         matcher = StopMatcher(job.stop)
         records: list[dict] = []  # log-probabilities of tokens whose text is held back
+        sent = 0  # tokens handed to the reply (a pipeline's last one is not in its result)
 
         def on_response(r) -> None:
+            nonlocal sent
+            sent += 1
             if job.logprobs is not None:
                 records.append(self._logprobs(r, job.logprobs))
             if piece := matcher.add(r.text):
@@ -384,7 +391,7 @@ class GenerationThread:
             return
         if matcher.hit:
             finish = "stop"
-        elif job.cancel.is_set():
+        elif result.stopped:  # the cancel was seen: a cancel after the last token ends nothing
             finish = None
         else:
             if (rest := matcher.flush()) or records:
@@ -416,7 +423,6 @@ class GenerationThread:
             s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
             s.last_error = None
         if finish is None and job.ended_by:
-            sent = usage["completion_tokens"]
             job.emit("error", f"{job.ended_by}: the reply was cut after {sent} tokens")
         else:
             job.emit("done", {"finish": finish, "stop": matcher.matched, "usage": usage})

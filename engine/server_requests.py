@@ -279,7 +279,7 @@ class Job:
         events: where the generation thread puts ("text", str, logprobs) (logprobs: a
             list of `{"token", "logprob", "top": [(token, logprob)]}` for the tokens
             that text ends, empty without `logprobs`), then ("done", end) (end: dict with
-            "finish" ("stop", "length" or None when cancelled), "stop" (the stop string
+            "finish" ("stop", "length" or None when the client went), "stop" (the stop string
             that cut the reply, or None), "usage" ({"prompt_tokens", "completion_tokens",
             "total_tokens", "cached_tokens"})) or ("error", message); read on the event
             loop. ("gone",) is put there when the client disconnects (`watch`).

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from bench import routing_traces_dir, run_suite
 from bench.disk import engine_at_depth
 from bench.policy import POLICIES, belady, replay, trace_store
-from engine.config import EVICTION_POLICIES, StreamConfig
+from engine.config import EVICTION_POLICIES, ConfigError, StreamConfig
 from engine.model import load
 from engine.store import ExpertStore
 from engine.synthetic import QWEN3_30B_A3B, expert_segments, store_bytes, tiny_config, write_store
@@ -323,6 +323,8 @@ def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys)
         (["--fractions", "1,abc"], "--fractions: must be fractions in (0, 1]"),
         (["--fractions", "0"], "got '0'"),
         (["--synthetic", str(tmp_path)], f"--synthetic {tmp_path}: not a store"),
+        (["--no-decode"], "--no-decode leaves nothing to run without --prefill"),
+        (["--tokens", "1"], "--tokens: must be an integer >= 2, got '1'"),
     ):
         with pytest.raises(SystemExit) as e:
             device.main(out + argv)
@@ -331,16 +333,43 @@ def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
-def test_the_device_bench_keeps_the_rows_measured_before_a_refused_config(qwen_store, tmp_path):
-    """A store that refuses one of the runs (--side-slots above its experts) stops the
-    bench with exit status 1, and device.md keeps the rows measured before it."""
+def test_the_device_bench_refuses_more_side_rows_than_experts(qwen_store, tmp_path, capsys):
     import bench.device as device
 
+    argv = ["--out", str(tmp_path / "out"), "--skip-embedded", "--synthetic"]
+    with pytest.raises(SystemExit) as e:
+        device.main([*argv, str(qwen_store.path), "--side-slots", "9"])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    assert f"--side-slots 9: {qwen_store.path} has 8 experts a layer" in capsys.readouterr().err
+
+
+def test_the_device_bench_keeps_the_rows_measured_before_a_refused_config(
+    qwen_store, tmp_path, monkeypatch
+):
+    """A run the machine refuses at load (here the host tier, as one short of memory
+    refuses `host_memory="auto"`) is logged; the rows measured before it stay in
+    device.json and device.md, and the bench exits 1."""
+    import bench.device as device
+
+    def load(store, config):
+        if config.host_memory == "auto" and config.expert_slots == 2:  # the 25% tier row
+            raise ConfigError("host_memory", "auto", "within the memory available")
+        return real_load(store, config)
+
+    real_load = device.load
+    monkeypatch.setattr(device, "load", load)
     argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
-    argv += ["--fractions", "1,0.25", "--tokens", "2", "--side-slots", "100"]
-    assert device.main(argv) == 1
+    assert device.main([*argv, "--fractions", "1,0.25", "--tokens", "2"]) == 1
+    out = json.loads((tmp_path / "device.json").read_text())["synthetic"]
+    assert list(out["runs"]) == [
+        "100% (8 slots)",
+        "100% (8 slots), sync path (before)",
+        "25.0% (2 slots), prefetch on, disk, O_DIRECT, no host tier",
+        "25.0% (2 slots), prefetch off, disk, O_DIRECT, no host tier",
+    ]
+    assert out["stopped"].startswith("host_memory = 'auto'")
     md = (tmp_path / "device.md").read_text()
-    assert "| 100% (8 slots) |" in md and "synthetic: stopped: side_slots = 100" in md
+    assert "| 25.0% (2 slots), prefetch off, disk" in md and "synthetic: stopped: host_memory" in md
 
 
 def test_dd_rate_is_dds_bytes_over_its_seconds(monkeypatch, tmp_path):
@@ -356,5 +385,8 @@ def test_dd_rate_is_dds_bytes_over_its_seconds(monkeypatch, tmp_path):
     line = "512+0 records out\n1073741824 bytes (1.1 GB, 1.0 GiB) copied, 0.7 s, 1.5 GB/s\n"
     monkeypatch.setattr(device.subprocess, "run", fake(line))
     assert device.dd_rate(tmp_path) == pytest.approx(1073.741824 / 0.7)
+    short = "4096 bytes (4.1 kB, 4.0 KiB) copied, 2.3074e-05 s, 178 MB/s\n"
+    monkeypatch.setattr(device.subprocess, "run", fake(short))
+    assert device.dd_rate(tmp_path) == pytest.approx(4096 / 2.3074e-05 / 1e6)
     monkeypatch.setattr(device.subprocess, "run", fake("dd: failed to open: Invalid argument", 1))
     assert device.dd_rate(tmp_path) == 0.0
