@@ -55,8 +55,18 @@ def _memory(text: str) -> int | str:
 
 
 def _host_memory(text: str) -> int | str:
-    """--host-memory: a size as --expert-memory takes it, "auto", or "off" or 0 (0)."""
-    return 0 if text.strip().lower() in ("off", "0") else _memory(text)
+    """--host-memory: a size as --expert-memory takes it, "auto", or "off" or a size of
+    nothing (0, 0B, 0GiB: 0)."""
+    if text.strip().lower() == "off":
+        return 0
+    try:
+        return _memory(text)
+    except argparse.ArgumentTypeError as e:
+        if not str(e).startswith("must be > 0"):
+            raise
+        if "-" in text:  # parse_memory's "> 0" would contradict the 0 this flag takes
+            raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {text!r}") from None
+        return 0  # parse_memory refuses a size below one byte; here it means off
 
 
 def positive_int(text: str) -> int:

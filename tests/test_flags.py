@@ -106,8 +106,12 @@ def test_host_memory_takes_a_size_auto_or_off(capsys):
         return stream_config(parser().parse_args(list(argv))).host_memory
 
     assert host() == "auto" and host("--host-memory", "off") == 0
+    assert [host("--host-memory", zero) for zero in ("0", "0B", "0GiB")] == [0, 0, 0]
     assert host("--host-memory", "2GiB") == 2 * 2**30
     with pytest.raises(SystemExit):
         parser().parse_args(["--host-memory", "lots"])
     assert "'lots' is not a memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--host-memory=-1GiB"])
+    assert "argument --host-memory: must be >= 0 (0: off), got '-1GiB'" in capsys.readouterr().err
     assert stream_config(parser().parse_args(["--no-device-acquire"])).device_acquire is False
