@@ -312,6 +312,11 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict:
 _PREFETCH_WITHOUT_SIDE_SLOTS = (
     "--prefetch needs side-region slots to fill: add --side-slots N (N >= 1)"
 )
+_SIDE_SLOTS_WITHOUT_PREFETCH = (
+    "--side-slots {n} with --no-prefetch: only prefetch fills side rows, and this command "
+    "cannot turn it on later (the app's Prefetch box can); give --side-slots 0, or leave "
+    "out --no-prefetch"
+)
 _SYNC_WITHOUT_PREFETCH = (
     "--sync makes prefetch fills synchronous, and prefetch is off here: leave out --sync, "
     "or turn prefetch on with --side-slots N (N >= 1)"
@@ -394,11 +399,16 @@ def stream_config(
     """StreamConfig of `defaults` (fields; StreamConfig's own for the rest) overridden
     by `config_overrides(args, environ)`.
 
+    The command-line front ends' config: unlike the app (`config_overrides`), they have
+    no live prefetch toggle, so side rows with prefetch turned off are refused.
+
     Raises:
         ValueError: an environment variable does not parse, --prefetch is on without side
-            slots, --sync is given with prefetch off, or a value is out of range; the
-            message names the flag or variable.
+            slots, --side-slots N > 0 with --no-prefetch, --sync is given with prefetch
+            off, or a value is out of range; the message names the flag or variable.
     """
+    if getattr(args, "prefetch", None) is False and (getattr(args, "side_slots", None) or 0) > 0:
+        raise ValueError(_SIDE_SLOTS_WITHOUT_PREFETCH.format(n=args.side_slots))
     values = with_defaults(defaults or {}, config_overrides(args, environ))
     known = {f: StreamConfig.__dataclass_fields__[f].default for f in ("prefetch", "side_slots")}
     _refuse_idle_prefetch(known | values, args)  # now with every default known

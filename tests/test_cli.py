@@ -71,6 +71,7 @@ def test_echoed_prompt_and_reply_keep_their_space(capfd):
         (["--reader-threads", "0"], "--reader-threads 0: must be in [1, 256]"),
         (["--reader-threads", "100000"], "--reader-threads 100000: must be in [1, 256]"),
         (["--prefetch"], "--prefetch needs side-region slots to fill: add --side-slots N"),
+        (["--side-slots", "4", "--no-prefetch"], "--side-slots 4 with --no-prefetch: only"),
         (["--prompt", "cat " * 5000], "the prompt (5003 tokens) + --max-tokens (64) exceeds"),
         (
             ["--expert-slots", "8", "--expert-memory", "50MiB"],

@@ -51,11 +51,16 @@ def test_environment_then_flags_then_prefetch_follows_side_slots():
     assert (cfg.side_slots, cfg.prefetch, cfg.policy) == (2, True, "lru")
     assert (cfg.scratch_slots, cfg.expert_slots) == (4, 6)
     args = parser().parse_args(["--side-slots", "2", "--no-prefetch", "--expert-slots", "3"])
+    # the app's start state: side rows ready for its live Prefetch box
     assert config_overrides(args, {"EXPERT_SLOTS": "6"}) == {
         "side_slots": 2,
         "prefetch": False,
         "expert_slots": 3,
     }
+    # a command line has no such box: its side rows would hold memory and nothing else
+    with pytest.raises(ValueError) as e:
+        stream_config(args, {})
+    assert str(e.value).startswith("--side-slots 2 with --no-prefetch: only prefetch fills")
     # --side-slots 0 turns prefetch off even over a front end whose default is on (the app)
     args = parser().parse_args(["--side-slots", "0"])
     assert config_overrides(args, {}) == {"side_slots": 0, "prefetch": False}
