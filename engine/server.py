@@ -304,7 +304,7 @@ class GenerationThread:
         """Fails every queued job and cancels the reply in progress (it ends at its next
         MoE layer with an error naming the tokens sent); returns at once."""
         self._closing = True  # a job taken from the queue but not yet current fails too
-        self._drain(SHUTTING_DOWN)
+        self._drain(SHUTTING_DOWN, 503)
         if (job := self._current) is not None:
             job.ended_by = SHUTTING_DOWN
             job.cancel.set()
@@ -317,8 +317,8 @@ class GenerationThread:
             self._jobs.put(None)
             self.thread.join(timeout)
 
-    def _drain(self, reason: str) -> None:
-        """Fails every queued job with `reason`."""
+    def _drain(self, reason: str, status: int = 500) -> None:
+        """Fails every queued job with `reason` (a whole reply's HTTP `status`)."""
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -326,7 +326,7 @@ class GenerationThread:
                 break
             if job is not None:
                 job.cancel.set()
-                job.emit("error", reason)
+                job.emit("error", reason, status)
 
     def _next_job(self) -> Job | None:
         """The next job to serve; None ends the thread."""
@@ -353,7 +353,7 @@ class GenerationThread:
                 with self.stats.lock:
                     self.stats.cancelled += 1
                 if self._closing:
-                    job.emit("error", SHUTTING_DOWN)
+                    job.emit("error", SHUTTING_DOWN, 503)
                 continue
             self._current = job
             try:
@@ -423,7 +423,7 @@ class GenerationThread:
             s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
             s.last_error = None
         if finish is None and job.ended_by:
-            job.emit("error", f"{job.ended_by}: the reply was cut after {sent} tokens")
+            job.emit("error", f"{job.ended_by}: the reply was cut after {sent} tokens", 503)
         else:
             job.emit("done", {"finish": finish, "stop": matcher.matched, "usage": usage})
 

@@ -281,8 +281,9 @@ class Job:
             that text ends, empty without `logprobs`), then ("done", end) (end: dict with
             "finish" ("stop", "length" or None when the client went), "stop" (the stop string
             that cut the reply, or None), "usage" ({"prompt_tokens", "completion_tokens",
-            "total_tokens", "cached_tokens"})) or ("error", message); read on the event
-            loop. ("gone",) is put there when the client disconnects (`watch`).
+            "total_tokens", "cached_tokens"})) or ("error", message[, status]) (status:
+            a whole reply's HTTP status, 503 when the server is shutting down, else 500);
+            read on the event loop. ("gone",) is put there when the client disconnects (`watch`).
         cancel: set when the client has gone, or the server ends the reply; the
             generation ends at the next MoE layer.
         ended_by: why the server set `cancel` (None: the client went): the reply then
@@ -405,7 +406,8 @@ async def collect(request: Request, job: Job) -> Collected:
     """The whole reply of a submitted `job`; the client disconnecting cancels it.
 
     Raises:
-        RequestError: 499 when the client left, 500 when the generation failed.
+        RequestError: 499 when the client left, 500 when the generation failed, 503 when
+            the server is shutting down.
     """
     watcher = asyncio.create_task(watch(request, job))
     pieces, records, first = [], [], None
@@ -421,7 +423,8 @@ async def collect(request: Request, job: Job) -> Collected:
             elif event[0] == "gone":
                 raise RequestError(None, "the client disconnected", 499)
             else:
-                raise RequestError(None, event[1], 500, kind="server_error")
+                status = event[2] if len(event) > 2 else 500
+                raise RequestError(None, event[1], status, kind="server_error")
     finally:
         watcher.cancel()
         job.cancel.set()  # a no-op once the reply is over; else the handler was cancelled

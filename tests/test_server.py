@@ -444,9 +444,11 @@ def test_a_shutdown_ends_the_stream_in_progress_with_an_error():
         assert 1 <= sent < 1500
         s = small.stats()["server"]
         assert (s["cancelled"], s["completed"], s["completion_tokens"]) == (1, 0, sent)
-        # A job taken from the queue after the shutdown began fails too, not generated.
-        with pytest.raises(openai.InternalServerError, match="the server is shutting down"):
+        # A job taken from the queue after the shutdown began fails too, not generated,
+        # and a whole reply says so with 503 (unavailable), not 500 (failed).
+        with pytest.raises(openai.APIStatusError, match="the server is shutting down") as e:
             small.client(max_retries=0).completions.create(model="any", prompt=PROMPT)
+        assert e.value.status_code == 503
         assert small.stats()["server"]["cancelled"] == 2
     finally:
         small.close()
