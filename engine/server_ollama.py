@@ -130,10 +130,12 @@ def routes(served: Served) -> list[Route]:
         if not isinstance(options, dict):
             raise RequestError("options", "options must be an object")
         limit = options.get("num_predict")
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit < 1 and limit != -1:
+        integer = isinstance(limit, int) and not isinstance(limit, bool)
+        if limit is not None and (not integer or (limit < 1 and limit != -1)):
             raise RequestError(
                 "options.num_predict",
-                f"options.num_predict must be -1 (up to the context) or >= 1, got {limit}",
+                "options.num_predict must be -1 (up to the context) or an integer >= 1, "
+                f"got {json.dumps(limit)}",
             )
         if limit == -1:  # Ollama's "no limit": as far as the context goes
             limit = max(1, served.context - len(ids))

@@ -146,4 +146,10 @@ def test_the_client_raises_response_error(client):
         client.generate(model="m", prompt=PROMPT, options={"num_predict": -5})
     assert e.value.status_code == 400
     # -1 (Ollama's "no limit") is taken, so the message offers it
-    assert e.value.error == "options.num_predict must be -1 (up to the context) or >= 1, got -5"
+    assert e.value.error == (
+        "options.num_predict must be -1 (up to the context) or an integer >= 1, got -5"
+    )
+    for value, shown in ((1.5, "1.5"), ("8", '"8"'), (True, "true")):
+        with pytest.raises(ollama.ResponseError) as e:
+            client.generate(model="m", prompt=PROMPT, options={"num_predict": value})
+        assert e.value.status_code == 400 and e.value.error.endswith(f"got {shown}")
