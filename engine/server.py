@@ -356,6 +356,9 @@ class GenerationThread:
                     job.emit("error", SHUTTING_DOWN, 503)
                 continue
             self._current = job
+            if self._closing:  # cancel_all ran between the check above and this job's start
+                job.ended_by = SHUTTING_DOWN
+                job.cancel.set()
             try:
                 self._serve(job)
             finally:
