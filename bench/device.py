@@ -140,8 +140,8 @@ def dd_rate(path: Path) -> float:
 def dd_beside(store: Path) -> float:
     """`dd_rate` of two of `store`'s blob files (a quarter and three quarters through its
     layers), their mean, or 0.0 (unknown) where dd could not read one: a read-rate row
-    compares with this taken just before and just after it, since a cloud volume's rate
-    moves by a third within minutes."""
+    compares with this taken just before and just after it, since a disk's rate can move
+    within minutes (a cloud volume's does: docs/benchmarks.md)."""
     files = sorted(store.glob("layer*.blob"))
     rates = [dd_rate(files[i * len(files) // 4]) for i in (1, 3)]
     return statistics.mean(rates) if all(rates) else 0.0
