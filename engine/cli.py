@@ -213,26 +213,28 @@ def _check_context(sm, prompt_tokens: int, max_tokens: int) -> None:
         ) from None
 
 
-def _generate_with(sm, prompt, args) -> int:
+def _reply(sm, prompt: list[int], args, show: bool):
+    """`engine.generate.generate` of `prompt` under the flags; with `show`, the reply's
+    text goes to stdout as it comes and its line is ended, Ctrl+C included (the shell's
+    prompt then starts on a line of its own)."""
     from engine.generate import generate
 
+    on_response = (lambda r: print(r.text, end="", flush=True)) if show else None
+    try:
+        return generate(sm, prompt, args.max_tokens, args.temp, args.top_p, on_response=on_response)
+    finally:
+        if show:
+            print(flush=True)
+
+
+def _generate_with(sm, prompt, args) -> int:
     if args.json:
-        result = generate(sm, prompt, args.max_tokens, args.temp, args.top_p)
+        result = _reply(sm, prompt, args, show=False)
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats()}))
         return 0
     if _echoes(sm, args):
         print(args.prompt, end="", flush=True)
-    try:
-        result = generate(
-            sm,
-            prompt,
-            args.max_tokens,
-            args.temp,
-            args.top_p,
-            on_response=lambda r: print(r.text, end="", flush=True),
-        )
-    finally:  # Ctrl+C included: the shell's prompt then starts on a line of its own
-        print(flush=True)  # the reply's line ends on stdout, before the figures on stderr
+    result = _reply(sm, prompt, args, show=True)  # its line ends before the figures
     s = result.stats()
     print(
         f"--\nhits {s['hits']}  misses {s['misses']}  hit rate {_figure(s['hit_rate'], '.1%')}  "
@@ -252,7 +254,7 @@ def _generate_pipeline(args) -> int:
     import mlx.core as mx
 
     from engine import pipeline
-    from engine.generate import generate, prompt_tokens
+    from engine.generate import prompt_tokens
     from engine.model import load_stage
     from engine.store import layer_range
 
@@ -279,19 +281,9 @@ def _generate_pipeline(args) -> int:
         print(args.prompt, end="", flush=True)
     show = rank == 0 and not args.json
     try:
-        result = generate(
-            sm,
-            prompt,
-            args.max_tokens,
-            args.temp,
-            args.top_p,
-            on_response=(lambda r: print(r.text, end="", flush=True)) if show else None,
-        )
+        result = _reply(sm, prompt, args, show)
     except RuntimeError as e:  # MLX's distributed backends raise RuntimeError
         raise pipeline.lost(rank, e) from None
-    finally:
-        if show:  # Ctrl+C included: the reply's line ends, as in `generate` alone
-            print(flush=True)
     ranks = pipeline.gather_json(
         {"layers": [sm.stage.start, sm.stage.end], **result.stats()}, group
     )
