@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and watch its expert cache live.",
     )
     p.add_argument(
-        "--model", help="mlx-lm MoE model directory or expert store (default: the embedded model)"
+        "--model",
+        help="mlx-lm MoE model directory, expert store, or Hugging Face Hub id "
+        "org/name[@revision] (downloaded into the Hugging Face cache; default: the "
+        "embedded model)",
     )
     p.add_argument(
         "--screenshot",

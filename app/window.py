@@ -15,6 +15,7 @@ from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
+    QInputDialog,
     QLabel,
     QMainWindow,
     QProgressBar,
@@ -30,6 +31,7 @@ from app.controls import LIVE_LABELS, ControlsPanel, summary
 from app.conversation import ASSISTANT, USER, Conversation
 from app.inspector import InspectorPanel
 from app.worker import EngineClient, ModelInfo
+from engine.hub import parse_id
 from engine.memory import human_bytes
 from engine.resources import resources_dir
 
@@ -85,6 +87,7 @@ class MainWindow(QMainWindow):
         self.engine = EngineClient()
         w = self.engine.worker
         w.loadProgress.connect(self._on_progress)
+        w.downloadProgress.connect(self._on_download_progress)
         w.loaded.connect(self._on_loaded)
         w.loadFailed.connect(self._on_load_failed)
         w.token.connect(self._on_token)
@@ -155,6 +158,7 @@ class MainWindow(QMainWindow):
         menu = self.menuBar().addMenu("&File")
         for text, key, slot in (
             ("&Open model…", QKeySequence.StandardKey.Open, self.open_model),
+            ("Open from the &Hub…", QKeySequence(), self.open_hub_model),
             ("&New chat", QKeySequence.StandardKey.New, self.new_chat),
             ("Save routing &trace…", QKeySequence.StandardKey.Save, self.save_trace),
             ("&Quit", QKeySequence.StandardKey.Quit, self.close),
@@ -301,6 +305,23 @@ class MainWindow(QMainWindow):
                 return
         self.request_load(path, self.controls.live_settings())
 
+    def open_hub_model(self, name: str | None = None) -> None:
+        """Opens a model by its Hugging Face Hub id, `org/name[@revision]` (asks for it
+        when None): downloaded into the Hugging Face cache where it is not there yet."""
+        if name is None:
+            name, ok = QInputDialog.getText(
+                self,
+                "Open from the Hugging Face Hub",
+                "Model id, org/name[@revision] (e.g. mlx-community/Qwen3-30B-A3B-4bit):",
+            )
+            if not ok or not name.strip():
+                return
+        name = name.strip()
+        if parse_id(name) is None:
+            self._message(f"{name!r} is not a Hub id: org/name, or org/name@revision.", error=True)
+            return
+        self.request_load(name, self.controls.live_settings())
+
     def request_load(self, path: str | None, overrides: dict) -> None:
         """Loads now, or after the reply / load in progress."""
         if self.busy is not None:
@@ -343,10 +364,13 @@ class MainWindow(QMainWindow):
         self.inspector.show_snapshot(snap, time.monotonic(), self.tokens_received, full)
 
     # worker signals
-    def _on_progress(self, done: float, total: float) -> None:
+    def _on_progress(self, done: float, total: float, what: str = "converting") -> None:
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(1000 * done / total) if total else 0)
-        self.progress.setFormat(f"converting %p%  ({human_bytes(done)} / {human_bytes(total)})")
+        self.progress.setFormat(f"{what} %p%  ({human_bytes(done)} / {human_bytes(total)})")
+
+    def _on_download_progress(self, done: float, total: float) -> None:
+        self._on_progress(done, total, "downloading")
 
     def _on_loaded(self, info: ModelInfo) -> None:
         # What the boxes ask, the side rows' prefetch included (before set_model shows

@@ -54,7 +54,7 @@ SETTING_NAMES = {
 
 
 class _Cancelled(Exception):
-    """Raised in the convert progress callback when the app is closing."""
+    """Raised in the convert or download progress callback when the app is closing."""
 
 
 @dataclass
@@ -132,6 +132,7 @@ class Worker(QObject):
     created on (and its signals delivered to) the GUI thread."""
 
     loadProgress = Signal(float, float)  # done bytes, total bytes of a first-use convert
+    downloadProgress = Signal(float, float)  # done bytes, total bytes of a hub download
     loaded = Signal(object)  # ModelInfo
     loadFailed = Signal(str)
     token = Signal(str, int)  # text segment, token id
@@ -183,12 +184,20 @@ class Worker(QObject):
             self._recorder = record(self._sm, tokens, router=RECORD_ROUTER)
 
     def _progress(self, done: int, total: int) -> None:
+        self._report(self.loadProgress, done, total)
+
+    def _download_progress(self, done: int, total: int) -> None:
+        self._report(self.downloadProgress, done, total)
+
+    def _report(self, signal, done: int, total: int) -> None:
+        """Emits `signal(done, total)` at most every 50 ms (and at the end); raises
+        _Cancelled once the app is closing, which ends the convert or download."""
         if self._cancel.is_set():
             raise _Cancelled
         now = time.monotonic()
         if done >= total or now - self._last_progress > 0.05:
             self._last_progress = now
-            self.loadProgress.emit(float(done), float(total))
+            signal.emit(float(done), float(total))
 
     def load(self, path, overrides: dict) -> None:
         """Loads `path` (None: the embedded model) with the app defaults overridden by
@@ -205,7 +214,7 @@ class Worker(QObject):
             from engine.resources import default_model_path
 
             source = Path(default_model_path() if path is None else path)
-            store = resolve_store(source, progress=self._progress)
+            store = resolve_store(source, progress=self._progress, download=self._download_progress)
             m = store.manifest
             config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
             check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])

@@ -25,6 +25,13 @@ from engine.flags import (
 )
 from engine.memory import available_bytes, human_bytes
 
+# What --model takes, in every command's help.
+MODEL_HELP = (
+    "expert store, mlx-lm MoE model directory, or Hugging Face Hub id org/name[@revision] "
+    "(downloaded into the Hugging Face cache: HF_HOME, HF_HUB_OFFLINE, HF_TOKEN apply; a "
+    "directory of that name wins)"
+)
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to a flag's help, except for None and False defaults (the
@@ -76,12 +83,36 @@ def _convert_progress(line: str):
             bar.close()
 
 
+def _download_progress(name: str):
+    """A download's `progress(done_bytes, total_bytes)` on stderr: one line at its first
+    byte, naming the model and where it goes; huggingface_hub draws its own bars on a
+    terminal."""
+    from engine.hub import hub_cache_dir
+
+    said = False
+
+    def progress(done, total):
+        nonlocal said
+        if not said:
+            said = True
+            print(
+                f"downloading {name} from the Hugging Face Hub into {hub_cache_dir()} (its "
+                "config, tokenizer and weights; an interrupted download resumes)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return progress
+
+
 def _convert(args) -> int:
     from engine.convert import convert
+    from engine.hub import model_dir
 
+    model = model_dir(args.model_dir, _download_progress(args.model_dir))
     line = f"converting {args.model_dir} to {args.store_dir}"
     with _convert_progress(line) as progress, _new_store(args.store_dir, args.force):
-        path = convert(args.model_dir, args.store_dir, force=args.force, progress=progress)
+        path = convert(model, args.store_dir, force=args.force, progress=progress)
     print(f"wrote {path}")
     return 0
 
@@ -98,7 +129,7 @@ def _load(model: str | Path | None, config):
     model = model or default_model_path()
     line = f"converting {model} to an expert store, once per model"
     with _convert_progress(line) as progress:
-        store = resolve_store(model, progress)
+        store = resolve_store(model, progress, download=_download_progress(str(model)))
     m = store.manifest
     check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
     if config.expert_slots is None and config.expert_memory is None:
@@ -390,17 +421,42 @@ def _cache(args) -> int:
 
     if args.action == "rm":
         for name in args.stores:
-            print(f"removed {remove_store(name)}")
+            store, snapshot = remove_store(name, download=args.download)
+            print(f"removed {store}")
+            if snapshot is not None and args.download:
+                print(f"removed {snapshot} (the download, from the Hugging Face cache)")
+            elif snapshot is not None:
+                print(
+                    f"kept its download {snapshot}: `expertstream cache rm --download "
+                    f"{name}` would have removed it too (`hf cache` manages that cache)"
+                )
         return 0
     stores = list_stores()
     if not stores:
         print(f"no stores in {store_cache_dir()}")
         return 0
-    print(f"{'store':<48} {'model':<12} {'size':>10}  last use")
-    for st in stores:
-        size = human_bytes(st.size_bytes)
-        print(f"{st.path.name:<48} {st.model_type:<12} {size:>10}  {age(st.last_used)}")
-    print(f"in {store_cache_dir()}; `expertstream cache rm STORE` deletes one")
+    rows = [
+        (
+            st.path.name,
+            st.model,
+            st.kind,
+            human_bytes(st.size_bytes),
+            human_bytes(st.download_bytes) if st.download is not None else "-",
+            age(st.last_used),
+        )
+        for st in stores
+    ]
+    head = ("store", "model", "kind", "store size", "download", "last use")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    for r in [head, *rows]:
+        print(
+            f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  "
+            f"{r[3]:>10}  {r[4]:>10}  {r[5]}"
+        )
+    print(
+        f"in {store_cache_dir()}; `expertstream cache rm STORE` deletes a store, with "
+        "--download its model's download too"
+    )
     return 0
 
 
@@ -570,9 +626,7 @@ def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:
 
 
 def _add_model_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", help="expert store or mlx-lm MoE model directory (default: the embedded model)"
-    )
+    p.add_argument("--model", help=f"{MODEL_HELP} (default: the embedded model)")
 
 
 def _version() -> str:
@@ -598,7 +652,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the expert store of an mlx-lm MoE model",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("model_dir", help="mlx-lm MoE model directory (config.json, *.safetensors)")
+    p.add_argument(
+        "model_dir",
+        help="mlx-lm MoE model directory (config.json, *.safetensors), or a Hugging Face "
+        "Hub id org/name[@revision] (downloaded into the Hugging Face cache)",
+    )
     p.add_argument("store_dir", help="where to write the expert store (a new directory)")
     p.add_argument("--force", action="store_true", help="replace an existing store")
     p.set_defaults(func=_convert, command_parser=p)
@@ -737,8 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE.npz", help="a recorded routing trace (or .json)")
     p.add_argument(
         "--model",
-        help="expert store or mlx-lm MoE model directory: gives the budgets in bytes; with "
-        "--prompt-file, the model to record (default: the embedded model)",
+        help=f"{MODEL_HELP}: gives the budgets in bytes; with --prompt-file, the model to "
+        "record (default: the embedded model)",
     )
     p.add_argument(
         "--prompt-file",
@@ -768,6 +826,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(command_parser=listing)
     rm = actions.add_parser("rm", help="remove stores")
     rm.add_argument("stores", nargs="+", metavar="STORE", help="stores to remove (names as listed)")
+    rm.add_argument(
+        "--download",
+        action="store_true",
+        help="also remove the model's download from the Hugging Face cache (that revision)",
+    )
     rm.set_defaults(command_parser=rm)
     p.set_defaults(func=_cache, command_parser=p)
 

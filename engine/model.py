@@ -33,6 +33,7 @@ from engine.experts import (
     segment_mismatch,
     top_k,
 )
+from engine.hub import model_dir
 from engine.pipeline import Stage
 from engine.predictor import Predictor, prefetch_targets
 from engine.safe_io import contained, read_json_object, remove_leftovers
@@ -48,23 +49,33 @@ from engine.store import (
 )
 
 # store_cache_dir stays importable from here (the benchmarks use it).
-from engine.store_cache import store_cache_dir, store_for, touch  # noqa: F401
+from engine.store_cache import record_use, store_cache_dir, store_for  # noqa: F401
 from engine.streamed_layer import StreamedExperts
 from engine.tokenizer import load_dir_tokenizer
 from engine.validate import check_against_weights, check_config
 
 
-def resolve_store(path: str | Path, progress=None, blob_layers: range | None = None) -> ExpertStore:
+def resolve_store(
+    path: str | Path,
+    progress=None,
+    blob_layers: range | None = None,
+    download=None,
+) -> ExpertStore:
     """The expert store for `path`: `path` itself if it is a store, else the store of
-    the mlx-lm model directory `path`, converted on first use. Only the blob files of
-    `blob_layers` must be present (all when None; see `ExpertStore`).
+    the mlx-lm model directory `path` (or of the hub id `org/name[@revision]`,
+    downloaded first: `engine.hub.model_dir`), converted on first use. Only the blob
+    files of `blob_layers` must be present (all when None; see `ExpertStore`).
+    `progress(done_bytes, total_bytes)` reports a convert, `download(done_bytes,
+    total_bytes)` a download.
 
     Raises:
         FileNotFoundError: `path` does not exist or has no config.json.
         PermissionError: `path` is a directory this process may not list.
+        engine.hub.HubError: a hub id that cannot be downloaded (offline, unknown).
         StoreError, UnsupportedModelError, NotMoEError: from validation and convert.
     """
-    path = Path(path)
+    name = str(path)
+    path = model_dir(path, download)
     remove_leftovers(path.parent, path.name)  # a forced convert into it killed mid-way
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -92,7 +103,7 @@ def resolve_store(path: str | Path, progress=None, blob_layers: range | None = N
         except FileExistsError:
             if store_version(dest) != VERSION:  # else another process (a rank) wrote it
                 raise
-    touch(dest)
+    record_use(dest, name if path != Path(name) else str(path.absolute()), path)  # id or dir
     return ExpertStore(dest, blob_layers)
 
 

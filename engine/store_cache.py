@@ -2,11 +2,14 @@
 keyed by the model's content, so two copies of one model share a store and a changed
 model gets a new one. `expertstream cache list|rm` shows and removes them.
 
-A store is `<cache>/<model dir name>-<key>`; a copy under another name finds it by its
-key. Its directory's modification time is its last use (touched on every load).
+A store is `<cache>/<name>-<key>`, `<name>` being the model directory's name, or
+`org--name` for a snapshot of the Hugging Face cache; a copy under another name finds it
+by its key. Its directory's modification time is its last use (touched on every load),
+and `SOURCE_FILE` in it names the model it was last loaded from.
 """
 
 import hashlib
+import json
 import os
 import shutil
 import struct
@@ -15,8 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.convert import aux_files
-from engine.safe_io import open_regular
+from engine.hub import hub_cache_dir, repo_of
+from engine.safe_io import ModelFileError, atomic_write, open_regular, read_json_object
 from engine.store import MANIFEST_FILE, StoreError, is_store, read_config
+
+# {"model": the name it was loaded by (a hub id or a directory), "dir": that directory}
+SOURCE_FILE = "source.json"
 
 SAMPLE_BYTES = 1 << 20  # sampled from the start, middle and end of each weight file
 
@@ -66,25 +73,75 @@ def store_for(model_dir: Path) -> Path:
     for found in sorted(root.glob(f"*-{key}")) if root.is_dir() else []:
         if is_store(found):
             return found
-    return root / f"{model_dir.resolve().name}-{key}"
+    name = (repo_of(model_dir) or model_dir.resolve().name).replace("/", "--")
+    return root / f"{name}-{key}"
 
 
-def touch(store: Path) -> None:
-    """Records a use of `store` (its directory's modification time); best effort."""
+def record_use(store: Path, model: str, model_dir: Path) -> None:
+    """Records a use of `store`, loaded as `model` (a hub id or a directory) from
+    `model_dir`: its directory's modification time, and `SOURCE_FILE` when it names
+    another source. Best effort: a read-only cache still loads."""
+    source = {"model": str(model), "dir": str(Path(model_dir).absolute())}
     try:
+        if _source(store) != source:
+            with atomic_write(store / SOURCE_FILE) as f:
+                f.write(json.dumps(source).encode())
         os.utime(store)
     except OSError:
-        pass  # a read-only cache still loads
+        pass
+
+
+def _source(store: Path) -> dict | None:
+    """What `record_use` last wrote in `store`, or None."""
+    try:
+        return read_json_object(store / SOURCE_FILE)
+    except (OSError, ModelFileError):
+        return None
 
 
 @dataclass
 class CachedStore:
-    """One store of the cache: `path`, `model_type`, `size_bytes`, `last_used` (epoch s)."""
+    """One store of the cache.
+
+    Attributes:
+        path: the store's directory.
+        model: the model it was last loaded as (a hub id, a directory), or its
+            model_type when unknown.
+        kind: how it holds the experts: "copy" (blob files written by a convert).
+        size_bytes: bytes on disk of the store.
+        download: the hub snapshot folder it was converted from, when that is in the
+            Hugging Face cache (None for a model directory of the user's).
+        download_bytes: bytes on disk of that snapshot's files (0 without one).
+        last_used: its last use, seconds since the epoch.
+    """
 
     path: Path
-    model_type: str
+    model: str
+    kind: str
     size_bytes: int
+    download: Path | None
+    download_bytes: int
     last_used: float
+
+
+def _tree_bytes(path: Path, follow: bool) -> int:
+    """Bytes of the files under `path` (links to files counted when `follow`)."""
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            if (follow or not f.is_symlink()) and f.is_file():
+                total += f.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _download_of(source: dict | None) -> Path | None:
+    """The hub snapshot folder a store came from, where it still is in the hub cache."""
+    folder = Path(source["dir"]) if source and isinstance(source.get("dir"), str) else None
+    if folder is None or repo_of(folder) is None or not folder.is_dir():
+        return None
+    return folder if folder.resolve().is_relative_to(hub_cache_dir().resolve()) else None
 
 
 def list_stores() -> list[CachedStore]:
@@ -94,17 +151,36 @@ def list_stores() -> list[CachedStore]:
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         if not p.is_dir() or p.is_symlink() or not (p / MANIFEST_FILE).is_file():
             continue
-        try:
-            model_type = read_config(p).get("model_type", "?")
-        except StoreError:
-            model_type = "?"
-        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-        out.append(CachedStore(p, str(model_type), size, p.stat().st_mtime))
+        source = _source(p)
+        model = source.get("model") if source else None
+        if not isinstance(model, str):
+            try:
+                model = str(read_config(p).get("model_type", "?"))
+            except StoreError:
+                model = "?"
+        download = _download_of(source)
+        out.append(
+            CachedStore(
+                path=p,
+                model=model,
+                kind="copy",
+                size_bytes=_tree_bytes(p, follow=False),
+                download=download,
+                download_bytes=0 if download is None else _tree_bytes(download, follow=True),
+                last_used=p.stat().st_mtime,
+            )
+        )
     return sorted(out, key=lambda s: -s.last_used)
 
 
-def remove_store(name: str) -> Path:
-    """Deletes the cached store `name` (a directory name that `list_stores` shows).
+def remove_store(name: str, download: bool = False) -> tuple[Path, Path | None]:
+    """Deletes the cached store `name` (a directory name that `list_stores` shows), and
+    with `download` the hub snapshot it came from (that revision, through
+    huggingface_hub's own cache deletion: files other revisions share stay).
+
+    Returns:
+        (the store removed, the hub snapshot it came from or None): the snapshot is
+        removed with `download`, else kept.
 
     Raises:
         ValueError: `name` is a path rather than a name, or no store of the cache has it.
@@ -114,8 +190,13 @@ def remove_store(name: str) -> Path:
     path = store_cache_dir() / name
     if path.is_symlink() or not (path / MANIFEST_FILE).is_file():
         raise ValueError(f"no store named {name!r} in {store_cache_dir()}")
+    snapshot = _download_of(_source(path))
     shutil.rmtree(path)
-    return path
+    if download and snapshot is not None:
+        from huggingface_hub import scan_cache_dir
+
+        scan_cache_dir(hub_cache_dir()).delete_revisions(snapshot.name).execute()
+    return path, snapshot
 
 
 def age(seconds_since_epoch: float) -> str:

@@ -353,6 +353,30 @@ def test_open_model_converts_with_a_progress_bar(window, qtbot, tmp_path):
     assert chat_turn(qtbot, window, PROMPT, 4) is not None
 
 
+def test_open_from_the_hub_downloads_with_a_progress_bar(window, qtbot, tmp_path, monkeypatch):
+    from hub_server import Hub, point_hub, repo_files
+
+    files = repo_files(default_model_path())
+    hub = Hub({"test-org/tinystories-moe": files})
+    point_hub(monkeypatch, tmp_path / "hub", hub.url)
+    seen = []
+    window.engine.worker.downloadProgress.connect(
+        lambda done, total: seen.append((done, total, window.progress.text()))
+    )
+    try:
+        with qtbot.waitSignal(window.modelLoaded, timeout=TIMEOUT_MS) as loaded:
+            window.open_hub_model("test-org/tinystories-moe")
+    finally:
+        hub.close()
+    wanted = sum(len(data) for name, data in files.items() if name != "README.md")
+    assert seen[-1][:2] == (wanted, wanted) and seen[-1][2].startswith("downloading 100%  (")
+    assert loaded.args[0].path == "test-org/tinystories-moe"
+    assert chat_turn(qtbot, window, PROMPT, 4) is not None
+
+    window.open_hub_model("not an id")
+    assert "'not an id' is not a Hub id" in window.statusBar().currentMessage()
+
+
 def test_a_read_error_is_shown_and_the_app_goes_on(window, qtbot, tmp_path):
     chat_turn(qtbot, window, PROMPT, 4)
     turns = list(window.conversation.turns)

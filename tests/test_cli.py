@@ -369,7 +369,10 @@ def test_copies_of_a_model_share_a_store_and_cache_lists_it(capfd, model_dirs, t
     assert other != store
 
     code, out, _ = run(capfd, "cache", "list")
-    assert code == 0 and store.name in out and other.name in out and "qwen3_moe" in out
+    assert code == 0 and store.name in out and other.name in out
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()[1:-1]}
+    # each with the directory it was last loaded from, and what it holds: a copy
+    assert rows[store.name] == rows[other.name] == [str(two), "copy"]
     code, out, _ = run(capfd, "cache", "rm", other.name)
     assert code == 0 and not other.exists() and store.exists()
     code, _, err = run(capfd, "cache", "rm", "../etc")
