@@ -162,7 +162,12 @@ class ExpertCache:
             layers: one dict per MoE layer, in MoE order: layer (decoder index, for messages),
                 path (blob file), stride and record_bytes (bytes), checksums (num_experts crc32
                 ints), segments (list of dicts: key, dtype (a name of DTYPE_NAMES), shape
-                (per expert), offset and nbytes (bytes in the record)).
+                (per expert), offset and nbytes (bytes in the record)); for an in-place store,
+                sources (one dict per segment, in its order: path (a safetensors file), offset
+                (bytes, expert 0's) and nbytes (per expert): expert e's bytes of the segment are
+                at offset + e * nbytes), path then naming the records in messages and stride
+                being the read buffer of a record (each segment's nbytes rounded up to 4096, plus
+                4096, summed).
             num_experts: records per blob file, >= 1.
             expert_slots: real-region slots per layer, in [1, num_experts].
             side_slots: side-region rows per bank (two banks), >= 0.

@@ -317,10 +317,12 @@ def open_cache(
     Pool rows per layer: its real slots + 2 * its side rows (`layer_rows`: expert_slots
     or by expert_memory, side_slots where prefetch fills them) + scratch_slots, each one
     record (`stride` bytes at most) spread over the segment arrays. Nothing is read yet
-    (see `fill_whole_layers`).
+    (see `fill_whole_layers`). An in-place store's layers read their segments from the
+    checkpoint's files (`ExpertStore.segment_sources`).
 
     Raises:
-        engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
+        engine.cache.ExpertReadError: a blob file (or a file an in-place store reads)
+            cannot be opened or has the wrong size.
         ConfigError: as `real_slots`.
         PoolMemoryError: the pools do not fit in the memory available (checked before
             anything is allocated; also when the native allocation itself fails).
@@ -334,7 +336,11 @@ def open_cache(
     layers = [
         {
             "layer": spec.layer,
-            "path": str(store.blob_path(spec)),
+            "path": str(store.records_path(spec)),
+            "sources": [
+                {"path": str(path), "offset": offset, "nbytes": nbytes}
+                for path, offset, nbytes in store.segment_sources(spec)
+            ],
             "stride": spec.stride,
             "record_bytes": spec.record_bytes,
             "checksums": list(spec.checksums),

@@ -55,23 +55,19 @@ def _new_store(dest: str, force: bool):
 
 
 @contextlib.contextmanager
-def _convert_progress(line: str):
-    """A convert's `progress(done_bytes, total_bytes)` on stderr: `line` once, with the
-    experts' size, then a bar where stderr is a terminal (a log gets no bar redrawn in
-    it). Both wait for the first report, so that an error before it prints alone."""
+def _bar(desc: str):
+    """A `progress(done_bytes, total_bytes)` drawn as a bar on stderr where it is a
+    terminal (a log gets no bar redrawn in it)."""
     from tqdm import tqdm
 
-    bar, said = None, False
+    bar = None
 
     def progress(done, total):
-        nonlocal bar, said
-        if not said:
-            print(f"{line} ({human_bytes(total)} of experts)", file=sys.stderr, flush=True)
-            said = True
+        nonlocal bar
         if not sys.stderr.isatty():
             return
         if bar is None:
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="experts", file=sys.stderr)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr)
         bar.total = total
         bar.n = done
         bar.refresh()
@@ -81,6 +77,50 @@ def _convert_progress(line: str):
     finally:
         if bar is not None:
             bar.close()
+
+
+@contextlib.contextmanager
+def _convert_progress(line: str):
+    """A convert's `progress(done_bytes, total_bytes)` on stderr: `line` once, with the
+    experts' size, then a bar where stderr is a terminal. Both wait for the first report,
+    so that an error before it prints alone."""
+    said = False
+    with _bar("experts") as bar:
+
+        def progress(done, total):
+            nonlocal said
+            if not said:
+                print(f"{line} ({human_bytes(total)} of experts)", file=sys.stderr, flush=True)
+                said = True
+            bar(done, total)
+
+        yield progress
+
+
+@contextlib.contextmanager
+def _first_use_progress(model):
+    """A first use's (`progress`, `announce`) on stderr: one line when the store is about
+    to be written, saying what it writes and how big, then a bar where stderr is a
+    terminal."""
+    from engine.store import IN_PLACE
+
+    def announce(kind, written, experts):
+        if kind == IN_PLACE:
+            line = (
+                f"indexing {model} in place, once per model: reading its "
+                f"{human_bytes(experts)} of experts once for their checksums, writing an "
+                f"index of at most {human_bytes(written)} (the experts stay in its files)"
+            )
+        else:
+            line = (
+                f"converting {model} to an expert store, once per model: writing its "
+                f"{human_bytes(experts)} of experts again, as {human_bytes(written)} of "
+                "blob files"
+            )
+        print(line, file=sys.stderr, flush=True)
+
+    with _bar("experts") as progress:
+        yield progress, announce
 
 
 def _download_progress(name: str):
@@ -118,8 +158,8 @@ def _convert(args) -> int:
 
 
 def _load(model: str | Path | None, config):
-    """`engine.model.load` for one process: a model directory's first-use convert says
-    so on stderr (`_convert_progress`), real regions below top-k are refused
+    """`engine.model.load` for one process: a model directory's first use says what it
+    writes on stderr (`_first_use_progress`), real regions below top-k are refused
     (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
     model whose experts and dense weights exceed the memory available is streamed with
     --expert-memory auto instead, said on stderr, rather than refused."""
@@ -127,9 +167,9 @@ def _load(model: str | Path | None, config):
     from engine.resources import default_model_path
 
     model = model or default_model_path()
-    line = f"converting {model} to an expert store, once per model"
-    with _convert_progress(line) as progress:
-        store = resolve_store(model, progress, download=_download_progress(str(model)))
+    with _first_use_progress(model) as (progress, announce):
+        download = _download_progress(str(model))
+        store = resolve_store(model, progress, download=download, announce=announce)
     m = store.manifest
     check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
     if config.expert_slots is None and config.expert_memory is None:

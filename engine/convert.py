@@ -1,14 +1,19 @@
-"""Convert an mlx-lm MoE model directory into an expert store.
+"""Convert an mlx-lm MoE model directory into an expert store: a blob store (`convert`:
+every expert written again, in blob files) or an in-place store (`index_in_place`: an
+index of where each expert's segments lie in the checkpoint's own files, with a checksum
+per expert).
 
-The store format is specified in `docs/store-format.md`. Conversion reads the
-checkpoint lazily and writes one MoE layer at a time, so memory stays bounded by
-the dense weights plus one layer's experts. It is atomic: `StoreWriter` writes into a
-temporary sibling directory that is renamed into place only when complete.
+The store format is specified in `docs/store-format.md`. Both read the checkpoint lazily
+and handle one MoE layer at a time, so memory stays bounded by the dense weights plus one
+layer's experts (an index, by a chunk of one tensor). Both are atomic: `StoreWriter`
+writes into a temporary sibling directory that is renamed into place only when complete.
 """
 
 import errno
+import os
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +44,65 @@ from .safe_io import (
 )
 from .safetensors_header import read_header
 from .store import (
+    BLOB,
     CONFIG_FILE,
+    IN_PLACE,
     MANIFEST_FILE,
     PARAMS,
+    LayerSpec,
+    Manifest,
     Segment,
+    SegmentSource,
+    Source,
+    SourceFile,
+    data_start,
     dtype_name,
+    header_digest,
     is_store,
     layout_segments,
+    read_stride,
+    stride_for,
 )
-from .store_writer import StoreWriter
+from .store_writer import StoreWriter, manifest_text
 from .tokenizer import load_dir_tokenizer
 from .validate import brief, check_against_weights, check_config
 
 # Other weight formats (pickle-based and others): never opened nor copied into a store;
 # named in the error when a model directory has no safetensors.
 _UNREAD_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".npz", ".npy", ".gguf")
+
+# The dtype of a segment, by its safetensors name (an in-place segment keeps its file's).
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+}
+# The exponent bits of each float dtype (as an unsigned integer of its width): all set in
+# an infinity or a NaN.
+_EXPONENT = {
+    "float16": (np.uint16, 0x7C00),
+    "bfloat16": (np.uint16, 0x7F80),
+    "float32": (np.uint32, 0x7F800000),
+}
+# Bytes an index reads at a time for its checksums.
+_INDEX_CHUNK = 64 << 20
+
+# announce(kind, bytes written, bytes of experts): said once before a store is written.
+Announce = Callable[[str, int, int], None]
+
+
+class NotInPlaceError(ValueError):
+    """A checkpoint whose experts cannot be read where they are (the family's sanitize
+    builds its stacked tensors from others): a blob store is written for it instead."""
 
 
 @dataclass
@@ -75,8 +124,9 @@ def convert(
     *,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    announce: Announce | None = None,
 ) -> Path:
-    """Write the expert store of an mlx-lm MoE model directory.
+    """Write the blob store of an mlx-lm MoE model directory.
 
     The weights of each `SwitchGLU` / `SwitchMLP` the model holds (`<its module
     path>.*`, e.g. `model.layers.N.mlp.switch_mlp.*` or `model.layers.N.mlp.experts.*`)
@@ -96,6 +146,7 @@ def convert(
             is never replaced.
         progress: called as `progress(done_bytes, total_bytes)` over expert
             bytes: once with `done_bytes == 0`, then after each layer.
+        announce: `announce(BLOB, blob bytes, expert bytes)`, once before writing.
 
     Returns:
         `store_dir` as a `Path`.
@@ -116,6 +167,60 @@ def convert(
             Nothing is left behind: neither `store_dir` nor the temporary
             directory.
     """
+    ckpt = _read_checkpoint(model_dir, store_dir, force)
+    ckpt.forget_stored()  # else every array evaluated for its layer would stay in memory
+    total = sum(p.record_bytes for p in ckpt.plans) * ckpt.num_experts
+    if announce is not None:
+        strides = sum(stride_for(p.record_bytes) for p in ckpt.plans) * ckpt.num_experts
+        announce(BLOB, strides, total)
+    try:
+        with StoreWriter(ckpt.store_dir, ckpt.num_experts) as writer:
+            _copy_aux_files(ckpt.model_dir, writer.path)
+            load_dir_tokenizer(writer.path, where=ckpt.model_dir)
+            _write_store(writer, ckpt.plans, ckpt.weights, ckpt.origin, progress)
+            writer.finish(ckpt.config["model_type"], ckpt.top_k, ckpt.num_layers, force)
+    except BaseException as e:
+        renamed = _naming_store(e, ckpt.model_dir, ckpt.store_dir)
+        if renamed is e:
+            raise
+        raise renamed from e
+    return ckpt.store_dir
+
+
+@dataclass
+class _Checkpoint:
+    """A model directory read and checked for a store (arrays still lazy).
+
+    Attributes:
+        weights: the dense weights (the experts taken out into `plans`).
+        stored: {id of an array as a safetensors file stores it: (file, tensor name)},
+            of the arrays `stored_arrays` keeps alive (ids of freed arrays are reused).
+    """
+
+    model_dir: Path
+    store_dir: Path
+    config: dict
+    files: list[Path]
+    headers: dict
+    origin: dict
+    num_experts: int
+    top_k: int
+    num_layers: int
+    weights: dict
+    plans: list
+    stored: dict
+    stored_arrays: list
+
+    def forget_stored(self) -> None:
+        """Lets go of the arrays as stored (and with them of `stored`'s ids)."""
+        self.stored.clear()
+        self.stored_arrays.clear()
+
+
+def _read_checkpoint(model_dir: str | Path, store_dir: str | Path, force: bool) -> _Checkpoint:
+    """Reads and checks the checkpoint of `model_dir` for the store `store_dir`: its
+    config, weights (sanitized by the family, lazily), the layout of every MoE layer's
+    records and the dense weights left (see `convert` for what is checked)."""
     model_dir = Path(model_dir)
     store_dir = Path(store_dir)
     config = _read_config(model_dir)
@@ -134,28 +239,229 @@ def convert(
     num_experts = experts[0].num_experts
     k = top_k(config, num_experts, where)
     layers = num_hidden_layers(config, model, where)
-    weights = _load_weights(files, model, model_dir)
+    stored = _load_stored(files, model_dir)
+    weights = {key: a for key, (_, a) in stored.items()}
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
     plans = _plan_layers(config, experts, weights)
-    if "lm_head" not in model:
-        for key in [k for k in weights if k.startswith("lm_head.")]:
-            del weights[key]
+    drop_experts(weights, [], model)
     for plan, expert in zip(plans, experts, strict=True):
         _check_experts(plan, expert, origin, model_dir)
     quantize_dense(model, config, weights, where)
     _check_dense(model, weights, [e.path for e in experts], origin, model_dir)
+    return _Checkpoint(
+        model_dir=model_dir,
+        store_dir=store_dir,
+        config=config,
+        files=files,
+        headers=headers,
+        origin=origin,
+        num_experts=num_experts,
+        top_k=k,
+        num_layers=layers,
+        weights=weights,
+        plans=plans,
+        stored={id(a): (f, key) for key, (f, a) in stored.items()},
+        stored_arrays=[a for _, a in stored.values()],
+    )
 
+
+def drop_experts(weights: dict[str, mx.array], modules: list[str], model: nn.Module) -> None:
+    """Takes out of `weights` (sanitized) every weight of the expert modules `modules`
+    and a stray `lm_head.*` of a model without `lm_head` (tied embeddings): what is left
+    is the dense weights, as a blob store's `dense.safetensors` holds them."""
+    for key in [k for k in weights if any(k.startswith(f"{m}.") for m in modules)]:
+        del weights[key]
+    if "lm_head" not in model:
+        for key in [k for k in weights if k.startswith("lm_head.")]:
+            del weights[key]
+
+
+def index_in_place(
+    model_dir: str | Path,
+    store_dir: str | Path,
+    *,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    announce: Announce | None = None,
+) -> Path:
+    """Write the in-place store of an mlx-lm MoE model directory: an index of where each
+    expert's segments lie in the checkpoint's safetensors files and a crc32 per expert,
+    computed by reading every expert's bytes once (and refusing NaN or infinity in
+    them); the experts, dense weights, config and tokenizer stay in `model_dir`. The
+    checkpoint is checked as `convert` checks it.
+
+    Args:
+        model_dir: an mlx-lm model directory whose experts are stacked tensors as stored
+            (an mlx-community checkpoint).
+        store_dir: the store to create.
+        force: replace an existing store at `store_dir`.
+        progress: `progress(done_bytes, total_bytes)` over the expert bytes read.
+        announce: `announce(IN_PLACE, index bytes at most, expert bytes)`, once before
+            the experts are read.
+
+    Returns:
+        `store_dir` as a `Path`.
+
+    Raises:
+        NotInPlaceError: an expert tensor is not one a file stores as it is (the family's
+            sanitize stacks, splits or converts it): nothing was read or written.
+        The errors of `convert` otherwise (ModelFileError naming the file and tensor of
+        NaN or infinity among the experts).
+    """
+    ckpt = _read_checkpoint(model_dir, store_dir, force)
+    n = ckpt.num_experts
+    layouts = [_in_place_layout(ckpt, plan) for plan in ckpt.plans]
+    ckpt.forget_stored()
+    source = Source(
+        str(ckpt.model_dir.resolve()),
+        tuple(
+            SourceFile(f.name, st.st_size, st.st_mtime_ns, header_digest(f))
+            for f in ckpt.files
+            for st in [os.stat(f)]
+        ),
+    )
+    total = sum(plan.record_bytes for plan in ckpt.plans) * n
+    dense_bytes = sum(a.nbytes for a in ckpt.weights.values())
     try:
-        with StoreWriter(store_dir, num_experts) as writer:
-            _copy_aux_files(model_dir, writer.path)
-            load_dir_tokenizer(writer.path, where=model_dir)
-            _write_store(writer, plans, weights, origin, progress)
-            writer.finish(config["model_type"], k, layers, force)
+        load_dir_tokenizer(ckpt.model_dir, where=ckpt.model_dir)
+        _check_finite(ckpt.weights, ckpt.origin)
+        ckpt.weights.clear()
+        with StoreWriter(ckpt.store_dir, n) as writer:
+            if announce is not None:
+                announce(IN_PLACE, _index_bytes(ckpt, layouts, source, dense_bytes), total)
+            done = 0
+            if progress is not None:
+                progress(done, total)
+            for plan, layout in zip(ckpt.plans, layouts, strict=True):
+                checksums = [0] * n
+                for seg, (file, offset) in zip(plan.segments, layout, strict=True):
+                    for e0, data in _expert_chunks(ckpt.files[file], offset, seg.nbytes, n):
+                        _check_in_place_finite(data, seg, plan.module, ckpt.files[file])
+                        view = memoryview(data)
+                        for i in range(len(data) // seg.nbytes):
+                            part = view[i * seg.nbytes : (i + 1) * seg.nbytes]
+                            checksums[e0 + i] = zlib.crc32(part, checksums[e0 + i])
+                        done += len(data)
+                        if progress is not None:
+                            progress(done, total)
+                sources = tuple(SegmentSource(f, o) for f, o in layout)
+                writer.index_layer(
+                    plan.layer, plan.module, plan.segments, plan.quantization, sources, checksums
+                )
+                plan.arrays.clear()
+            writer.finish(
+                ckpt.config["model_type"],
+                ckpt.top_k,
+                ckpt.num_layers,
+                force,
+                source=source,
+                dense_bytes=dense_bytes,
+            )
     except BaseException as e:
-        renamed = _naming_store(e, model_dir, store_dir)
+        renamed = _naming_store(e, ckpt.model_dir, ckpt.store_dir)
         if renamed is e:
             raise
         raise renamed from e
-    return store_dir
+    return ckpt.store_dir
+
+
+def _in_place_layout(ckpt: _Checkpoint, plan: "_LayerPlan") -> list[tuple[int, int]]:
+    """(file index, byte offset of expert 0) of each segment of `plan`, where the array of
+    the segment is one a file stores as it is: a C-contiguous (num_experts, *shape)
+    tensor of the segment's dtype.
+
+    Raises:
+        NotInPlaceError: an array is not such a tensor.
+    """
+    layout = []
+    for seg in plan.segments:
+        found = ckpt.stored.get(id(plan.arrays[seg.key]))
+        if found is None:
+            raise NotInPlaceError(
+                f"{ckpt.model_dir}: {plan.module}.{seg.key} is not a tensor of the "
+                "checkpoint as stored (the family's sanitize makes it)"
+            )
+        file, name = found
+        info = ckpt.headers[file][name]
+        want = (ckpt.num_experts, *seg.shape)
+        if info.shape != want or _SAFETENSORS_DTYPES.get(info.dtype) != seg.dtype:
+            raise NotInPlaceError(
+                f"{file}: {name} is {info.dtype} {list(info.shape)}, not the {seg.dtype} "
+                f"{list(want)} of {plan.module}.{seg.key}"
+            )
+        layout.append((ckpt.files.index(file), data_start(file) + info.begin))
+    return layout
+
+
+def _index_bytes(ckpt: _Checkpoint, layouts, source: Source, dense_bytes: int) -> int:
+    """The size of the manifest an index writes, at most (every checksum its widest)."""
+    layers = tuple(
+        LayerSpec(
+            layer=plan.layer,
+            moe_index=i,
+            module=plan.module,
+            file=None,
+            record_bytes=plan.record_bytes,
+            stride=read_stride(plan.segments),
+            segments=plan.segments,
+            quantization=plan.quantization,
+            checksums=(2**32 - 1,) * ckpt.num_experts,
+            sources=tuple(SegmentSource(f, o) for f, o in layout),
+        )
+        for i, (plan, layout) in enumerate(zip(ckpt.plans, layouts, strict=True))
+    )
+    manifest = Manifest(
+        ckpt.config["model_type"],
+        ckpt.num_experts,
+        ckpt.top_k,
+        ckpt.num_layers,
+        layers,
+        dense_bytes,
+        None,
+        kind=IN_PLACE,
+        source=source,
+    )
+    return len(manifest_text(manifest.to_json()).encode()) + 1
+
+
+def _expert_chunks(path: Path, offset: int, nbytes: int, num_experts: int):
+    """(first expert, bytes) of the stacked tensor of `num_experts` x `nbytes` bytes at
+    `offset` of `path`, read a few experts at a time (about `_INDEX_CHUNK` bytes), each
+    chunk dropped from the page cache once read.
+
+    Raises:
+        ModelFileError: the file ends before the tensor does.
+    """
+    per = max(1, _INDEX_CHUNK // nbytes)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for e0 in range(0, num_experts, per):
+            want = min(per, num_experts - e0) * nbytes
+            at = offset + e0 * nbytes
+            data = os.pread(fd, want, at)
+            if len(data) != want:
+                raise ModelFileError(f"{path}: ends inside the experts' tensor at byte {at}")
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, at, want, os.POSIX_FADV_DONTNEED)
+            yield e0, data
+    finally:
+        os.close(fd)
+
+
+def _check_in_place_finite(data: bytes, seg: Segment, module: str, path: Path) -> None:
+    """Refuses a float segment's bytes holding NaN or infinity (as `_check_finite`).
+
+    Raises:
+        ModelFileError: naming the file and the weight.
+    """
+    if seg.dtype not in _EXPONENT:
+        return
+    uint, exponent = _EXPONENT[seg.dtype]
+    if ((np.frombuffer(data, dtype=uint) & exponent) == exponent).any():
+        raise ModelFileError(
+            f"{path}: {module}.{seg.key} holds NaN or infinity (a damaged checkpoint?)"
+        )
 
 
 def _read_config(model_dir: Path) -> dict:
@@ -209,8 +515,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _load_weights(files: list[Path], model: nn.Module, model_dir: Path) -> dict[str, mx.array]:
-    """Lazily loaded, sanitized weights (per-expert checkpoints are stacked).
+def _load_stored(files: list[Path], model_dir: Path) -> dict[str, tuple[Path, mx.array]]:
+    """Every tensor of `files`, lazily loaded: {name: (file, array)}.
 
     Raises:
         FileNotFoundError: no weight files (naming other formats found, never read).
@@ -224,15 +530,13 @@ def _load_weights(files: list[Path], model: nn.Module, model_dir: Path) -> dict[
                 "and other formats never are)"
             )
         raise FileNotFoundError(errno.ENOENT, detail, str(model_dir))
-    weights = {}
+    stored = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f), format="safetensors"))
+            stored.update((k, (f, a)) for k, a in mx.load(str(f), format="safetensors").items())
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    return weights
+    return stored
 
 
 def quantize_dense(

@@ -21,7 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from engine import autopin, pipeline
 from engine import cache as cache_mod
 from engine.config import StreamConfig
-from engine.convert import convert, quantize_dense
+from engine.convert import drop_experts, quantize_dense
 from engine.experts import (
     ExpertModule,
     find_experts,
@@ -41,15 +41,19 @@ from engine.store import (
     CONFIG_FILE,
     DENSE_FILE,
     MANIFEST_FILE,
-    VERSION,
     ExpertStore,
     LayerSpec,
     StoreError,
-    store_version,
 )
 
 # store_cache_dir stays importable from here (the benchmarks use it).
-from engine.store_cache import record_use, store_cache_dir, store_for  # noqa: F401
+from engine.store_cache import (  # noqa: F401
+    cached_store,
+    record_use,
+    store_cache_dir,
+    store_for,
+    write_store,
+)
 from engine.streamed_layer import StreamedExperts
 from engine.tokenizer import load_dir_tokenizer
 from engine.validate import check_against_weights, check_config
@@ -60,13 +64,17 @@ def resolve_store(
     progress=None,
     blob_layers: range | None = None,
     download=None,
+    announce=None,
 ) -> ExpertStore:
     """The expert store for `path`: `path` itself if it is a store, else the store of
     the mlx-lm model directory `path` (or of the hub id `org/name[@revision]`,
-    downloaded first: `engine.hub.model_dir`), converted on first use. Only the blob
-    files of `blob_layers` must be present (all when None; see `ExpertStore`).
-    `progress(done_bytes, total_bytes)` reports a convert, `download(done_bytes,
-    total_bytes)` a download.
+    downloaded first: `engine.hub.model_dir`), written into the store cache on first use
+    (`engine.store_cache.write_store`: in place where it can be), and again when the
+    files an in-place store reads changed. Only the blob files of `blob_layers` must be
+    present (all when None; see `ExpertStore`). `progress(done_bytes, total_bytes)`
+    reports the first use's reads or writes, `announce(kind, bytes written, expert
+    bytes)` says once what it writes (`engine.convert.Announce`), `download(done_bytes,
+    total_bytes)` reports a download.
 
     Raises:
         FileNotFoundError: `path` does not exist or has no config.json.
@@ -96,15 +104,17 @@ def resolve_store(
     model_classes(check_config(config, str(where)), where)  # fail fast, before hashing
     remove_leftovers(store_cache_dir())  # conversions killed mid-way
     dest = store_for(path)
-    if store_version(dest) != VERSION:  # absent, incomplete, or of an older format
+    store = cached_store(dest, blob_layers)
+    if store is None:  # absent, incomplete, of an older format, or a stale index
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
-            convert(path, dest, force=dest.exists(), progress=progress)
+            write_store(path, dest, dest.exists(), progress, announce)
         except FileExistsError:
-            if store_version(dest) != VERSION:  # else another process (a rank) wrote it
+            if cached_store(dest, blob_layers) is None:  # else another process (a rank) wrote it
                 raise
+        store = ExpertStore(dest, blob_layers)
     record_use(dest, name if path != Path(name) else str(path.absolute()), path)  # id or dir
-    return ExpertStore(dest, blob_layers)
+    return store
 
 
 @dataclass
@@ -201,7 +211,7 @@ def _check_store_matches_model(
     num_experts = experts[0].num_experts if experts else m.num_experts
     for field, got_value, want_value in (
         ("num_experts", m.num_experts, num_experts),
-        ("top_k", m.top_k, top_k(cfg, num_experts, store.path / CONFIG_FILE)),
+        ("top_k", m.top_k, top_k(cfg, num_experts, store.model_dir / CONFIG_FILE)),
         ("num_hidden_layers", m.num_hidden_layers, num_hidden_layers(cfg, model, where)),
     ):
         if got_value != want_value:
@@ -258,7 +268,7 @@ def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
     Raises:
         StoreError: the tokenizer files cannot be loaded, or hold no vocabulary.
     """
-    return load_dir_tokenizer(store.path, error=StoreError)
+    return load_dir_tokenizer(store.model_dir, error=StoreError)
 
 
 def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
@@ -321,10 +331,10 @@ def load(
     path = default_model_path() if path is None else path
     store = resolve_store(path, progress, blob_layers=None if group is None else range(0))
     cfg = store.config
-    where = store.path / CONFIG_FILE
+    where = store.model_dir / CONFIG_FILE
     check_config(cfg, str(where), StoreError)
     model_classes(cfg, where)
-    dense = str(store.path / DENSE_FILE)
+    dense = str(store.model_dir if store.in_place else store.path / DENSE_FILE)
     check_against_weights(cfg, store.dense_header(), str(where), dense, StoreError)
     model = instantiate(cfg, where)
     stage, specs = None, store.manifest.layers
@@ -348,6 +358,8 @@ def load(
     weights = store.dense_weights()
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    if store.in_place:  # the checkpoint's tensors: its experts are streamed
+        drop_experts(weights, [spec.module for spec in store.manifest.layers], model)
     if stage is not None:
         weights = pipeline.stage_weights(weights, stage, pipeline.renumbers(model))
     quantize_dense(model, cfg, weights, where, StoreError)
@@ -355,7 +367,7 @@ def load(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise StoreError(f"{store.path / 'dense.safetensors'}: {e}") from None
+        raise StoreError(f"{dense}: {e}") from None
     mx.eval(model.parameters())
     if stage is not None:
         pipeline.connect(model, stage, group)

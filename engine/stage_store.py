@@ -29,11 +29,18 @@ def copy_stage(
 
     Raises:
         StoreError: `store_dir` is not a valid store, or lacks a blob of the stage.
-        ValueError: more ranks than decoder layers.
+        ValueError: more ranks than decoder layers, or `store_dir` is an in-place store
+            (its experts are the model directory's files).
         FileExistsError: `dest` exists and not `force`.
         OSError: a read or write failed.
     """
     src = ExpertStore(store_dir, blob_layers=range(0))
+    if src.in_place:
+        raise ValueError(
+            f"{src.path} is an in-place store: it reads the experts from {src.model_dir}; "
+            "copy that model directory to each host (or `expertstream convert` it into a "
+            "blob store and copy-stage that)"
+        )
     stage = stage_of(src.config, rank, size, src.path / CONFIG_FILE)
     src = ExpertStore(store_dir, blob_layers=stage.layers)  # says which blobs are missing
     m = src.manifest

@@ -2,18 +2,25 @@
 
 An expert store is a directory written by `engine.store_writer.StoreWriter` (for
 `engine.convert` and `engine.synthetic`); its format is specified in
-`docs/store-format.md`. This module is the one definition of that format: the file
-names, segment keys, projections and dtypes (the native cache's own table,
+`docs/store-format.md`. A store is of one of two kinds: a blob store holds every expert
+again in blob files, beside its dense weights and the model's config and tokenizer; an
+in-place store holds only its manifest, which indexes where each expert's segments lie in
+the checkpoint's own safetensors files (the `source`), and reads the dense weights,
+config and tokenizer there too. This module is the one definition of that format: the
+file names, segment keys, projections and dtypes (the native cache's own table,
 `engine._ext.DTYPE_NAMES`), the record layout (`layout_segments`), the manifest in
-frozen dataclasses (`Segment`, `LayerSpec`, `Manifest`) with its validation, and
-`ExpertStore`, whose `read_record` is the plain-Python reference reader that tests and
-`verify` use. Only JSON and safetensors are ever read from a store, and only from regular
-files (`engine.safe_io`).
+frozen dataclasses (`Segment`, `LayerSpec`, `Manifest`, and for an in-place store
+`Source`, `SourceFile`, `SegmentSource`) with its validation, and `ExpertStore`, whose
+`read_record` is the plain-Python reference reader that tests and `verify` use. Only JSON
+and safetensors are ever read from a store, and only from regular files
+(`engine.safe_io`).
 """
 
+import hashlib
 import math
 import os
 import stat
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +29,13 @@ import mlx.core as mx
 
 from engine import _ext
 from engine.safe_io import MAX_TOKENIZER_BYTES, ModelFileError, read_json_object, stat_regular
-from engine.safetensors_header import SHAPE_RULE, TensorInfo, is_shape, read_header
+from engine.safetensors_header import (
+    MAX_HEADER_BYTES,
+    SHAPE_RULE,
+    TensorInfo,
+    is_shape,
+    read_header,
+)
 from engine.validate import MAX_EXPERTS, MAX_LAYERS, QUANT_BITS, QUANT_GROUP
 
 FORMAT = "expertstream-store"
@@ -32,6 +45,9 @@ ALIGNMENT = 4096
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 CONFIG_FILE = "config.json"
+# The kinds of store: the experts written again as blob files, or read where they are.
+BLOB = "blob"
+IN_PLACE = "in-place"
 
 # The projections of each streamed module kind (mlx-lm's SwitchGLU and SwitchMLP), in
 # record order.
@@ -53,6 +69,11 @@ class StoreError(ModelFileError):
 
     The message names the offending file and the field or value.
     """
+
+
+class StaleStoreError(StoreError):
+    """A file an in-place store reads is missing, or changed (size, modification time or
+    header) since the store indexed it: the index must be made again."""
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -94,6 +115,99 @@ def stride_for(record_bytes: int) -> int:
     return -(-record_bytes // ALIGNMENT) * ALIGNMENT
 
 
+def read_stride(segments) -> int:
+    """The read buffer of one record of an in-place store, bytes: each segment is read
+    from the aligned offset below its bytes to the aligned end above them, so it takes
+    its nbytes rounded up to `ALIGNMENT`, plus one `ALIGNMENT`."""
+    return sum(stride_for(seg.nbytes) + ALIGNMENT for seg in segments)
+
+
+def header_digest(path: str | Path) -> str:
+    """sha256 (hex) of the header of the safetensors file `path`: its first 8 bytes and
+    the JSON they announce (at most `MAX_HEADER_BYTES`); what an in-place store checks
+    to tell that a file changed.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        return hashlib.sha256(head + os.pread(fd, min(n, MAX_HEADER_BYTES), 8)).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def data_start(path: str | Path) -> int:
+    """The byte offset of the data buffer of the safetensors file `path` (where its
+    tensors' `begin` offsets count from).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        head = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    return 8 + struct.unpack("<Q", head)[0]
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A safetensors file an in-place store reads, as it was when indexed.
+
+    Attributes:
+        name: its name inside `Source.dir` (a plain file name).
+        size: its size, bytes.
+        mtime_ns: its modification time, nanoseconds since the epoch.
+        header_sha256: `header_digest` of it.
+    """
+
+    name: str
+    size: int
+    mtime_ns: int
+    header_sha256: str
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "header_sha256": self.header_sha256,
+        }
+
+
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint an in-place store reads: the model directory `dir` (absolute) and
+    its safetensors `files`; the config and tokenizer are read there too."""
+
+    dir: str
+    files: tuple[SourceFile, ...]
+
+    def path(self, file: int) -> Path:
+        """The path of `files[file]`."""
+        return Path(self.dir) / self.files[file].name
+
+    def to_json(self) -> dict:
+        return {"dir": self.dir, "files": [f.to_json() for f in self.files]}
+
+
+@dataclass(frozen=True)
+class SegmentSource:
+    """Where one segment of every record of an in-place layer lies: expert e's bytes of
+    it are the segment's `nbytes` at `offset + e * nbytes` of `Source.files[file]` (the
+    stacked tensor, C-contiguous, whose expert 0 starts at `offset`)."""
+
+    file: int
+    offset: int
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "offset": self.offset}
+
+
 @dataclass(frozen=True)
 class Segment:
     """One parameter of an expert inside a record.
@@ -125,7 +239,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One MoE layer of the store: its blob file and record layout.
+    """One MoE layer of the store: its blob file (or its sources) and record layout.
 
     Attributes:
         layer: decoder layer index (`model.layers.<layer>`).
@@ -133,28 +247,32 @@ class LayerSpec:
         module: module path of the streamed SwitchGLU / SwitchMLP, which is the
             weight-key prefix of its experts, e.g. "model.layers.3.mlp.switch_mlp",
             "model.layers.3.mlp.experts", "language_model.model.layers.3.feed_forward.experts".
-        file: blob file name inside the store, e.g. "layer03.blob".
+        file: blob file name inside the store, e.g. "layer03.blob"; None in place.
         record_bytes: bytes of one expert's segments (padding excluded).
-        stride: bytes between records; a multiple of 4096, >= record_bytes.
+        stride: a multiple of 4096: bytes between records in the blob, >= record_bytes;
+            in place, the read buffer of a record (`read_stride`).
         segments: in record order (gate, up, down or fc1, fc2; weight, scales, biases,
             global_scale, bias).
         quantization: projection -> {"group_size", "bits", "mode"}, or None when
             the projection is not quantized.
         checksums: crc32 of each record's first `record_bytes` bytes.
+        sources: in place, where each segment lies (one per segment, in their order);
+            empty in a blob store.
     """
 
     layer: int
     moe_index: int
     module: str
-    file: str
+    file: str | None
     record_bytes: int
     stride: int
     segments: tuple[Segment, ...]
     quantization: dict
     checksums: tuple[int, ...]
+    sources: tuple[SegmentSource, ...] = ()
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "layer": self.layer,
             "moe_index": self.moe_index,
             "module": self.module,
@@ -167,6 +285,9 @@ class LayerSpec:
             },
             "checksums": list(self.checksums),
         }
+        if self.sources:
+            out["sources"] = [src.to_json() for src in self.sources]
+        return out
 
 
 @dataclass(frozen=True)
@@ -179,9 +300,12 @@ class Manifest:
         top_k: experts per token.
         num_hidden_layers: decoder layers of the model (MoE or not).
         layers: MoE layers in decoder order.
-        dense_bytes: size of `dense.safetensors`, bytes.
-        dense_crc32: crc32 of the whole of `dense.safetensors`.
+        dense_bytes: size of `dense.safetensors`, bytes; in place, of the checkpoint's
+            tensors that are not experts.
+        dense_crc32: crc32 of the whole of `dense.safetensors`; None in place.
         checksum: checksum algorithm of `LayerSpec.checksums` and `dense_crc32` ("crc32").
+        kind: `BLOB` or `IN_PLACE`.
+        source: in place, the checkpoint it reads; None for a blob store.
     """
 
     model_type: str
@@ -190,11 +314,13 @@ class Manifest:
     num_hidden_layers: int
     layers: tuple[LayerSpec, ...]
     dense_bytes: int
-    dense_crc32: int
+    dense_crc32: int | None
     checksum: str = CHECKSUM
+    kind: str = BLOB
+    source: Source | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "format": FORMAT,
             "version": VERSION,
             "model_type": self.model_type,
@@ -204,8 +330,12 @@ class Manifest:
             "checksum": self.checksum,
             "dense_bytes": self.dense_bytes,
             "dense_crc32": self.dense_crc32,
-            "layers": [spec.to_json() for spec in self.layers],
         }
+        if self.source is not None:
+            out["kind"] = self.kind
+            out["source"] = self.source.to_json()
+        out["layers"] = [spec.to_json() for spec in self.layers]
+        return out
 
     @classmethod
     def from_json(
@@ -241,12 +371,22 @@ class Manifest:
             "model again (`expertstream convert --force`; stores converted on first use are "
             "converted again by themselves)",
         )
+        kind = data.get("kind", BLOB)
+        _expect(
+            kind in (BLOB, IN_PLACE), where, f"kind is {kind!r}, expected {BLOB!r} or {IN_PLACE!r}"
+        )
         model_type = _str(data, "model_type", where)
         num_experts = _int(data, "num_experts", where, lo=1, hi=MAX_EXPERTS)
         top_k = _int(data, "top_k", where, lo=1, hi=num_experts)
         num_hidden_layers = _int(data, "num_hidden_layers", where, lo=1, hi=MAX_LAYERS)
-        dense_bytes = _int(data, "dense_bytes", where, lo=8)
-        dense_crc32 = _int(data, "dense_crc32", where, lo=0, hi=2**32 - 1)
+        dense_bytes = _int(data, "dense_bytes", where, lo=8 if kind == BLOB else 0)
+        source = None
+        if kind == BLOB:
+            dense_crc32 = _int(data, "dense_crc32", where, lo=0, hi=2**32 - 1)
+        else:
+            dense_crc32 = data.get("dense_crc32")
+            _expect(dense_crc32 is None, where, "dense_crc32 is set in an in-place store")
+            source = _parse_source(data.get("source"), f"{where}: source")
         checksum = data.get("checksum")
         _expect(
             checksum == CHECKSUM,
@@ -258,7 +398,7 @@ class Manifest:
 
         layers = []
         for i, raw in enumerate(raw_layers):
-            spec = _parse_layer(raw, i, num_experts, num_hidden_layers, where)
+            spec = _parse_layer(raw, i, num_experts, num_hidden_layers, where, source)
             if layers:
                 _expect(
                     spec.layer > layers[-1].layer,
@@ -267,23 +407,27 @@ class Manifest:
                 )
             layers.append(spec)
 
-        wanted = [s for s in layers if blob_layers is None or s.layer in blob_layers]
-        _check_present(store_dir, wanted, blob_layers)
-        for spec in wanted:
-            _check_blob(store_dir / spec.file, num_experts * spec.stride, spec)
-        dense = store_dir / DENSE_FILE
-        _expect(dense.exists(), str(dense), "missing")
-        size = stat_regular(dense, error=StoreError)
-        _expect(
-            size == dense_bytes,
-            str(dense),
-            f"{size} bytes, but the manifest's dense_bytes is {dense_bytes}",
-        )
-        config = read_config(store_dir)
+        if source is None:
+            wanted = [s for s in layers if blob_layers is None or s.layer in blob_layers]
+            _check_present(store_dir, wanted, blob_layers)
+            for spec in wanted:
+                _check_blob(store_dir / spec.file, num_experts * spec.stride, spec)
+            dense = store_dir / DENSE_FILE
+            _expect(dense.exists(), str(dense), "missing")
+            size = stat_regular(dense, error=StoreError)
+            _expect(
+                size == dense_bytes,
+                str(dense),
+                f"{size} bytes, but the manifest's dense_bytes is {dense_bytes}",
+            )
+        else:
+            _check_source(source, store_dir)
+        config_dir = store_dir if source is None else Path(source.dir)
+        config = read_config(config_dir)
         config_type = config.get("model_type")
         _expect(
             config_type == model_type,
-            str(store_dir / CONFIG_FILE),
+            str(config_dir / CONFIG_FILE),
             f"model_type {config_type!r} does not match the manifest's {model_type!r}",
         )
         return cls(
@@ -295,6 +439,8 @@ class Manifest:
             dense_bytes=dense_bytes,
             dense_crc32=dense_crc32,
             checksum=checksum,
+            kind=kind,
+            source=source,
         )
 
 
@@ -339,7 +485,12 @@ def _check_file_name(name: str, where: str) -> None:
 
 
 def _parse_layer(
-    raw: dict, i: int, num_experts: int, num_hidden_layers: int, where: str
+    raw: dict,
+    i: int,
+    num_experts: int,
+    num_hidden_layers: int,
+    where: str,
+    source: "Source | None" = None,
 ) -> LayerSpec:
     ctx = f"layers[{i}]"
     _expect(isinstance(raw, dict), where, f"{ctx} is not a JSON object")
@@ -354,13 +505,17 @@ def _parse_layer(
         f"{ctx}.module {module!r} is not a module of decoder layer {layer} "
         f"(its last number is the layer: model.layers.{layer}.<block>.switch_mlp)",
     )
-    file = _str(raw, "file", f"{where}: {ctx}")
-    _check_file_name(file, f"{where}: {ctx}.file")
-    _expect(
-        file == blob_name(layer),
-        where,
-        f"{ctx}.file is {file!r}, expected {blob_name(layer)!r} for layer {layer}",
-    )
+    if source is None:
+        file = _str(raw, "file", f"{where}: {ctx}")
+        _check_file_name(file, f"{where}: {ctx}.file")
+        _expect(
+            file == blob_name(layer),
+            where,
+            f"{ctx}.file is {file!r}, expected {blob_name(layer)!r} for layer {layer}",
+        )
+    else:
+        file = raw.get("file")
+        _expect(file is None, where, f"{ctx}.file is {file!r} in an in-place store")
     record_bytes = _int(raw, "record_bytes", f"{where}: {ctx}", lo=1)
     stride = _int(raw, "stride", f"{where}: {ctx}", lo=1)
     _expect(
@@ -374,7 +529,7 @@ def _parse_layer(
         f"{ctx}.stride {stride} is smaller than record_bytes {record_bytes}",
     )
     _expect(
-        stride == stride_for(record_bytes),
+        source is not None or stride == stride_for(record_bytes),
         where,
         f"{ctx}.stride {stride} is not record_bytes {record_bytes} rounded up to "
         f"{ALIGNMENT} ({stride_for(record_bytes)})",
@@ -454,6 +609,15 @@ def _parse_layer(
         where,
         f"{ctx}.checksums holds values that are not crc32 integers",
     )
+    sources = ()
+    if source is not None:
+        _expect(
+            stride == read_stride(segments),
+            where,
+            f"{ctx}.stride {stride} is not the read buffer of its segments "
+            f"({read_stride(segments)})",
+        )
+        sources = _parse_sources(raw, ctx, segments, num_experts, source, where)
     return LayerSpec(
         layer=layer,
         moe_index=moe_index,
@@ -464,7 +628,86 @@ def _parse_layer(
         segments=tuple(segments),
         quantization=quantization,
         checksums=tuple(checksums),
+        sources=sources,
     )
+
+
+def _parse_sources(
+    raw: dict, ctx: str, segments: list, num_experts: int, source: Source, where: str
+) -> tuple[SegmentSource, ...]:
+    """An in-place layer's `sources`: one per segment, each inside its file."""
+    items = _list(raw, "sources", f"{where}: {ctx}")
+    _expect(
+        len(items) == len(segments),
+        where,
+        f"{ctx}.sources has {len(items)} entries for {len(segments)} segments",
+    )
+    out = []
+    for j, (item, seg) in enumerate(zip(items, segments, strict=True)):
+        sctx = f"{where}: {ctx}.sources[{j}]"
+        _expect(isinstance(item, dict), sctx, "is not a JSON object")
+        file = _int(item, "file", sctx, lo=0, hi=len(source.files) - 1)
+        offset = _int(item, "offset", sctx, lo=0)
+        end = offset + num_experts * seg.nbytes
+        size = source.files[file].size
+        _expect(
+            end <= size,
+            sctx,
+            f"the experts of {seg.key} end at byte {end}, past the {size} bytes of "
+            f"{source.files[file].name}",
+        )
+        out.append(SegmentSource(file, offset))
+    return tuple(out)
+
+
+def _parse_source(raw, where: str) -> Source:
+    """An in-place store's `source`: an absolute directory and its files."""
+    _expect(isinstance(raw, dict), where, "is not a JSON object")
+    folder = _str(raw, "dir", where)
+    _expect(os.path.isabs(folder), where, f"dir {folder!r} is not an absolute path")
+    files = []
+    for j, item in enumerate(_list(raw, "files", where)):
+        fctx = f"{where}.files[{j}]"
+        _expect(isinstance(item, dict), fctx, "is not a JSON object")
+        name = _str(item, "name", fctx)
+        _check_file_name(name, f"{fctx}.name")
+        digest = item.get("header_sha256")
+        hexdigits = set("0123456789abcdef")
+        _expect(
+            isinstance(digest, str) and len(digest) == 64 and set(digest) <= hexdigits,
+            fctx,
+            f"header_sha256 is {digest!r}, expected 64 hex digits",
+        )
+        files.append(
+            SourceFile(name, _int(item, "size", fctx, lo=8), _int(item, "mtime_ns", fctx), digest)
+        )
+    _expect(len(files) > 0, where, "files is empty")
+    return Source(folder, tuple(files))
+
+
+def _check_source(source: Source, store_dir: Path) -> None:
+    """Raises StaleStoreError naming the first file of `source` that is missing, or whose
+    size, modification time or header is not what the index recorded."""
+    again = f"the in-place store {store_dir} must index the model again"
+    for i, f in enumerate(source.files):
+        path = source.path(i)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise StaleStoreError(f"{path}: missing ({again})") from None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
+        if not stat.S_ISREG(st.st_mode):
+            stat_regular(path, error=StoreError)  # raises, naming the kind
+        changed = None
+        if st.st_size != f.size:
+            changed = f"its size is {st.st_size} bytes, indexed at {f.size}"
+        elif st.st_mtime_ns != f.mtime_ns:
+            changed = "its modification time is not the one indexed"
+        elif header_digest(path) != f.header_sha256:
+            changed = "its safetensors header is not the one indexed"
+        if changed:
+            raise StaleStoreError(f"{path}: changed since it was indexed: {changed} ({again})")
 
 
 def _parse_quantization(q, has_scales: bool, where: str) -> dict | None:
@@ -573,22 +816,33 @@ class ExpertStore:
     Attributes:
         path: the store directory.
         manifest: its validated `Manifest`.
+        model_dir: where the model's config and tokenizer files are: `path`, or for an
+            in-place store the checkpoint's directory (`Manifest.source`).
         config: the model config (`config.json`) as a dict.
 
     Args:
         blob_layers: decoder layers whose blob files must be present (a pipeline
-            stage's, for a host that holds only those); None: all of them.
+            stage's, for a host that holds only those); None: all of them (an in-place
+            store needs every file of its source).
 
     Raises:
-        StoreError: when the store fails validation (see `Manifest.from_json`).
+        StoreError: when the store fails validation (see `Manifest.from_json`);
+            StaleStoreError when a file an in-place store reads is missing or changed.
     """
 
     def __init__(self, path: str | Path, blob_layers: range | None = None):
         self.path = Path(path)
         _check_entries(self.path)
         self.manifest = load_manifest(self.path, blob_layers)
-        self.config = read_config(self.path)
+        source = self.manifest.source
+        self.model_dir = self.path if source is None else Path(source.dir)
+        self.config = read_config(self.model_dir)
         self._by_layer = {spec.layer: spec for spec in self.manifest.layers}
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the experts are read from the checkpoint's own files."""
+        return self.manifest.source is not None
 
     def __repr__(self) -> str:
         return f"ExpertStore({str(self.path)!r})"
@@ -620,42 +874,76 @@ class ExpertStore:
         return self.config.get("vocab_size") or None
 
     def blob_path(self, spec: LayerSpec) -> Path:
-        """Path of the blob file of `spec`."""
+        """Path of the blob file of `spec` (a blob store's)."""
         return self.path / spec.file
 
+    def records_path(self, spec: LayerSpec) -> Path:
+        """What names the records of `spec` in messages: its blob, or in place the
+        checkpoint's directory."""
+        return self.model_dir if self.in_place else self.blob_path(spec)
+
+    def segment_sources(self, spec: LayerSpec) -> list[tuple[Path, int, int]]:
+        """Where the segments of `spec` lie in place: (file, offset of expert 0's bytes,
+        bytes per expert) per segment, in record order; empty for a blob store."""
+        source = self.manifest.source
+        if source is None:
+            return []
+        return [
+            (source.path(src.file), src.offset, seg.nbytes)
+            for src, seg in zip(spec.sources, spec.segments, strict=True)
+        ]
+
+    def _weight_files(self) -> list[Path]:
+        """The safetensors files of the dense weights: `dense.safetensors`, or in place
+        every file of the source."""
+        source = self.manifest.source
+        if source is None:
+            return [self.path / DENSE_FILE]
+        return [source.path(i) for i in range(len(source.files))]
+
     def dense_header(self) -> dict[str, TensorInfo]:
-        """The checked tensor table of `dense.safetensors` (engine.safetensors_header).
+        """The checked tensor table of `dense.safetensors` (engine.safetensors_header);
+        in place, of every file of the source (the experts' tensors included).
 
         Raises:
-            StoreError: the header is malformed, or its offsets overlap, leave gaps or
+            StoreError: a header is malformed, or its offsets overlap, leave gaps or
                 disagree with a tensor's dtype and shape.
         """
-        path = self.path / DENSE_FILE
-        try:
-            return read_header(path, StoreError)
-        except OSError as e:
-            raise StoreError(f"{path}: cannot load ({e.strerror or e})") from None
+        tensors = {}
+        for path in self._weight_files():
+            try:
+                tensors.update(read_header(path, StoreError))
+            except OSError as e:
+                raise StoreError(f"{path}: cannot load ({e.strerror or e})") from None
+        return tensors
 
     def dense_weights(self) -> dict[str, mx.array]:
-        """All non-expert weights, lazily loaded from `dense.safetensors`,
-        under mlx-lm's sanitized key names, once the file's crc32 and size match the
-        manifest's and its header is checked (`dense_header`).
+        """All non-expert weights, lazily loaded from `dense.safetensors`, under mlx-lm's
+        sanitized key names, once the file's crc32 and size match the manifest's and its
+        header is checked (`dense_header`). In place: every tensor of the source's files
+        as the checkpoint names them, the experts' included (nothing is read until
+        evaluated): the family's `sanitize`, then `engine.convert.drop_experts`, leave
+        the dense weights.
 
         Raises:
-            StoreError: the file cannot be read, its size or crc32 is not the manifest's,
+            StoreError: a file cannot be read, its size or crc32 is not the manifest's,
                 its header is malformed, or MLX refuses it.
         """
-        path = self.path / DENSE_FILE
         self.dense_header()
-        _check_crc(path, self.manifest.dense_bytes, self.manifest.dense_crc32)
-        try:
-            return mx.load(str(path), format="safetensors")
-        except (RuntimeError, ValueError, OSError) as e:
-            raise StoreError(f"{path}: cannot load ({e})") from None
+        if not self.in_place:
+            _check_crc(self.path / DENSE_FILE, self.manifest.dense_bytes, self.manifest.dense_crc32)
+        weights = {}
+        for path in self._weight_files():
+            try:
+                weights.update(mx.load(str(path), format="safetensors"))
+            except (RuntimeError, ValueError, OSError) as e:
+                raise StoreError(f"{path}: cannot load ({e})") from None
+        return weights
 
     def read_record(self, spec: LayerSpec, e: int) -> bytes:
-        """Expert `e`'s record of layer `spec`: `spec.record_bytes` bytes read
-        with one positional read at `e * spec.stride` (padding excluded).
+        """Expert `e`'s record of layer `spec`: `spec.record_bytes` bytes read with one
+        positional read at `e * spec.stride` (padding excluded); in place, one read per
+        segment at its source.
 
         Raises:
             IndexError: `e` is not in `[0, num_experts)`.
@@ -664,6 +952,21 @@ class ExpertStore:
         n = self.manifest.num_experts
         if not 0 <= e < n:
             raise IndexError(f"expert {e} out of range [0, {n})")
+        if self.in_place:
+            parts = []
+            for path, offset, nbytes in self.segment_sources(spec):
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    parts.append(os.pread(fd, nbytes, offset + e * nbytes))
+                finally:
+                    os.close(fd)
+                _expect(
+                    len(parts[-1]) == nbytes,
+                    str(path),
+                    f"truncated: expert {e} of layer {spec.layer} has {len(parts[-1])} of "
+                    f"{nbytes} bytes",
+                )
+            return b"".join(parts)
         path = self.blob_path(spec)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -692,6 +995,18 @@ class ExpertStore:
         """
         specs = self.manifest.layers if layers is None else [self.layer(i) for i in layers]
         checked = 0
+        if self.in_place:  # no padding: each record's crc32
+            for spec in specs:
+                for e in range(self.manifest.num_experts):
+                    crc = zlib.crc32(self.read_record(spec, e))
+                    _expect(
+                        crc == spec.checksums[e],
+                        f"{self.model_dir}: layer {spec.layer} expert {e}",
+                        f"crc32 {crc:#010x} does not match the manifest's "
+                        f"{spec.checksums[e]:#010x}",
+                    )
+                    checked += 1
+            return checked
         for spec in specs:
             path = self.blob_path(spec)
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

@@ -17,13 +17,28 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.convert import aux_files
+from engine.convert import NotInPlaceError, aux_files, convert, index_in_place
 from engine.hub import hub_cache_dir, repo_of
 from engine.safe_io import ModelFileError, atomic_write, open_regular, read_json_object
-from engine.store import MANIFEST_FILE, StoreError, is_store, read_config
+from engine.store import (
+    BLOB,
+    IN_PLACE,
+    MANIFEST_FILE,
+    VERSION,
+    ExpertStore,
+    StaleStoreError,
+    StoreError,
+    is_store,
+    read_config,
+    store_version,
+)
 
 # {"model": the name it was loaded by (a hub id or a directory), "dir": that directory}
 SOURCE_FILE = "source.json"
+# What a model directory's first use writes: an in-place store where the checkpoint's
+# experts are stacked tensors as its files store them, else (or with BLOB here) a blob
+# store. Chosen from the figures of docs/benchmarks.md ("In place or a copy").
+FIRST_USE = BLOB
 
 SAMPLE_BYTES = 1 << 20  # sampled from the start, middle and end of each weight file
 
@@ -77,6 +92,40 @@ def store_for(model_dir: Path) -> Path:
     return root / f"{name}-{key}"
 
 
+def cached_store(store: Path, blob_layers: range | None = None) -> ExpertStore | None:
+    """The cached store `store`, or None where it must be written (again): absent,
+    incomplete, of an older format, or an in-place store whose files changed or went
+    missing since it indexed them.
+
+    Raises:
+        StoreError: the store is there but fails validation otherwise.
+    """
+    if store_version(store) != VERSION:
+        return None
+    try:
+        return ExpertStore(store, blob_layers)
+    except StaleStoreError:
+        return None
+
+
+def write_store(model_dir: Path, store: Path, force: bool, progress=None, announce=None) -> Path:
+    """Writes the store of `model_dir` at `store` for its first use: as `FIRST_USE` says
+    (`engine.convert.index_in_place`, falling back to `convert` where the experts cannot
+    be read in place). `progress` and `announce` as those functions take them.
+
+    Raises:
+        The errors of `engine.convert.convert`.
+    """
+    if FIRST_USE == IN_PLACE:
+        try:
+            return index_in_place(
+                model_dir, store, force=force, progress=progress, announce=announce
+            )
+        except NotInPlaceError:
+            pass
+    return convert(model_dir, store, force=force, progress=progress, announce=announce)
+
+
 def record_use(store: Path, model: str, model_dir: Path) -> None:
     """Records a use of `store`, loaded as `model` (a hub id or a directory) from
     `model_dir`: its directory's modification time, and `SOURCE_FILE` when it names
@@ -107,7 +156,8 @@ class CachedStore:
         path: the store's directory.
         model: the model it was last loaded as (a hub id, a directory), or its
             model_type when unknown.
-        kind: how it holds the experts: "copy" (blob files written by a convert).
+        kind: how it holds the experts: `BLOB` (written again, in blob files) or
+            `IN_PLACE` (an index of the model's own files).
         size_bytes: bytes on disk of the store.
         download: the hub snapshot folder it was converted from, when that is in the
             Hugging Face cache (None for a model directory of the user's).
@@ -159,11 +209,15 @@ def list_stores() -> list[CachedStore]:
             except StoreError:
                 model = "?"
         download = _download_of(source)
+        try:
+            kind = read_json_object(p / MANIFEST_FILE).get("kind", BLOB)
+        except (OSError, ModelFileError):
+            kind = "?"
         out.append(
             CachedStore(
                 path=p,
                 model=model,
-                kind="copy",
+                kind=str(kind),
                 size_bytes=_tree_bytes(p, follow=False),
                 download=download,
                 download_bytes=0 if download is None else _tree_bytes(download, follow=True),

@@ -2,7 +2,9 @@
 
 `StoreWriter` builds a store in a temporary sibling directory: the dense weights, one
 blob per MoE layer from its records (each written once, checksummed as it goes, padded to
-the stride), then the manifest; `finish` renames the complete directory into place. Any
+the stride), then the manifest; `finish` renames the complete directory into place. An
+in-place store is the manifest alone: `index_layer` records where each layer's segments
+lie in the checkpoint and their checksums, `finish(source=...)` writes it. Any
 error, or leaving the `with` block without `finish`, removes the temporary directory, so
 a store directory is either complete or absent. Every file is fsynced before the rename.
 What a run killed mid-write leaves (`.NAME.tmp-PID`, `.NAME.old-PID`) is removed, or put
@@ -22,13 +24,18 @@ import mlx.core as mx
 
 from engine.safe_io import fsync_dir, remove_leftovers
 from engine.store import (
+    BLOB,
     DENSE_FILE,
+    IN_PLACE,
     MANIFEST_FILE,
     LayerSpec,
     Manifest,
     Segment,
+    SegmentSource,
+    Source,
     blob_name,
     file_crc32,
+    read_stride,
     stride_for,
 )
 
@@ -146,10 +153,53 @@ class StoreWriter:
         self.layers.append(spec)
         return spec
 
+    def index_layer(
+        self,
+        layer: int,
+        module: str,
+        segments: tuple[Segment, ...],
+        quantization: dict,
+        sources: tuple[SegmentSource, ...],
+        checksums: Sequence[int],
+    ) -> LayerSpec:
+        """Records decoder layer `layer` of an in-place store: its segments lie at
+        `sources` (one per segment) in the checkpoint, its records' crc32 are `checksums`.
+
+        Raises:
+            ValueError: not one source per segment, or not `num_experts` checksums.
+        """
+        if len(sources) != len(segments) or len(checksums) != self.num_experts:
+            raise ValueError(
+                f"layer {layer}: {len(sources)} sources for {len(segments)} segments, "
+                f"{len(checksums)} checksums for {self.num_experts} experts"
+            )
+        spec = LayerSpec(
+            layer=layer,
+            moe_index=len(self.layers),
+            module=module,
+            file=None,
+            record_bytes=sum(s.nbytes for s in segments),
+            stride=read_stride(segments),
+            segments=segments,
+            quantization=quantization,
+            checksums=tuple(checksums),
+            sources=tuple(sources),
+        )
+        self.layers.append(spec)
+        return spec
+
     def finish(
-        self, model_type: str, top_k: int, num_hidden_layers: int, force: bool = False
+        self,
+        model_type: str,
+        top_k: int,
+        num_hidden_layers: int,
+        force: bool = False,
+        source: Source | None = None,
+        dense_bytes: int = 0,
     ) -> Path:
-        """Writes the manifest and renames the store into place.
+        """Writes the manifest and renames the store into place: a blob store, or with
+        `source` an in-place store whose layers `index_layer` recorded, `dense_bytes`
+        being the checkpoint's bytes that are not experts.
 
         An existing `store_dir` is replaced only when `force` (moved aside first and put
         back if the rename fails).
@@ -160,9 +210,9 @@ class StoreWriter:
         Raises:
             FileExistsError: `store_dir` exists and not `force`.
             OSError: a write or rename failed.
-            ValueError: `write_dense` was not called.
+            ValueError: `write_dense` was not called (a blob store).
         """
-        if self._dense is None:
+        if source is None and self._dense is None:
             raise ValueError(f"{self.store_dir}: the dense weights were not written")
         manifest = Manifest(
             model_type=model_type,
@@ -170,8 +220,10 @@ class StoreWriter:
             top_k=top_k,
             num_hidden_layers=num_hidden_layers,
             layers=tuple(self.layers),
-            dense_bytes=self._dense[1],
-            dense_crc32=self._dense[0],
+            dense_bytes=dense_bytes if source is not None else self._dense[1],
+            dense_crc32=None if source is not None else self._dense[0],
+            kind=BLOB if source is None else IN_PLACE,
+            source=source,
         )
         with open(self.path / MANIFEST_FILE, "w") as f:
             f.write(manifest_text(manifest.to_json()) + "\n")

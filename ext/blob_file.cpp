@@ -58,13 +58,15 @@ AlignedBuffer::AlignedBuffer(size_t bytes) : size_(bytes) {
 AlignedBuffer::~AlignedBuffer() { std::free(data_); }
 
 BlobFile::BlobFile(std::string path, int layer, int64_t num_records, int64_t stride,
-                   int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached)
+                   int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached,
+                   std::vector<SegmentSource> sources)
     : path_(std::move(path)),
       layer_(layer),
       num_records_(num_records),
       stride_(stride),
       record_bytes_(record_bytes),
-      checksums_(std::move(checksums)) {
+      checksums_(std::move(checksums)),
+      uncached_(uncached) {
   if (stride_ <= 0 || stride_ % static_cast<int64_t>(kAlign) != 0 || record_bytes_ > stride_)
     throw ReadError(path_ + ": stride " + std::to_string(stride_) +
                     " must be a positive multiple of 4096 and >= record_bytes " +
@@ -72,41 +74,84 @@ BlobFile::BlobFile(std::string path, int layer, int64_t num_records, int64_t str
   if (static_cast<int64_t>(checksums_.size()) != num_records_)
     throw ReadError(path_ + ": " + std::to_string(checksums_.size()) + " checksums for " +
                     std::to_string(num_records_) + " experts");
+  try {
+    if (sources.empty()) {
+      const int64_t size = open_file(path_);
+      const int64_t want = num_records_ * stride_;
+      if (size != want)
+        throw ReadError(path_ + (size < want ? ": truncated: " : ": wrong size: ") +
+                        std::to_string(size) + " bytes, the manifest says " +
+                        std::to_string(num_records_) + " experts x stride " +
+                        std::to_string(stride_) + " = " + std::to_string(want));
+      return;
+    }
+    if (sources.size() > 255)  // a ring read's tag holds the span in 8 bits
+      throw ReadError(path_ + ": " + std::to_string(sources.size()) + " segments (at most 255)");
+    int64_t total = 0, buffer = 0;
+    std::vector<int64_t> sizes;
+    for (const auto& src : sources) {
+      if (src.offset < 0 || src.nbytes <= 0)
+        throw ReadError(src.path + ": a segment at offset " + std::to_string(src.offset) +
+                        " of " + std::to_string(src.nbytes) + " bytes (layer " +
+                        std::to_string(layer_) + ")");
+      auto it = std::find(paths_.begin(), paths_.end(), src.path);
+      const int file = static_cast<int>(it - paths_.begin());
+      if (it == paths_.end()) sizes.push_back(open_file(src.path));
+      const int64_t end = src.offset + num_records_ * src.nbytes;
+      if (sizes[static_cast<size_t>(file)] < end)
+        throw ReadError(src.path + ": truncated: " +
+                        std::to_string(sizes[static_cast<size_t>(file)]) +
+                        " bytes, but the experts of layer " + std::to_string(layer_) +
+                        " reach byte " + std::to_string(end));
+      sources_.push_back(Source{file, src.offset, src.nbytes});
+      total += src.nbytes;
+      buffer += (src.nbytes + static_cast<int64_t>(kAlign) - 1) / kAlign * kAlign + kAlign;
+    }
+    if (total != record_bytes_ || buffer > stride_)
+      throw ReadError(path_ + ": segments of " + std::to_string(total) +
+                      " bytes in a read buffer of " + std::to_string(buffer) +
+                      " for records of " + std::to_string(record_bytes_) +
+                      " bytes and a stride of " + std::to_string(stride_) + " (layer " +
+                      std::to_string(layer_) + ")");
+  } catch (...) {
+    for (int fd : fds_) ::close(fd);
+    throw;
+  }
+}
+
+int64_t BlobFile::open_file(const std::string& path) {
+  int fd = -1;
+  bool direct = false;
 #if defined(__linux__)
-  if (uncached) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-    direct_ = fd_ >= 0;
+  if (uncached_) {
+    fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    direct = fd >= 0;
   }
 #endif
-  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) throw ReadError(path_ + ": cannot open: " + errno_text(errno));
+  if (fd < 0) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw ReadError(path + ": cannot open: " + errno_text(errno));
 #if defined(__APPLE__)
-  if (uncached) ::fcntl(fd_, F_NOCACHE, 1);
-#elif defined(__linux__)
-  fadvise_ = uncached && !direct_;
+  if (uncached_) ::fcntl(fd, F_NOCACHE, 1);
 #endif
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) {
+  if (::fstat(fd, &st) != 0) {
     int err = errno;
-    ::close(fd_);
-    throw ReadError(path_ + ": cannot stat: " + errno_text(err));
+    ::close(fd);
+    throw ReadError(path + ": cannot stat: " + errno_text(err));
   }
-  const int64_t want = num_records_ * stride_;
-  if (st.st_size != want) {
-    ::close(fd_);
-    throw ReadError(path_ + (st.st_size < want ? ": truncated: " : ": wrong size: ") +
-                    std::to_string(st.st_size) + " bytes, the manifest says " +
-                    std::to_string(num_records_) + " experts x stride " +
-                    std::to_string(stride_) + " = " + std::to_string(want));
-  }
+  fds_.push_back(fd);
+  paths_.push_back(path);
+  direct_.push_back(direct ? 1 : 0);
+  return static_cast<int64_t>(st.st_size);
 }
 
 BlobFile::~BlobFile() {
-  if (fd_ >= 0) ::close(fd_);
+  for (int fd : fds_) ::close(fd);
 }
 
-std::string BlobFile::where(int expert) const {
-  return path_ + " (layer " + std::to_string(layer_) + ", expert " + std::to_string(expert) + ")";
+std::string BlobFile::where(int expert, int file) const {
+  return (file >= 0 ? paths_[static_cast<size_t>(file)] : path_) + " (layer " +
+         std::to_string(layer_) + ", expert " + std::to_string(expert) + ")";
 }
 
 void BlobFile::inject_fault(Fault fault, int expert, int count, int delay_ms) {
@@ -124,8 +169,14 @@ Fault BlobFile::take_fault(int expert, int* delay_ms) const {
   return armed_.fault;
 }
 
-ReadError BlobFile::read_failed(int expert, int err) const {
-  return ReadError(where(expert) + ": read failed: " + errno_text(err));
+ReadError BlobFile::read_failed(int expert, int err, int span) const {
+  std::vector<ReadSpan> all;
+  int file = -1;
+  if (span >= 0 && in_place()) {
+    spans(expert, &all);
+    file = all[static_cast<size_t>(span)].file;
+  }
+  return ReadError(where(expert, file) + ": read failed: " + errno_text(err));
 }
 
 void BlobFile::check_expert(int expert) const {
@@ -134,11 +185,34 @@ void BlobFile::check_expert(int expert) const {
                     std::to_string(num_records_) + ")");
 }
 
-size_t BlobFile::read_bytes(uint8_t* dst, size_t want, off_t base, int* err) const {
+void BlobFile::spans(int expert, std::vector<ReadSpan>* out) const {
+  out->clear();
+  if (!in_place()) {
+    const auto stride = static_cast<size_t>(stride_);
+    out->push_back(ReadSpan{0, static_cast<int64_t>(expert) * stride_, stride, 0, 0, stride, 0});
+    return;
+  }
+  const auto align = static_cast<int64_t>(kAlign);
+  size_t at = 0, dest = 0;
+  for (const auto& src : sources_) {
+    const int64_t begin = src.offset + static_cast<int64_t>(expert) * src.nbytes;
+    const int64_t first = begin / align * align;
+    const int64_t last = (begin + src.nbytes + align - 1) / align * align;
+    const auto length = static_cast<size_t>(src.nbytes);
+    out->push_back(ReadSpan{src.file, first, static_cast<size_t>(last - first), at,
+                            static_cast<size_t>(begin - first), length, dest});
+    at += static_cast<size_t>(last - first);
+    dest += length;
+  }
+}
+
+size_t BlobFile::read_bytes(int file, uint8_t* dst, size_t bytes, size_t need, off_t base,
+                            int* err) const {
   size_t got = 0;
   *err = 0;
-  while (got < want) {
-    ssize_t n = ::pread(fd_, dst + got, want - got, base + static_cast<off_t>(got));
+  const bool direct = this->direct(file);
+  while (got < need) {
+    ssize_t n = ::pread(fd(file), dst + got, bytes - got, base + static_cast<off_t>(got));
     if (n < 0) {
       if (errno == EINTR) continue;
       *err = errno;
@@ -147,32 +221,49 @@ size_t BlobFile::read_bytes(uint8_t* dst, size_t want, off_t base, int* err) con
     if (n == 0) break;  // end of file: never read zeros past it
     got += static_cast<size_t>(n);
     // O_DIRECT continues only at aligned offsets; a misaligned short read is an error.
-    if (direct_ && got % kAlign != 0 && got < want) break;
+    if (direct && got % kAlign != 0 && got < need) break;
   }
   return got;
 }
 
 size_t BlobFile::read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const {
-  if (fault == Fault::kEIO) throw read_failed(expert, EIO);
+  if (fault == Fault::kEIO) throw read_failed(expert, EIO, 0);
   if (fault == Fault::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-  size_t want = static_cast<size_t>(stride_);
-  if (fault == Fault::kShortRead) want /= 2;
-  int err = 0;
-  const size_t got = read_bytes(dst, want, static_cast<off_t>(offset(expert)), &err);
-  if (err) throw read_failed(expert, err);
-  return got;
+  std::vector<ReadSpan> all;
+  spans(expert, &all);
+  size_t arrived = 0;
+  for (size_t j = 0; j < all.size(); ++j) {
+    const ReadSpan& sp = all[j];
+    const size_t bytes = asked(sp, j, fault);
+    int err = 0;
+    const size_t got = read_bytes(sp.file, dst + sp.at, bytes,
+                                  std::min(bytes, sp.need()), static_cast<off_t>(sp.offset),
+                                  &err);
+    if (err) throw read_failed(expert, err, static_cast<int>(j));
+    arrived += std::min(got, sp.need());
+  }
+  return arrived;
 }
 
 void BlobFile::finish_record(int expert, uint8_t* buf, size_t got, Fault fault,
                              bool verify) const {
-  if (got < static_cast<size_t>(stride_))
+  std::vector<ReadSpan> all;
+  spans(expert, &all);
+  size_t want = 0;
+  for (const auto& sp : all) want += sp.need();
+  if (got < want)
     throw ReadError(where(expert) + ": short read: " + std::to_string(got) + " of " +
-                    std::to_string(stride_) + " bytes");
+                    std::to_string(want) + " bytes");
+  for (const auto& sp : all) {
 #if defined(__linux__)
-  if (fadvise_)
-    ::posix_fadvise(fd_, static_cast<off_t>(offset(expert)), static_cast<off_t>(stride_),
-                    POSIX_FADV_DONTNEED);
+    if (uncached_ && !direct(sp.file))
+      ::posix_fadvise(fds_[static_cast<size_t>(sp.file)], static_cast<off_t>(sp.offset),
+                      static_cast<off_t>(sp.bytes), POSIX_FADV_DONTNEED);
 #endif
+    // In record order each span's bytes move down (dest <= at + skip) and never onto a
+    // later span's bytes (dest + length <= the next span's at).
+    if (sp.at + sp.skip != sp.dest) std::memmove(buf + sp.dest, buf + sp.at + sp.skip, sp.length);
+  }
   if (fault == Fault::kCorrupt) buf[0] ^= 0xFF;
   if (!verify) return;
   const uint32_t crc = record_crc32(buf, static_cast<size_t>(record_bytes_));
@@ -200,6 +291,22 @@ void BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
                         std::vector<uint8_t>& ok) const {
   check_expert(first);
   check_expert(first + count - 1);
+  ok.assign(static_cast<size_t>(count), 0);
+  const auto stride = static_cast<size_t>(stride_);
+  if (in_place()) {  // a record's segments lie apart: each record is its own reads
+    for (int i = 0; i < count; ++i) {
+      uint8_t* buf = dst + static_cast<size_t>(i) * stride;
+      try {
+        int delay_ms = 0;
+        const Fault fault = take_fault(first + i, &delay_ms);
+        finish_record(first + i, buf, read_once(first + i, buf, fault, delay_ms), fault, verify);
+        ok[static_cast<size_t>(i)] = 1;
+      } catch (const ReadError&) {
+        // read again on its own: read_record's second attempt words any error
+      }
+    }
+    return;
+  }
   std::vector<Fault> faults(static_cast<size_t>(count));
   int delay_ms = 0;
   for (int i = 0; i < count; ++i) {
@@ -208,11 +315,10 @@ void BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
     if (faults[static_cast<size_t>(i)] == Fault::kDelay) delay_ms = std::max(delay_ms, d);
   }
   if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-  ok.assign(static_cast<size_t>(count), 0);
   int err = 0;
-  const auto stride = static_cast<size_t>(stride_);
-  const size_t got = read_bytes(dst, static_cast<size_t>(count) * stride,
-                                static_cast<off_t>(offset(first)), &err);
+  const size_t bytes = static_cast<size_t>(count) * stride;
+  const size_t got = read_bytes(0, dst, bytes, bytes,
+                                static_cast<off_t>(static_cast<int64_t>(first) * stride_), &err);
   for (int i = 0; i < count; ++i) {
     const Fault fault = faults[static_cast<size_t>(i)];
     if (fault == Fault::kEIO || fault == Fault::kShortRead) continue;  // its attempt failed

@@ -183,7 +183,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     const int rows = this->rows(static_cast<int>(li));
     const auto& L = layers_[li];
     files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
-                                                L.record_bytes, L.checksums, config_.uncached_io));
+                                                L.record_bytes, L.checksums, config_.uncached_io,
+                                                L.sources));
     std::vector<mx::array> arrays;
     std::vector<uint8_t*> ptrs;
     int64_t end = 0;

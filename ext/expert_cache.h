@@ -56,11 +56,12 @@ struct Segment {
 
 struct LayerSpec {
   int layer;  // decoder layer index, for messages
-  std::string path;
+  std::string path;  // the blob; in place, what names the records in messages
   int64_t stride;
   int64_t record_bytes;
   std::vector<Segment> segments;
   std::vector<uint32_t> checksums;
+  std::vector<SegmentSource> sources;  // in place: where each segment lies (BlobFile)
 };
 
 // The reads of one batch of records, shared by whoever waits for them and the reader

@@ -86,8 +86,9 @@ std::unique_ptr<IoRing> IoRing::create(unsigned buffers, size_t buffer_bytes) {
   if (buffers == 0 || buffer_bytes == 0) return nullptr;
   std::unique_ptr<IoRing> r(new IoRing());
   io_uring_params p{};
-  // A read, a fault's delay and a cancel of each per buffer fit without a flush.
-  r->fd_ = sys_setup(4 * buffers, &p);
+  // A record's reads (one per segment in place), a fault's delay and their cancels per
+  // buffer mostly fit without a flush (next_sqe sends the queue when it is full).
+  r->fd_ = sys_setup(std::min(16 * buffers, 32768u), &p);
   if (r->fd_ < 0) return nullptr;  // ENOSYS, EPERM (seccomp, io_uring_disabled), ...
   if (!(p.features & IORING_FEAT_EXT_ARG)) return nullptr;
   r->sq_map_bytes_ = p.sq_off.array + p.sq_entries * sizeof(unsigned);

@@ -30,7 +30,8 @@ class AlignedBuffer;
 class IoRing {
  public:
   // A ring of `buffers` read buffers of `buffer_bytes` each (rounded up to 4096), room for
-  // 4 operations per buffer in flight; null where io_uring is unavailable (see above).
+  // 16 operations per buffer in flight (32768 in all at most); null where io_uring is
+  // unavailable (see above).
   static std::unique_ptr<IoRing> create(unsigned buffers, size_t buffer_bytes);
   // The bytes of the one buffer region create(buffers, buffer_bytes) allocates.
   static size_t region_bytes(unsigned buffers, size_t buffer_bytes);

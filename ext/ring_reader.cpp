@@ -13,11 +13,14 @@ namespace es {
 namespace {
 
 // A completion's tag: the call (a completion of an earlier call belongs to a given-up
-// read), the record's index in the call and the operation.
+// read), the record's index in the call, the span of the record (ReadSpan) and the
+// operation.
 enum Op : uint64_t { kRead = 0, kDelay = 1, kCancel = 2 };
+constexpr size_t kMaxSpans = 256;
 
-uint64_t tag(uint32_t call, size_t i, Op op) {
-  return (static_cast<uint64_t>(call) << 32) | (static_cast<uint64_t>(i) << 2) | op;
+uint64_t tag(uint32_t call, size_t i, size_t span, Op op) {
+  return (static_cast<uint64_t>(call) << 32) | (static_cast<uint64_t>(i) << 10) |
+         (static_cast<uint64_t>(span) << 2) | op;
 }
 
 enum State { kQueued, kActive, kDone, kFailed, kGivenUp };
@@ -28,9 +31,13 @@ struct Item {
   int attempt = 0;
   Fault fault = Fault::kNone;
   unsigned buf = 0;
-  size_t want = 0, got = 0;
-  bool reading = false, delaying = false;  // operations in flight
-  int read_errno = 0;                      // this attempt's read failed with it
+  std::vector<ReadSpan> spans;
+  std::vector<size_t> asked, got;  // per span: bytes this attempt asks, bytes arrived
+  std::vector<uint8_t> reading;    // per span: its read is in flight
+  int reads = 0;                   // span reads in flight
+  bool delaying = false;           // the fault's delay is in flight
+  int read_errno = 0;              // this attempt's read of span errno_span failed with it
+  int errno_span = -1;
   std::exception_ptr error;
 };
 
@@ -103,30 +110,45 @@ class RingReader::Call {
     Item& it = items_[i];
     int delay_ms = 0;
     it.fault = file_.take_fault(it.expert, &delay_ms);
-    it.got = 0;
     it.read_errno = 0;
-    it.want = static_cast<size_t>(file_.stride());
-    if (it.fault == Fault::kShortRead) it.want /= 2;
+    it.errno_span = -1;
     if (it.fault == Fault::kEIO) {
-      failed(i, std::make_exception_ptr(file_.read_failed(it.expert, EIO)));
+      failed(i, std::make_exception_ptr(file_.read_failed(it.expert, EIO, 0)));
       return;
     }
-    submit_read(i);
+    file_.spans(it.expert, &it.spans);
+    const size_t n = it.spans.size();
+    it.asked.assign(n, 0);
+    it.got.assign(n, 0);
+    it.reading.assign(n, 0);
     if (it.fault == Fault::kDelay) {
       it.delaying = true;
-      ring_.delay(delay_ms, tag(id_, i, kDelay));
+      ring_.delay(delay_ms, tag(id_, i, 0, kDelay));
     }
+    for (size_t j = 0; j < n; ++j) {
+      it.asked[j] = BlobFile::asked(it.spans[j], j, it.fault);
+      if (it.asked[j] > 0) submit_read(i, j);
+    }
+    if (it.reads == 0 && !it.delaying) finish(i);  // nothing asked (a short read of one span)
   }
 
-  void submit_read(size_t i) {
+  // The bytes of span j that must arrive (less where the attempt asks for less).
+  size_t need(const Item& it, size_t j) const {
+    return std::min(it.asked[j], it.spans[j].need());
+  }
+
+  void submit_read(size_t i, size_t j) {
     Item& it = items_[i];
-    it.reading = true;
-    ring_.read(it.buf, it.got, file_.fd(), it.want - it.got,
-               file_.offset(it.expert) + static_cast<int64_t>(it.got), tag(id_, i, kRead));
+    const ReadSpan& sp = it.spans[j];
+    it.reading[j] = 1;
+    ++it.reads;
+    ring_.read(it.buf, sp.at + it.got[j], file_.fd(sp.file), it.asked[j] - it.got[j],
+               sp.offset + static_cast<int64_t>(it.got[j]), tag(id_, i, j, kRead));
   }
 
   void dispatch(uint64_t t, int32_t res) {
-    const size_t i = static_cast<size_t>((t & 0xFFFFFFFFu) >> 2);
+    const size_t i = static_cast<size_t>((t & 0xFFFFFFFFu) >> 10);
+    const size_t j = static_cast<size_t>((t >> 2) & (kMaxSpans - 1));
     if (t >> 32 != id_ || i >= items_.size() || items_[i].state == kGivenUp) {
       --orphans_;  // an operation of a given-up read, or its cancellation
       return;
@@ -134,43 +156,50 @@ class RingReader::Call {
     Item& it = items_[i];
     if ((t & 3) == kDelay) {
       it.delaying = false;
-      if (!it.reading) finish(i);
+      if (it.reads == 0) finish(i);
       return;
     }
-    it.reading = false;
+    it.reading[j] = 0;
+    --it.reads;
     if (res == -EINTR || res == -EAGAIN) {
-      submit_read(i);
+      submit_read(i, j);
       return;
     }
     if (res < 0) {
-      it.read_errno = -res;
+      if (!it.read_errno) {
+        it.read_errno = -res;
+        it.errno_span = static_cast<int>(j);
+      }
     } else if (res > 0) {
-      it.got += static_cast<size_t>(res);
+      it.got[j] += static_cast<size_t>(res);
       // O_DIRECT continues only at aligned offsets; a misaligned short read is an error.
-      if (it.got < it.want && !(file_.direct() && it.got % 4096 != 0)) {
-        submit_read(i);
+      if (it.got[j] < need(it, j) && !(file_.direct(it.spans[j].file) && it.got[j] % 4096 != 0)) {
+        submit_read(i, j);
         return;
       }
     }  // 0: end of file, never read zeros past it
-    if (!it.delaying) finish(i);
+    if (it.reads == 0 && !it.delaying) finish(i);
   }
 
   void finish(size_t i) {
     Item& it = items_[i];
     if (it.read_errno) {
-      failed(i, std::make_exception_ptr(file_.read_failed(it.expert, it.read_errno)));
+      failed(i, std::make_exception_ptr(
+                    file_.read_failed(it.expert, it.read_errno, it.errno_span)));
       return;
     }
     uint8_t* bytes = ring_.buffer(it.buf);
+    size_t arrived = 0;
+    for (size_t j = 0; j < it.spans.size(); ++j) arrived += std::min(it.got[j], need(it, j));
     try {
-      file_.finish_record(it.expert, bytes, it.got, it.fault, verify_);
+      file_.finish_record(it.expert, bytes, arrived, it.fault, verify_);
     } catch (const ReadError&) {
       failed(i, std::current_exception());
       return;
     }
     try {
       const bool alone = std::none_of(items_.begin(), items_.end(),
-                                      [](const Item& o) { return o.reading || o.delaying; });
+                                      [](const Item& o) { return o.reads > 0 || o.delaying; });
       ReadClock::Pause copying(clock_, alone);
       land_(i, bytes);
     } catch (...) {  // the copy into the pool failed (a device copy): not a read to retry
@@ -205,10 +234,15 @@ class RingReader::Call {
       Item& it = items_[i];
       if (it.state != kQueued && it.state != kActive) continue;
       it.state = kGivenUp;
-      for (auto [busy, op] : {std::pair{it.reading, kRead}, std::pair{it.delaying, kDelay}}) {
-        if (!busy) continue;
-        ring_.cancel(tag(id_, i, op), tag(id_, i, kCancel));
-        orphans_ += 2;  // the operation and its cancellation each complete once
+      // each operation and its cancellation complete once
+      for (size_t j = 0; j < it.reading.size(); ++j) {
+        if (!it.reading[j]) continue;
+        ring_.cancel(tag(id_, i, j, kRead), tag(id_, i, j, kCancel));
+        orphans_ += 2;
+      }
+      if (it.delaying) {
+        ring_.cancel(tag(id_, i, 0, kDelay), tag(id_, i, 0, kCancel));
+        orphans_ += 2;
       }
     }
     ring_.enter(0);

@@ -6,11 +6,12 @@
 // What it guarantees:
 // - The rules of BlobFile::read_record, through the pieces BlobFile shares for them: per
 //   record at most two attempts (one retry after a failed read, a short read or a
-//   checksum mismatch), injected faults taken per attempt where its read is issued
-//   (kEIO fails without a read, kShortRead reads half, kCorrupt flips the first byte
-//   after the read, kDelay completes only once a timer of delay_ms has also completed),
-//   -EINTR and -EAGAIN resubmitted, short reads continued (at 4096-aligned counts under
-//   O_DIRECT), the same error texts.
+//   checksum mismatch), injected faults taken per attempt where its reads are issued
+//   (kEIO fails without a read, kShortRead asks half of the first span, kCorrupt flips
+//   the first byte after the read, kDelay completes only once a timer of delay_ms has
+//   also completed), every span of a record (BlobFile::spans: one in a blob, one per
+//   segment in place) in flight together, -EINTR and -EAGAIN resubmitted, short reads
+//   continued (at 4096-aligned counts under O_DIRECT), the same error texts.
 // - Bytes reach the caller only through land(i, bytes), called on the caller's thread,
 //   before read() returns, for a record whose read and checksum succeeded; never later.
 //   An exception from land fails that record with it (no retry).

@@ -19,7 +19,8 @@ import pytest
 from engine.cli import build_parser, main
 from engine.model import resolve_store
 from engine.resources import default_model_path
-from engine.store_cache import store_cache_dir
+from engine.store import IN_PLACE
+from engine.store_cache import FIRST_USE, store_cache_dir
 from engine.trace import load_trace, local_trace
 
 from factories import CHAT_TEMPLATE, write_tokenizer
@@ -300,12 +301,17 @@ def test_first_use_conversion_says_so(capfd, monkeypatch, model_dirs, tmp_path, 
     write_tokenizer(model, f"{{# {tmp_path} #}}")  # content of its own: a store of its own
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     code, _, err = run(capfd, "generate", "--model", str(model), "--max-tokens", "1")
-    line = f"converting {model} to an expert store, once per model ("
-    assert code == 0 and err.startswith(line) and " kB of experts)\n" in err, err
+    if FIRST_USE == IN_PLACE:
+        line = f"indexing {model} in place, once per model: reading its 147.5 kB of experts "
+        said = " kB (the experts stay in its files)\n"
+    else:
+        line = f"converting {model} to an expert store, once per model: writing its 147.5 kB"
+        said = " kB of blob files\n"
+    assert code == 0 and err.startswith(line) and said in err, err
     # on a terminal a bar follows, redrawn; else that line is all
     assert ("experts: 100%" in err and "\r" in err) == terminal, err
     code, _, err = run(capfd, "generate", "--model", str(model), "--max-tokens", "1")
-    assert code == 0 and "converting" not in err  # converted once
+    assert code == 0 and "converting" not in err and "indexing" not in err  # written once
 
 
 def test_help_shows_defaults_and_explains_every_argument():
@@ -371,8 +377,8 @@ def test_copies_of_a_model_share_a_store_and_cache_lists_it(capfd, model_dirs, t
     code, out, _ = run(capfd, "cache", "list")
     assert code == 0 and store.name in out and other.name in out
     rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()[1:-1]}
-    # each with the directory it was last loaded from, and what it holds: a copy
-    assert rows[store.name] == rows[other.name] == [str(two), "copy"]
+    # each with the directory it was last loaded from, and what kind of store it is
+    assert rows[store.name] == rows[other.name] == [str(two), FIRST_USE]
     code, out, _ = run(capfd, "cache", "rm", other.name)
     assert code == 0 and not other.exists() and store.exists()
     code, _, err = run(capfd, "cache", "rm", "../etc")

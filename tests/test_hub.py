@@ -16,6 +16,7 @@ from huggingface_hub import constants
 
 from engine.cli import main
 from engine.hub import ALLOW_PATTERNS, HubError, model_dir, parse_id, repo_of
+from engine.store_cache import FIRST_USE
 
 from factories import CHAT_TEMPLATE, write_tokenizer
 from hub_server import Hub, commit_of, lay_out_cache, point_hub, repo_files
@@ -208,7 +209,8 @@ def test_a_local_directory_wins_over_an_id(capfd, hf, tiny, monkeypatch, tmp_pat
 
 
 def test_cache_lists_a_hub_model_and_removes_its_download_when_asked(capfd, hf, tiny):
-    files = repo_files(tiny)
+    # content of its own: a store of its own, named after the repository
+    files = repo_files(tiny) | {"generation_config.json": b'{"for": "cache list"}'}
     snapshot = lay_out_cache(hf.cache, REPO, files)
     hf.offline()
     code, _, err = run(capfd, "generate", "--model", REPO, "--max-tokens", "1")
@@ -216,7 +218,7 @@ def test_cache_lists_a_hub_model_and_removes_its_download_when_asked(capfd, hf, 
     code, out, _ = run(capfd, "cache", "list")
     row = next(line for line in out.splitlines() if f" {REPO} " in line)
     name, model, kind = row.split()[:3]
-    assert name.startswith("test-org--tiny-moe-") and (model, kind) == (REPO, "copy")
+    assert name.startswith("test-org--tiny-moe-") and (model, kind) == (REPO, FIRST_USE)
     download = sum(len(b) for b in files.values())
     assert f"{download / 1e3:.1f} kB" in row, row  # the snapshot's bytes
 
