@@ -83,10 +83,12 @@ class MainWindow(QMainWindow):
         self.tokens_received = 0
         self._clear_after_reply = False
         self.decode = [0, 0.0]  # decode tokens and seconds of this model's replies
+        self._writing = "converting"  # what a first use's progress bar says it does
 
         self.engine = EngineClient()
         w = self.engine.worker
         w.loadProgress.connect(self._on_progress)
+        w.firstUse.connect(self._on_first_use)
         w.downloadProgress.connect(self._on_download_progress)
         w.loaded.connect(self._on_loaded)
         w.loadFailed.connect(self._on_load_failed)
@@ -364,7 +366,11 @@ class MainWindow(QMainWindow):
         self.inspector.show_snapshot(snap, time.monotonic(), self.tokens_received, full)
 
     # worker signals
-    def _on_progress(self, done: float, total: float, what: str = "converting") -> None:
+    def _on_first_use(self, what: str) -> None:
+        self._writing = what
+
+    def _on_progress(self, done: float, total: float, what: str | None = None) -> None:
+        what = what or self._writing
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(1000 * done / total) if total else 0)
         self.progress.setFormat(f"{what} %p%  ({human_bytes(done)} / {human_bytes(total)})")

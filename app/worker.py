@@ -131,7 +131,8 @@ class Worker(QObject):
     """Its methods `load`, `generate` and `unload` run on the engine thread; it is
     created on (and its signals delivered to) the GUI thread."""
 
-    loadProgress = Signal(float, float)  # done bytes, total bytes of a first-use convert
+    loadProgress = Signal(float, float)  # done bytes, total bytes of a first use's store
+    firstUse = Signal(str)  # what a first use does to make the store: "indexing", "converting"
     downloadProgress = Signal(float, float)  # done bytes, total bytes of a hub download
     loaded = Signal(object)  # ModelInfo
     loadFailed = Signal(str)
@@ -212,9 +213,17 @@ class Worker(QObject):
             from engine.generate import ChatSession
             from engine.model import load, resolve_store
             from engine.resources import default_model_path
+            from engine.store import IN_PLACE
 
             source = Path(default_model_path() if path is None else path)
-            store = resolve_store(source, progress=self._progress, download=self._download_progress)
+            store = resolve_store(
+                source,
+                progress=self._progress,
+                download=self._download_progress,
+                announce=lambda kind, _written, _experts: self.firstUse.emit(
+                    "indexing" if kind == IN_PLACE else "converting"
+                ),
+            )
             m = store.manifest
             config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
             check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])

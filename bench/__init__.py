@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import PROMPT, machine_load, prompt_ids
+from bench.common import PROMPT, blob_store, machine_load, prompt_ids
 from engine.model import load_store_tokenizer
 
 SUITES = ("quick", "full", "scale", "prefill")
@@ -54,7 +54,7 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
     the plots. `model`: an mlx-lm model directory or expert store (default: the
     embedded model; for `scale`, the synthetic store, generated on first use)."""
     from bench import report
-    from engine.model import resolve_store, store_cache_dir
+    from engine.model import store_cache_dir
 
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r} ({', '.join(SUITES)})")
@@ -74,7 +74,7 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
 
         model = model or default_model_path()
         results["model"] = str(model)
-        store = resolve_store(model)
+        store = blob_store(model)
         prompt = prompt_ids(load_store_tokenizer(store), store.config["vocab_size"])
         prompt = long_prompt(prompt)
         log(f"time to first token ({len(prompt)}-token prompt)")
@@ -89,7 +89,7 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
 
         model = model or default_model_path()
         results["model"] = str(model)
-        store = resolve_store(model)
+        store = blob_store(model)
         tok = load_store_tokenizer(store)
         prompt = prompt_ids(tok, store.config["vocab_size"])
         quick = suite == "quick"

@@ -122,3 +122,24 @@ def machine_load() -> dict:
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def blob_store(model):
+    """The blob store of `model` (an expert store, or an mlx-lm model directory): the
+    store itself, or, where its first use indexed it in place, a blob store of the same
+    checkpoint written once beside the store cache's (`<cache>/bench/<store>-blob`). The
+    suites measure blob stores: their raw reads and the peers read its blob files
+    (`bench.inplace` compares the two kinds)."""
+    from engine.convert import convert
+    from engine.model import resolve_store, store_cache_dir
+    from engine.store import ExpertStore
+    from engine.store_cache import cached_store
+
+    store = resolve_store(model)
+    if not store.in_place:
+        return store
+    dest = store_cache_dir() / "bench" / f"{store.path.name}-blob"
+    if cached_store(dest) is None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        convert(store.model_dir, dest, force=dest.exists())
+    return ExpertStore(dest)

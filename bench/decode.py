@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.utils import load_model as mlx_load_model
 
 from bench.common import (
+    blob_store,
     disk_read_bytes,
     med_spread,
     reset_vm_hwm,
@@ -33,7 +34,7 @@ from bench.peers import PEER_MODES
 from engine.cache import ratio
 from engine.config import StreamConfig
 from engine.generate import cache_delta
-from engine.model import load, resolve_store
+from engine.model import load
 from engine.store import is_store
 
 # Prefetch modes: name -> StreamConfig fields (side_slots is set per run: 2 x top_k).
@@ -279,7 +280,7 @@ def decode_suite(
     """Resident baseline, streamed at each fraction x mode, and the peers at each
     fraction's budget, in `reps` round-robin rounds. Returns {"rows", "budgets",
     "resident_note", ...}."""
-    store = resolve_store(model)
+    store = blob_store(model)
     m = store.manifest
     configs = [
         (
@@ -428,7 +429,7 @@ def prefill_suite(
     """
     if reps < 1:
         raise ValueError(f"prefill_suite: reps is {reps}, at least 1 is needed")
-    store = resolve_store(model)
+    store = blob_store(model)
     m = store.manifest
     configs = {
         f"streamed {f:.1%}": (f, stream_fields("off", f, m.num_experts, m.top_k) | (fields or {}))

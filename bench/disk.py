@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import prompt_ids, timed_generate
+from bench.common import blob_store, prompt_ids, timed_generate
 from engine.cache import CRC32_IMPLEMENTATION, default_reader_threads, open_cache, snapshot
 from engine.config import StreamConfig
 from engine.flags import positive_int
@@ -32,6 +32,11 @@ _PAGE = mmap.PAGESIZE
 
 
 def blob_paths(store: ExpertStore) -> list[Path]:
+    """The files the store's records are read from: its blobs, or in place the
+    checkpoint's files that hold experts."""
+    if store.in_place:
+        specs = store.manifest.layers
+        return sorted({path for spec in specs for path, _, _ in store.segment_sources(spec)})
     return [store.blob_path(spec) for spec in store.manifest.layers]
 
 
@@ -477,7 +482,6 @@ def main(argv=None) -> int:
     depth sweep alone (engine vs raw at the same queue depth), checksums on and off."""
     import argparse
 
-    from engine.model import resolve_store
     from engine.resources import default_model_path
 
     p = argparse.ArgumentParser(prog="python -m bench.disk", description=main.__doc__)
@@ -487,7 +491,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=None, help="engine reader threads")
     args = p.parse_args(argv)
-    store = resolve_store(args.store or default_model_path())
+    store = blob_store(args.store or default_model_path())
     fields = {} if args.threads is None else {"reader_threads": args.threads}
     depths = [int(d) for d in args.depths.split(",")]
     for verify in (True, False):

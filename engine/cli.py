@@ -689,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="write the expert store of an mlx-lm MoE model",
+        help="write the blob store of an mlx-lm MoE model (every expert copied into blob files)",
         formatter_class=_HelpFormatter,
     )
     p.add_argument(
@@ -857,7 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "cache",
-        help="list or remove the stores converted from model directories on first use",
+        help="list or remove the stores written on the first use of model directories",
     )
     actions = p.add_subparsers(
         dest="action", required=True, metavar="{list,rm}", help="list the stores, or rm some"

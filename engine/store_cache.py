@@ -38,7 +38,7 @@ SOURCE_FILE = "source.json"
 # What a model directory's first use writes: an in-place store where the checkpoint's
 # experts are stacked tensors as its files store them, else (or with BLOB here) a blob
 # store. Chosen from the figures of docs/benchmarks.md ("In place or a copy").
-FIRST_USE = BLOB
+FIRST_USE = IN_PLACE
 
 SAMPLE_BYTES = 1 << 20  # sampled from the start, middle and end of each weight file
 

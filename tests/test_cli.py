@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import build_parser, main
+from engine.memory import human_bytes
 from engine.model import resolve_store
 from engine.resources import default_model_path
 from engine.store import IN_PLACE
@@ -104,24 +105,30 @@ def test_refused_before_anything_is_printed(capfd, argv, message):
 
 
 def test_a_model_larger_than_memory_streams_by_default(capfd, monkeypatch):
-    # the embedded model: 20.0 MB of expert pools (every expert, read buffers included) and
+    # the embedded model: 20 MB of expert pools (every expert, read buffers included) and
     # 1.7 MB of dense weights
     from engine import cache, memory
+    from engine.config import StreamConfig
+    from engine.model import load_bytes
 
+    pools, dense = load_bytes(resolve_store(default_model_path()), StreamConfig())
+    assert 15_000_000 < pools < 21_000_000 and 1_650_000 < dense < 1_750_000
     monkeypatch.setattr(memory, "available_bytes", lambda: 15_000_000)
     monkeypatch.setattr(cache, "available_bytes", lambda: 15_000_000)
     code, out, err = run(capfd, "generate", "--max-tokens", "4", "--json")
     assert code == 0, err
-    assert "\nnote: every expert (20.0 MB) and the dense weights (1.7 MB) exceed the 15.0 MB" in (
-        "\n" + err
+    note = (
+        f"\nnote: every expert ({human_bytes(pools)}) and the dense weights "
+        f"({human_bytes(dense)}) exceed the 15.0 MB"
     )
+    assert note in "\n" + err, err
     assert "streaming with --expert-memory auto" in err
     stats = json.loads(out)["stats"]
     assert stats["misses"] > 0  # streamed: 7.5 MB of real slots
     assert stats["prefetch_issued"] == 0 and stats["prefetch_accuracy"] is None  # not 0.0
     # every expert asked for is refused, not streamed
     code, out, err = run(capfd, "generate", "--expert-slots", "32")
-    assert_refused(code, out, err, "the expert pools need 20.0 MB")
+    assert_refused(code, out, err, f"the expert pools need {human_bytes(pools)}")
 
 
 def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypatch):

@@ -209,7 +209,7 @@ def test_read_error_in_the_stream_surfaces_on_the_host(model_dir):
     mx.eval(logits)
     sm.cache.raise_stream_error()  # nothing pending
     sm.cache.inject_fault(1, "eio", count=10**6)
-    match = r"layer01\.blob \(layer 1, expert \d+\): read failed"
+    match = r"\(layer 1, expert \d+\): read failed"  # naming the blob, or the file in place
     with pytest.raises(ExpertReadError, match=match):
         for _ in range(8):  # until layer 1 misses
             logits = sm.model(mx.argmax(logits, axis=-1)[:, None], cache=kv)[:, -1]
@@ -237,7 +237,8 @@ def test_generation_raises_a_stream_read_error_with_its_type():
     ref = [r.token for r in stream_generate(ref_sm, prompt, 24)]
     sm = load(None, StreamConfig(expert_slots=4))
     got = []
-    with pytest.raises(ExpertReadError, match=r"layer02\.blob"):
+    # the blob, or in place the checkpoint's file
+    with pytest.raises(ExpertReadError, match=r"(layer02\.blob|model\.safetensors) \(layer 2, "):
         for r in stream_generate(sm, prompt, max_tokens=24):
             got.append(r.token)
             if len(got) == 2:
