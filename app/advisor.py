@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.worker import ServiceThread
+from app.worker import ServiceThread, error_text
 from engine.memory import human_bytes
 
 POLICY_COLORS = {"lru": "#f0a030"}
@@ -184,7 +184,7 @@ class AdvisorRunner(QObject):
             return
         except Exception as e:  # noqa: BLE001  (shown in the panel; the app goes on)
             self.running = False
-            self.failed.emit(f"{type(e).__name__}: {e}")
+            self.failed.emit(error_text(e))
             return
         self.running = False
         self.finished.emit(curve, advice)
@@ -261,6 +261,10 @@ class AdvisorPanel(QWidget):
         layout.addWidget(self.figures)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
+
+    def show_failed(self, message: str) -> None:
+        """Says why the analysis failed."""
+        self.status.setText(f"The analysis failed: {message}")
 
     def show_stopped(self) -> None:
         """Says that a reply stopped the analysis."""

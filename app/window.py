@@ -104,7 +104,7 @@ class MainWindow(QMainWindow):
         self.advisor_runner.finished.connect(self.advisor.show_result)
         # bound methods of the panel's widgets, not lambdas: a sweep that ends after the
         # window is gone then reaches no deleted widget
-        self.advisor_runner.failed.connect(self.advisor.status.setText)
+        self.advisor_runner.failed.connect(self.advisor.show_failed)
         self.advisor_runner.stopped.connect(self.advisor.show_stopped)
         self.chat.sendRequested.connect(self.send)
         self.chat.stopRequested.connect(self.stop)

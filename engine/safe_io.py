@@ -43,6 +43,16 @@ class ModelFileError(ValueError):
     or value. The message names the file and the field or value at fault."""
 
 
+def os_error_text(e: OSError) -> str:
+    """An OSError as a user reads it: the file and the reason, without Python's
+    "[Errno N]" ("x.json: Permission denied"); its own text where it has no reason."""
+    if not e.strerror or e.filename2 is not None:
+        return str(e)
+    if e.filename is None or str(e.filename) in e.strerror:
+        return e.strerror
+    return f"{e.filename}: {e.strerror}"
+
+
 def _kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),

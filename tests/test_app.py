@@ -599,6 +599,22 @@ def test_screenshot_is_taken_mid_reply(tmp_path):
     assert image.width() >= 1200 and image.height() >= 800
 
 
+def test_a_model_that_cannot_be_opened_is_named_in_plain_words(tmp_path):
+    """The window's message names the path and the reason, not Python's exception."""
+    from app.worker import Worker, error_text
+
+    worker = Worker(threading.Event(), threading.Event())
+    failed = []
+    worker.loadFailed.connect(failed.append)
+    missing = tmp_path / "missing"
+    worker.load(str(missing), {})
+    assert failed == [f"could not open {missing}: model path {missing} does not exist"]
+    assert error_text(PermissionError(13, "Permission denied", "config.json")) == (
+        "config.json: Permission denied"
+    )
+    assert error_text(KeyError()) == "an internal error (KeyError, no message)"
+
+
 def test_side_rows_turn_prefetch_on_and_off_at_the_rebuild(qtbot):
     from app.controls import ControlsPanel
     from app.worker import ModelInfo
