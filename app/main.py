@@ -198,7 +198,11 @@ def _screenshot(window, args, app) -> None:
     def on_token(n: int) -> None:
         if n >= shot_at and not state["saved"] and args.tab == "inspector":
             grab(f"at reply token {n} of at most {args.max_tokens}")
-            window.stop()
+            # Stopped once saved, not before: a token delivered by the grab's own
+            # processEvents gets here while it runs, and stopping then put "Stopping…"
+            # in the status bar of the picture.
+            if state["saved"]:
+                window.stop()
 
     def on_done(reply) -> None:
         if state["grabbing"]:

@@ -599,6 +599,26 @@ def test_screenshot_is_taken_mid_reply(tmp_path):
     assert image.width() >= 1200 and image.height() >= 800
 
 
+def test_the_screenshot_is_grabbed_before_the_reply_is_stopped(window, tmp_path, monkeypatch):
+    """A token delivered while the window is being grabbed (by the grab's own event
+    processing) does not stop the reply before the picture is saved: the picture never
+    shows "Stopping…"; the reply is stopped once it is saved."""
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    status = window.statusBar().currentMessage
+    saved = []
+    monkeypatch.setattr(app.main, "_save_png", lambda pixmap, path: saved.append(status()))
+    png = tmp_path / "shot.png"
+    args = app.main.build_parser().parse_args(["--screenshot", str(png), "--max-tokens", "24"])
+    app.main._screenshot(window, args, QApplication.instance())
+    window.busy = "generating"  # as while a reply streams: Stop then says "Stopping…"
+    QTimer.singleShot(0, lambda: window.tokenShown.emit(19))  # delivered inside the grab
+    window.tokenShown.emit(18)
+    assert len(saved) == 1 and "Stopping" not in saved[0], saved
+    assert status() == "Stopping…"
+
+
 def test_a_model_that_cannot_be_opened_is_named_in_plain_words(tmp_path):
     """The window's message names the path and the reason, not Python's exception."""
     from app.worker import Worker, error_text
