@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.inspector import fixed_axes
 from app.worker import ServiceThread, error_text
 from engine.memory import human_bytes
 
@@ -34,9 +35,7 @@ TPS_COLOR = "#ff7b72"
 
 
 def _style(plot: pg.PlotItem) -> None:
-    plot.setMenuEnabled(False)
-    plot.setMouseEnabled(x=False, y=False)
-    plot.hideButtons()
+    fixed_axes(plot)
     plot.showGrid(x=True, y=True, alpha=0.15)
 
 
@@ -75,6 +74,19 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
             self.lines.append((now, new))
         self.note = pg.TextItem("", color="#8a93a3", anchor=(0.5, 0.5))
         self.speed.addItem(self.note)
+        self._empty()
+
+    def _empty(self) -> None:
+        # Before the first sweep: the axes' ranges with no ticks on the budget axes and
+        # no budget lines, not pyqtgraph's default range around 0.
+        self.hits.setRange(xRange=(0, 1), yRange=(0, 100), padding=0.02)
+        self.speed.setYRange(0, 1, padding=0.02)
+        for axis in (self.hits.getAxis("bottom"), self.hits.getAxis("top")):
+            axis.setTicks([[], []])
+        self.speed.getAxis("bottom").setTicks([[], []])
+        self.speed.getAxis("left").setTicks([[], []])
+        for line in (line for pair in self.lines for line in pair):
+            line.setVisible(False)
 
     def draw(self, curve, suggested: int | None) -> None:
         """Draws an `engine.advisor.Curve` with the `suggested` slots marked."""
@@ -98,6 +110,9 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
             self.curves[name].setData(x, 100 * np.asarray(rates))
         self.hits.setYRange(0, 100, padding=0.02)
         self.hits.setXRange(x[0], x[-1], padding=0.03)
+        for axis in (self.hits.getAxis("bottom"), self.speed.getAxis("bottom")):
+            axis.setTicks(None)  # pyqtgraph's, which _empty took away
+        self.speed.getAxis("left").setTicks(None)
         step = max(1, len(x) // 6)
         top = [
             (float(c), _short_bytes(b))
@@ -105,6 +120,7 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
         ]
         self.hits.getAxis("top").setTicks([top[::step], []])
         for now, new in self.lines:
+            now.setVisible(True)
             now.setPos(curve.current)
             new.setPos(suggested if suggested is not None else curve.current)
             new.setVisible(suggested is not None and suggested != curve.current)

@@ -78,6 +78,7 @@ class ModelInfo:
     load_seconds: float
     context: int | None
     note: str = ""  # what the load changed of the settings asked for, and why
+    host_tier: bool = False  # experts kept in host memory (MLX CUDA's --host-memory)
 
 
 class ServiceThread:
@@ -249,6 +250,7 @@ class Worker(QObject):
                 load_seconds=time.monotonic() - t0,
                 context=store.context_length,
                 note=note,
+                host_tier=sm.predictor.tier_slots > 0,
             )
         )
 

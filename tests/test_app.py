@@ -389,6 +389,11 @@ def test_a_read_error_is_shown_and_the_app_goes_on(window, qtbot, tmp_path):
         (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
         (["--max-tokens", "-5"], "argument --max-tokens: must be an integer >= 1, got '-5'"),
         (["--shot-at", "0"], "argument --shot-at: must be an integer >= 1, got '0'"),
+        (
+            ["--size", "1366x0"],
+            "argument --size: '1366x0' is not a window size: give WIDTHxHEIGHT in pixels",
+        ),
+        (["--size", "big"], "argument --size: 'big' is not a window size"),
         (["--expert-slots", "0"], "error: --expert-slots 0: must be >= 1"),
         (
             ["--expert-slots", "8", "--expert-memory", "50MiB"],
