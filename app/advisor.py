@@ -142,15 +142,22 @@ def _short_bytes(n: float) -> str:
 
 
 def figures_text(curve) -> str:
-    """What was measured and what is estimated, as HTML for the panel."""
+    """What was measured and what is estimated, as HTML for the panel. The measured hit
+    rate is the inspector's figure as it shows it; the replayed one at the same budget
+    is named apart, with why it differs."""
     m = curve.measured
-    parts = [f"Replayed {curve.tokens:,} tokens of this session one at a time (real region only)."]
+    replayed = curve.at(curve.current)
+    parts = [
+        f"Replayed {curve.tokens:,} tokens of this session one at a time (real region only): "
+        f"hit rate {replayed:.1%} at {curve.current} slots, from an empty cache and without "
+        "the side region's prefetch."
+    ]
     if m is not None:
         parts.append(
             f"<b>Measured</b> at {curve.current} slots: decode {m.decode_tps:.1f} tok/s over "
-            f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.0%} over the session (its "
-            "prompts included: a prompt's forward looks up each of its distinct experts once, "
-            f"into a colder cache; side hits count), reads {human_bytes(m.read_Bps)}/s."
+            f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.1%} (the inspector's: side "
+            "hits count, and a prompt's forward looks up each of its distinct experts once), "
+            f"reads {human_bytes(m.read_Bps)}/s."
         )
     if curve.tps:
         parts.append(
