@@ -15,7 +15,8 @@ Every file the product writes (stores, traces, pin sets, plots, screenshots) is 
 beside its target and renamed over it once complete and flushed (`atomic_write`; the
 store writer does the same for whole directories), so a reader, or a run killed at any
 instant, finds the old file or the new one, never a part of one; what a killed writer
-leaves (`.NAME.tmp-PID`) is removed by the next writer of that name (`remove_leftovers`).
+leaves (`.NAME.tmp-PID`) is removed by the next writer in that directory
+(`remove_leftovers`).
 """
 
 import json
@@ -301,15 +302,17 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     """A binary file to write the whole new content of `path` into: it is a temporary
     sibling (`.NAME.tmp-PID`), flushed to the disk and renamed over `path` when the `with`
     block ends without an error, and removed when it raises. A reader, or a run killed at
-    any instant, finds the old `path` or the new one; leftovers of killed writers of
-    `path` are removed first (`remove_leftovers`).
+    any instant, finds the old `path` or the new one; leftovers of killed writers in
+    its directory are removed first, whatever file they were writing
+    (`remove_leftovers`): a trace saved under one name cleans up after a save of
+    another that was killed.
 
     Raises:
         OSError: the temporary file cannot be created, written or renamed (the error of
             the write, e.g. ENOSPC; `path` is then untouched).
     """
     path = Path(path)
-    remove_leftovers(path.parent, path.name)
+    remove_leftovers(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
