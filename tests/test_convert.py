@@ -399,11 +399,11 @@ def test_existing_store_needs_force(tmp_path):
 def enospc_on(layer_file):
     real = store_writer.write_blob
 
-    def write_blob(path, records, record_bytes, stride):
+    def write_blob(path, records, record_bytes, stride, *args):
         if path.name == layer_file:
             path.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, records, record_bytes, stride)
+        return real(path, records, record_bytes, stride, *args)
 
     return write_blob
 
