@@ -315,7 +315,7 @@ def _serve(args) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: refused here in one line)
 
-        from engine.server import GenerationThread, bind, build_app, url, uvicorn_server
+        from engine.serve.server import GenerationThread, bind, build_app, url, uvicorn_server
     except ImportError as e:
         raise ValueError(
             f"serve needs the 'serve' extra ({e.name} is missing): "
@@ -331,7 +331,7 @@ def _serve(args) -> int:
         if args.record_trace:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
         from engine import pipeline
-        from engine.pipeline_server import PipelineGenerationThread, follow
+        from engine.serve.pipeline import PipelineGenerationThread, follow
 
         group = pipeline.init_group()
         model = Path(str(model).replace("{rank}", str(group.rank())))

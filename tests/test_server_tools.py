@@ -271,7 +271,7 @@ def test_replies_over_the_prompt_cache_equal_replies_without_it():
 def test_the_prompt_cache_stays_within_its_budget():
     """Different prompts each leave an entry; the least recently used go once their KV
     passes the budget."""
-    from engine.server import PROMPT_CACHE_ENTRIES
+    from engine.serve.server import PROMPT_CACHE_ENTRIES
 
     budget = 5 << 20  # bytes: two entries (the KV is allocated 256 tokens at a time)
     served = Served(prompt_cache_bytes=budget)
@@ -304,7 +304,7 @@ def test_the_split_keeps_every_character_the_model_wrote_outside_its_calls(tool_
     its text."""
     from mlx_lm.utils import load_tokenizer
 
-    from engine.tool_calls import ToolCall, ToolCallStream
+    from engine.serve.tool_calls import ToolCall, ToolCallStream
 
     tok = load_tokenizer(tool_model)
     assert tok.has_thinking and tok.has_tool_calling

@@ -15,9 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, SYSTEM, TOOL, USER
-from engine.server_messages import call_arguments, content_text, function_tool
-from engine.server_openai import endpoint
-from engine.server_requests import (
+from engine.serve.bodies import (
     RequestError,
     Served,
     collect,
@@ -28,7 +26,9 @@ from engine.server_requests import (
     submit,
     text,
 )
-from engine.tool_calls import ToolCall, ToolCallStream
+from engine.serve.messages import call_arguments, content_text, function_tool
+from engine.serve.openai import endpoint
+from engine.serve.tool_calls import ToolCall, ToolCallStream
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

@@ -5,7 +5,7 @@ assistant's `tool_calls` with parsed arguments, a tool result's `tool_call_id`).
 import json
 
 from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL
-from engine.server_requests import RequestError, lone_surrogate, text
+from engine.serve.bodies import RequestError, lone_surrogate, text
 
 
 def openai_tools(data: dict) -> list[dict] | None:

@@ -1,7 +1,7 @@
 """What every route of `expertstream serve` shares: reading a request body, the checks of
 its fields (sampling, limits, stop strings) and the job it becomes, and waiting for the
-job's events. Each protocol module (engine.server_openai, engine.server_anthropic,
-engine.server_responses, engine.server_ollama) maps its own field names onto these and
+job's events. Each protocol module (engine.serve.openai, engine.serve.anthropic,
+engine.serve.responses, engine.serve.ollama) maps its own field names onto these and
 writes `RequestError` in its own error format.
 """
 

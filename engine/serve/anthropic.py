@@ -12,8 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, SYSTEM, TOOL, USER
-from engine.server_messages import call_arguments, function_tool
-from engine.server_requests import (
+from engine.serve.bodies import (
     RequestError,
     Served,
     collect,
@@ -25,7 +24,8 @@ from engine.server_requests import (
     submit,
     text,
 )
-from engine.tool_calls import ToolCall, ToolCallStream
+from engine.serve.messages import call_arguments, function_tool
+from engine.serve.tool_calls import ToolCall, ToolCallStream
 
 # Anthropic's error types by status.
 _ERROR_TYPES = {
