@@ -340,6 +340,17 @@ def test_convert_errors_are_one_line_naming_the_flag(capfd, tmp_path, qwen_store
     code, _, err = run(capfd, "convert", str(model_dirs("qwen3_moe")), str(dest))
     want = f"{dest} already exists: --force replaces it"
     assert code == 2 and err == f"expertstream convert: error: {want}\n"
+    # A folder holding a file: what --force cannot replace is said first, not "--force
+    # replaces it" and then, with --force, a refusal.
+    (dest / "notes.txt").write_text("mine")
+    want = (
+        f"{dest} exists and is not an expert store: convert never replaces it, --force or "
+        "not; give a new directory"
+    )
+    for force in ([], ["--force"]):
+        code, _, err = run(capfd, "convert", str(model_dirs("qwen3_moe")), str(dest), *force)
+        assert code == 2 and err == f"expertstream convert: error: {want}\n", force
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"]
 
     # A store is no model directory, though it has a config.json: said before the rest.
     code, _, err = run(capfd, "convert", str(qwen_store.path), str(dest))

@@ -390,8 +390,9 @@ def test_existing_store_needs_force(tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not an expert store"):
-        convert(second, precious, force=True)
+    for force in (False, True):
+        with pytest.raises(ValueError, match="not an expert store: convert never replaces it"):
+            convert(second, precious, force=force)
     assert (precious / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
