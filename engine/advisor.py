@@ -11,6 +11,7 @@ estimate (the replay models the real region only: prefetch into the side region 
 replayed).
 """
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -348,6 +349,19 @@ def table(curve: Curve) -> str:
     return "\n".join(lines)
 
 
+NO_MATPLOTLIB = "--png needs matplotlib: pip install matplotlib (or the 'bench' extra)"
+
+
+def check_png() -> None:
+    """Refuses a plot before any work where `save_png` could not draw it.
+
+    Raises:
+        ValueError: matplotlib is not installed (`NO_MATPLOTLIB`).
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(NO_MATPLOTLIB)
+
+
 def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
     """Plots hit rate (and the estimated tokens/s, when there is one) vs budget, the
     current and suggested budgets marked and the advice as the title, into the PNG
@@ -364,9 +378,7 @@ def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError(
-            "--png needs matplotlib: pip install matplotlib (or the 'bench' extra)"
-        ) from None
+        raise ValueError(NO_MATPLOTLIB) from None
     rows = 2 if curve.tps else 1
     fig, axes = plt.subplots(rows, 1, figsize=(8, 3 + 2.4 * rows), sharex=True, squeeze=False)
     hits = axes[0][0]

@@ -426,6 +426,7 @@ def _advise(args) -> int:
     from engine.advisor import (
         Budget,
         advise,
+        check_png,
         estimate_tps,
         policy_of,
         save_png,
@@ -437,6 +438,8 @@ def _advise(args) -> int:
 
     _check_output("--save-trace", args.save_trace)
     _check_output("--png", args.png)
+    if args.png:
+        check_png()  # before the replay, not after the table is printed
     if args.trace is None and args.prompt_file is None:
         raise ValueError("give --trace FILE.npz, or --prompt-file FILE to record a fresh trace")
     if args.trace is not None and args.prompt_file is not None:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -298,6 +299,23 @@ def test_advise_cli(recorded, tmp_path, capsys):
     assert "--trace" in capsys.readouterr().err
     assert cli.main(["advise", "--trace", str(path), "--model", str(default_model_path())]) == 2
     assert "but the trace is" in capsys.readouterr().err
+
+
+def test_advise_png_without_matplotlib_is_refused_before_the_replay(
+    recorded, tmp_path, capsys, monkeypatch
+):
+    """No table printed and then a failure: the missing plotting library is the one
+    line, first."""
+    path = recorded.save(tmp_path / "run.npz")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, as uninstalled
+    assert cli.main(["advise", "--trace", str(path), "--png", str(tmp_path / "a.png")]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == (
+        "expertstream advise: error: --png needs matplotlib: pip install matplotlib (or the "
+        "'bench' extra)\n"
+    )
+    assert not (tmp_path / "a.png").exists()
 
 
 def test_server_serves_the_recorded_trace():
