@@ -403,6 +403,40 @@ def test_first_use_conversion_says_so(capfd, monkeypatch, model_dirs, tmp_path, 
     assert code == 0 and "converting" not in err  # converted once
 
 
+@pytest.mark.parametrize(
+    ("script", "module"), [("expertstream", "engine.cli"), ("expertstream-gui", "app.main")]
+)
+def test_without_an_mlx_backend_every_command_says_what_to_install(tmp_path, script, module):
+    """`pip install -e '.[app]'` on Linux leaves MLX without its backend library: its
+    import fails. Each console script, --help included, says so in one line with the
+    extra to install, not a traceback through the imports first."""
+    fake = tmp_path / "site" / "mlx"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "core.py").write_text(
+        'raise ImportError("libmlx.so: cannot open shared object file: No such file or '
+        'directory")\n'
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(root)])}
+    for argv in (["--help"], ["generate"] if script == "expertstream" else []):
+        # what the console script pip writes runs
+        code = (
+            f"import sys; from {module} import main; sys.argv = {[script, *argv]!r}; "
+            "sys.exit(main())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 1 and out.stdout == "", out
+        assert out.stderr == (
+            "expertstream: error: MLX cannot load (libmlx.so: cannot open shared object file: "
+            "No such file or directory). On Linux MLX's backend is an extra: install "
+            "expertstream[cpu] (CPU) or expertstream[cuda] (NVIDIA GPU, CUDA 13), e.g. pip "
+            "install -e '.[cpu,app]'\n"
+        ), out.stderr
+
+
 def test_help_shows_defaults_and_explains_every_argument():
     parser = build_parser()
     sub = parser._subparsers._group_actions[0].choices
