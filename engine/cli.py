@@ -25,6 +25,7 @@ from engine.flags import (
     top_p,
 )
 from engine.memory import available_bytes, human_bytes
+from engine.safe_io import os_error_text
 from engine.serve.flags import add_serve_flags
 
 
@@ -896,10 +897,8 @@ def _error_text(e: Exception, args: argparse.Namespace) -> str:
         return config_error_message(e, args)
     if isinstance(e, PoolMemoryError):
         return e.in_words(flag_names())
-    if isinstance(e, OSError) and e.strerror and e.filename2 is None:
-        if e.filename is None or str(e.filename) in e.strerror:
-            return e.strerror
-        return f"{e.filename}: {e.strerror}"
+    if isinstance(e, OSError):
+        return os_error_text(e)
     return str(e)
 
 
