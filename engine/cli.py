@@ -15,7 +15,6 @@ from engine.flags import (
     check_real_slots,
     config_error_message,
     flag_names,
-    port,
     positive_int,
     prompt_text,
     seed,
@@ -24,6 +23,7 @@ from engine.flags import (
     top_p,
 )
 from engine.memory import available_bytes, human_bytes
+from engine.serve.flags import add_serve_flags
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -315,7 +315,7 @@ def _serve(args) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: refused here in one line)
 
-        from engine.server import GenerationThread, bind, build_app, url, uvicorn_server
+        from engine.serve.server import GenerationThread, bind, build_app, url, uvicorn_server
     except ImportError as e:
         raise ValueError(
             f"serve needs the 'serve' extra ({e.name} is missing): "
@@ -331,7 +331,7 @@ def _serve(args) -> int:
         if args.record_trace:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
         from engine import pipeline
-        from engine.pipeline_server import PipelineGenerationThread, follow
+        from engine.serve.pipeline import PipelineGenerationThread, follow
 
         group = pipeline.init_group()
         model = Path(str(model).replace("{rank}", str(group.rank())))
@@ -674,56 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     _add_model_flag(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=port, default=8080, help="TCP port (0: any free port)")
-    p.add_argument(
-        "--max-queue",
-        type=positive_int,
-        default=32,
-        help="requests that may wait while one generates; more get 503 with Retry-After",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=256,
-        help="reply limit of requests that set no max_tokens (tokens)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level (info: one line per request)",
-    )
-    p.add_argument(
-        "--record-trace",
-        type=int,
-        default=0,
-        metavar="N",
-        help="keep the routing of the last N tokens, served at GET /v1/trace as .npz "
-        "(for expertstream advise --trace; 0: off)",
-    )
-
-    def prompt_cache_size(text: str) -> int:
-        from engine.config import parse_memory
-
-        wanted = f"must be a size (e.g. 1GiB) or 0 (off), got {text!r}"
-        try:
-            value = 0 if text.strip() == "0" else parse_memory(text)
-        except ValueError:
-            # parse_memory's own words offer "auto" and refuse 0, both wrong for this flag
-            raise argparse.ArgumentTypeError(wanted) from None
-        if value == "auto":
-            raise argparse.ArgumentTypeError(wanted)
-        return int(value)
-
-    p.add_argument(
-        "--prompt-cache",
-        type=prompt_cache_size,
-        default="1GiB",
-        metavar="SIZE",
-        help="KV memory kept of recent conversations, so that a request continuing one "
-        "prefills only its new tokens (LRU; 0: off; not with --pipeline)",
-    )
+    add_serve_flags(p)
     _add_pipeline_flag(p, "rank 0 serves, the other ranks follow it")
     add_cache_flags(p)
     p.set_defaults(func=_serve, command_parser=p)
