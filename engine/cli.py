@@ -12,7 +12,6 @@ from engine.config import ConfigError, PoolMemoryError
 from engine.flags import (
     Parser,
     add_cache_flags,
-    check_real_slots,
     config_error_message,
     flag_names,
     positive_int,
@@ -87,32 +86,32 @@ def _convert(args) -> int:
 
 
 def _load(model: str | Path | None, config):
-    """`engine.model.load` for one process: a model directory's first-use convert says
-    so on stderr (`_convert_progress`), real regions below top-k are refused
-    (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
-    model whose experts and dense weights exceed the memory available is streamed with
-    --expert-memory auto instead, said on stderr, rather than refused."""
-    from engine.model import auto_if_too_large, load, resolve_store
+    """`engine.open_model.open_model` for one process: a model directory's first-use
+    convert says so on stderr (`_convert_progress`), and without --expert-slots or
+    --expert-memory (every expert), a model whose experts and dense weights exceed the
+    memory available is streamed with --expert-memory auto instead, said on stderr."""
+    from engine.open_model import open_model
     from engine.resources import default_model_path
+
+    def say_auto(t) -> None:
+        print(
+            f"note: every expert ({human_bytes(t.pools)}) and the dense weights "
+            f"({human_bytes(t.dense)}) exceed the {human_bytes(t.available)} of memory "
+            "available: streaming with --expert-memory auto (--expert-slots or "
+            "--expert-memory sets it)",
+            file=sys.stderr,
+        )
 
     model = model or default_model_path()
     line = f"converting {model} to an expert store, once per model"
     with _convert_progress(line) as progress:
-        store = resolve_store(model, progress)
-    m = store.manifest
-    check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
-    if config.expert_slots is None and config.expert_memory is None:
-        config, sizes = auto_if_too_large(store, config)
-        if sizes is not None:
-            pools, dense, available = sizes
-            print(
-                f"note: every expert ({human_bytes(pools)}) and the dense weights "
-                f"({human_bytes(dense)}) exceed the {human_bytes(available)} of memory "
-                "available: streaming with --expert-memory auto (--expert-slots or "
-                "--expert-memory sets it)",
-                file=sys.stderr,
-            )
-    return load(store.path, config)
+        return open_model(
+            model,
+            config,
+            auto_when_too_large=config.expert_slots is None and config.expert_memory is None,
+            on_auto=say_auto,
+            progress=progress,
+        )
 
 
 def _copy_stage(args) -> int:
@@ -256,6 +255,7 @@ def _generate_pipeline(args) -> int:
     from engine import pipeline
     from engine.generate import prompt_tokens
     from engine.model import load_stage
+    from engine.open_model import check_real_slots
     from engine.store import layer_range
 
     group = pipeline.init_group()
@@ -433,6 +433,7 @@ def _advise(args) -> int:
         table,
     )
     from engine.model import resolve_store, store_cache_dir
+    from engine.open_model import check_real_slots
     from engine.trace import load_trace
 
     _check_output("--save-trace", args.save_trace)
