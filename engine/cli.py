@@ -21,7 +21,7 @@ from engine.flags import (
     temperature,
     top_p,
 )
-from engine.memory import available_bytes, human_bytes
+from engine.memory import human_bytes
 from engine.serve.flags import add_serve_flags
 
 
@@ -423,16 +423,8 @@ def _bench(argv: list[str]) -> int:
 
 
 def _advise(args) -> int:
-    from engine.advisor import (
-        Budget,
-        advise,
-        estimate_tps,
-        policy_of,
-        save_png,
-        sweep,
-        table,
-    )
-    from engine.model import resolve_store, store_cache_dir
+    from engine.advisor import Budget, advice_for, policy_of, save_png, table
+    from engine.model import resolve_store
     from engine.open_model import check_real_slots
     from engine.trace import load_trace
 
@@ -482,12 +474,8 @@ def _advise(args) -> int:
         f"MIN; now: {current} slots per layer ({source})",
         file=sys.stderr,
     )
-    curve = sweep(
-        trace, store_cache_dir() / "replay", policy, current, autopin_frac=config.autopin_frac
-    )
-    if store is not None:
-        estimate_tps(curve, Budget.of(store.manifest, config), measured)
-    advice = advise(curve, available_bytes())
+    budget = Budget.of(store.manifest, config) if store is not None else None
+    curve, advice = advice_for(trace, config, current, budget, measured)
     if args.json:
         print(
             json.dumps(
@@ -548,16 +536,9 @@ def _record_for_advice(args, config):
     trace = recorder.trace(Path(args.prompt_file).stem)
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
-    c = result.cache
-    measured = None  # nothing measured without a decode step (--max-tokens 1)
-    if result.decode_tps is not None:
-        measured = Measured(
-            decode_tps=result.decode_tps,
-            read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
-            hit_rate=c["hit_rate"],
-            decode_tokens=len(result.tokens),
-            decode_hit_rate=decode["hit_rate"],
-        )
+    measured = Measured.of(
+        result.decode_tps, len(result.tokens), result.cache, decode_hit_rate=decode["hit_rate"]
+    )
     return trace, measured, sm.store, sm.real_slots
 
 
