@@ -276,26 +276,43 @@ void LayerScratch::retire(ReadAhead& ra) {
   ra = ReadAhead{};
 }
 
-std::exception_ptr LayerScratch::read_staged(int li, const std::shared_ptr<ScratchBank>& bank,
-                                             const std::vector<int>& experts,
-                                             const std::vector<int>& rows,
-                                             std::vector<uint8_t>& landed, uint64_t& micros) {
-  landed.assign(experts.size(), 0);
-  if (experts.empty()) return nullptr;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto batch = stage_reads(li, bank, experts, rows, false);
-  batch->settle(io_.read_timeout_ms, false);
-  micros = micros_since(t0);
-  std::exception_ptr first;
-  std::lock_guard<std::mutex> lk(batch->mu);
-  for (size_t j = 0; j < experts.size(); ++j) {
-    landed[j] = batch->state[j] == kDone;
-    if (!landed[j] && !first)
-      first = batch->error[j] ? batch->error[j]
-                              : read_timeout(*io_.files[static_cast<size_t>(li)], experts[j],
-                                             io_.read_timeout_ms);
+std::vector<uint8_t> LayerScratch::fetch(int li, const std::shared_ptr<ScratchBank>& bank,
+                                         const std::vector<int>& experts,
+                                         const std::vector<int>& rows,
+                                         std::vector<uint8_t>& staged, Load& out) {
+  std::vector<uint8_t> in_row(experts.size(), 0);
+  std::vector<int> reads, read_rows;
+  std::vector<size_t> at;  // [j]: the index of reads[j] in experts
+  for (size_t i = 0; i < experts.size(); ++i) {
+    if (copy_from_tier(li, experts[i], bank->row(rows[i]))) {
+      in_row[i] = 1;
+      ++out.host_hits;
+    } else {
+      reads.push_back(experts[i]);
+      read_rows.push_back(rows[i]);
+      at.push_back(i);
+    }
   }
-  return first;
+  if (reads.empty()) return in_row;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto batch = stage_reads(li, bank, reads, read_rows, false);
+  batch->settle(io_.read_timeout_ms, false);
+  out.read_micros += micros_since(t0);
+  std::lock_guard<std::mutex> lk(batch->mu);
+  for (size_t j = 0; j < reads.size(); ++j) {
+    if (batch->state[j] == kDone) {
+      in_row[at[j]] = 1;
+      staged[static_cast<size_t>(read_rows[j])] = 1;
+      ++out.records_read;
+    } else {
+      ++out.read_errors;
+      if (!out.error)
+        out.error = batch->error[j] ? batch->error[j]
+                                    : read_timeout(*io_.files[static_cast<size_t>(li)],
+                                                   reads[j], io_.read_timeout_ms);
+    }
+  }
+  return in_row;
 }
 
 std::exception_ptr LayerScratch::copy(int li, const std::vector<Span>& copies) const {
@@ -357,28 +374,15 @@ LayerScratch::Load LayerScratch::load_layer(int li, const std::vector<int>& miss
     free_rows.pop_back();
     return r;
   };
-  std::vector<int> reads, read_rows;
-  for (int e : missing) {
-    if (row_of[static_cast<size_t>(e)] >= 0) continue;
-    const int r = take_row();
-    if (copy_from_tier(li, e, bank->row(r))) {
-      row_of[static_cast<size_t>(e)] = r;
-      ++out.host_hits;
-    } else {
-      reads.push_back(e);
-      read_rows.push_back(r);
+  std::vector<int> now, now_rows;  // the misses not read ahead, and the rows they take
+  for (int e : missing)
+    if (row_of[static_cast<size_t>(e)] < 0) {
+      now.push_back(e);
+      now_rows.push_back(take_row());
     }
-  }
-  std::vector<uint8_t> landed;
-  out.error = read_staged(li, bank, reads, read_rows, landed, out.read_micros);
-  uint64_t read_now = 0;
-  for (size_t j = 0; j < reads.size(); ++j)
-    if (landed[j]) {
-      row_of[static_cast<size_t>(reads[j])] = read_rows[j];
-      staged[static_cast<size_t>(read_rows[j])] = 1;
-      ++read_now;
-    }
-  out.records_read += read_now;
+  const std::vector<uint8_t> in_row = fetch(li, bank, now, now_rows, staged, out);
+  for (size_t j = 0; j < now.size(); ++j)
+    if (in_row[j]) row_of[static_cast<size_t>(now[j])] = now_rows[j];
   std::vector<int> resident_at;
   if (!out.error) {
     // The staged records, and the resident experts from their pool rows (a hit that was
@@ -396,9 +400,7 @@ LayerScratch::Load LayerScratch::load_layer(int li, const std::vector<int>& miss
   }
   for (int e : missing) out.rows.push_back(row_of[static_cast<size_t>(e)]);
   out.rows.insert(out.rows.end(), resident_at.begin(), resident_at.end());
-  if (out.error) {
-    out.read_errors = reads.size() - read_now;
-  } else {
+  if (!out.error) {
     // As ExpertCache::load_scratch: the call's experts also fill the real region's empty
     // slots, most routed first (acquire's order).
     out.loads = missing.size();
@@ -429,32 +431,16 @@ LayerScratch::Load LayerScratch::load_whole(int li, int bank_index, const Source
   }
   // Every expert in the row of its id: staged (read ahead, or read now) and uploaded
   // in runs of consecutive rows, copied from the host tier, or, resident, from its slot.
-  std::vector<int> reads;
-  for (int e = 0; e < io_.num_experts; ++e) {
-    if (pool_row[static_cast<size_t>(e)] || staged[static_cast<size_t>(e)]) continue;
-    if (tier_ && tier_->holds(li, e) && copy_from_tier(li, e, bank->row(e))) {
-      ++out.host_hits;
-    } else {
-      reads.push_back(e);
-    }
-  }
-  std::vector<uint8_t> landed;
-  out.error = read_staged(li, bank, reads, reads, landed, out.read_micros);
-  uint64_t read_now = 0;
-  for (size_t j = 0; j < reads.size(); ++j)
-    if (landed[j]) {
-      staged[static_cast<size_t>(reads[j])] = 1;
-      ++read_now;
-    }
-  out.records_read += read_now;
+  std::vector<int> now;
+  for (int e = 0; e < io_.num_experts; ++e)
+    if (!pool_row[static_cast<size_t>(e)] && !staged[static_cast<size_t>(e)]) now.push_back(e);
+  fetch(li, bank, now, now, staged, out);
   if (!out.error) {
     std::vector<Span> copies = bank->upload(staged);
     for (const auto& [e, from] : resident) add_copies(copies, bank->row(e), from);
     out.error = copy(li, copies);
   }
-  if (out.error) {
-    out.read_errors = reads.size() - read_now;
-  } else {
+  if (!out.error) {
     out.loads = out.host_hits + static_cast<uint64_t>(std::count(staged.begin(), staged.end(), 1));
     // Empty real slots take experts in id order: the routing is not read here.
     for (int e = 0; e < io_.num_experts; ++e) out.fill.emplace_back(e, as_sources(bank->row(e)));

@@ -180,12 +180,14 @@ class LayerScratch {
   std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<ScratchBank>& bank,
                                          const std::vector<int>& experts,
                                          const std::vector<int>& rows, bool ahead);
-  // Reads experts[i] of layer li into staging row rows[i] of `bank` now and waits;
-  // landed[i] tells which landed, `micros` how long it waited (unchanged with nothing to
-  // read). Returns the first error (a failed read, or a timeout).
-  std::exception_ptr read_staged(int li, const std::shared_ptr<ScratchBank>& bank,
-                                 const std::vector<int>& experts, const std::vector<int>& rows,
-                                 std::vector<uint8_t>& landed, uint64_t& micros);
+  // Puts experts[i] of layer li into row rows[i] of `bank` now: copied from the host tier
+  // where it holds the record, else read into the staging and waited for (staged[rows[i]]
+  // set where it landed). Adds to out's host_hits, records_read, read_micros and
+  // read_errors, and sets out.error to the first failed read (or timeout) unless one is
+  // set. Returns, per expert, whether its row now holds it.
+  std::vector<uint8_t> fetch(int li, const std::shared_ptr<ScratchBank>& bank,
+                             const std::vector<int>& experts, const std::vector<int>& rows,
+                             std::vector<uint8_t>& staged, Load& out);
   // Makes the copies into (and within) layer li's bank; returns their failure as a
   // ReadError naming the layer's file, or null.
   std::exception_ptr copy(int li, const std::vector<Span>& copies) const;
