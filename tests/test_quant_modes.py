@@ -1,9 +1,10 @@
 """Expert stores in every MLX quantization mode, and dtypes the CPU backend cannot multiply.
 
 mxfp4 (what gpt-oss ships), mxfp8 and nvfp4 pack the experts with uint8 scales and no
-biases; their stores load and stream bit-exact, a long prompt's calls expert-major too. Unquantized bfloat16 experts and nvfp4
-global scales have no CPU kernel (mlx-lm's own model fails inside the first MoE layer):
-load refuses them first, with a message that says what to do.
+biases; their stores load and stream bit-exact, a long prompt's calls expert-major too.
+Unquantized bfloat16 experts and nvfp4 global scales have no CPU kernel (mlx-lm's own
+model fails inside the first MoE layer): load refuses them first, with a message that
+says what to do.
 """
 
 import mlx.core as mx
