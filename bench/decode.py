@@ -405,6 +405,7 @@ def prefill_suite(
     fields: dict | None = None,
     log=print,
     configs: dict[str, tuple[float, dict]] | None = None,
+    warm_up: bool = True,
 ) -> dict:
     """Time to first token of `prompt` (a long one: `long_prompt`) for mlx-lm resident
     and the engine at each fraction of the experts (prefetch off: a prefill of several
@@ -412,7 +413,8 @@ def prefill_suite(
     `configs`: instead of `fractions`, named runs of (fraction, more fields) each),
     each repetition from a freshly loaded model (cold cache: every expert the prompt
     routes to is read), in `reps` round-robin rounds after one discarded warm-up of each
-    path, as `decode_suite` does.
+    path, as `decode_suite` does (`warm_up` False: none, where an earlier suite in the
+    process has compiled the kernels).
 
     Returns:
         {"prompt_tokens", "baseline", "rows"}: one row per run with "ttft_s" (median
@@ -445,7 +447,7 @@ def prefill_suite(
     }
     if not is_store(model):
         runs = {"resident (mlx-lm)": lambda: _resident_once(model, prompt, 1), **runs}
-    for run in runs.values():  # warm-up (discarded): kernels and allocations
+    for run in runs.values() if warm_up else ():  # discarded: kernels and allocations
         run()
     onces = {name: [] for name in runs}
     names = list(runs)
