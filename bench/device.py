@@ -523,7 +523,7 @@ def main(argv=None) -> int:
         type=lengths,
         default=(2048,),
         help="the synthetic store's prompt lengths, comma-separated (default 2048; "
-        "rounds beyond 2,048 tokens are one)",
+        "lengths after the first take one round)",
     )
     p.add_argument(
         "--no-decode",
