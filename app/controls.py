@@ -167,7 +167,7 @@ class ControlsPanel(QWidget):
         c = info.config
         n = len(info.layers)
         # a token's top-k experts of a layer fit its real region together, as every front
-        # end requires (engine.flags.check_real_slots)
+        # end requires (engine.open_model.check_real_slots)
         self.expert_slots.setRange(info.top_k, info.num_experts)
         self.expert_slots.setValue(c.expert_slots or max(info.slots))
         memory = c.expert_memory

@@ -14,7 +14,6 @@ from engine.config import ConfigError, PoolMemoryError
 from engine.flags import (
     Parser,
     add_cache_flags,
-    check_real_slots,
     config_error_message,
     flag_names,
     positive_int,
@@ -24,7 +23,7 @@ from engine.flags import (
     temperature,
     top_p,
 )
-from engine.memory import available_bytes, human_bytes
+from engine.memory import human_bytes
 from engine.safe_io import os_error_text
 from engine.serve.flags import add_serve_flags
 
@@ -90,32 +89,32 @@ def _convert(args) -> int:
 
 
 def _load(model: str | Path | None, config):
-    """`engine.model.load` for one process: a model directory's first-use convert says
-    so on stderr (`_convert_progress`), real regions below top-k are refused
-    (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
-    model whose experts and dense weights exceed the memory available is streamed with
-    --expert-memory auto instead, said on stderr, rather than refused."""
-    from engine.model import auto_if_too_large, load, resolve_store
+    """`engine.open_model.open_model` for one process: a model directory's first-use
+    convert says so on stderr (`_convert_progress`), and without --expert-slots or
+    --expert-memory (every expert), a model whose experts and dense weights exceed the
+    memory available is streamed with --expert-memory auto instead, said on stderr."""
+    from engine.open_model import open_model
     from engine.resources import default_model_path
+
+    def say_auto(t) -> None:
+        print(
+            f"note: every expert ({human_bytes(t.pools)}) and the dense weights "
+            f"({human_bytes(t.dense)}) exceed the {human_bytes(t.available)} of memory "
+            "available: streaming with --expert-memory auto (--expert-slots or "
+            "--expert-memory sets it)",
+            file=sys.stderr,
+        )
 
     model = model or default_model_path()
     line = f"converting {model} to an expert store, once per model"
     with _convert_progress(line) as progress:
-        store = resolve_store(model, progress)
-    m = store.manifest
-    check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
-    if config.expert_slots is None and config.expert_memory is None:
-        config, sizes = auto_if_too_large(store, config)
-        if sizes is not None:
-            pools, dense, available = sizes
-            print(
-                f"note: every expert ({human_bytes(pools)}) and the dense weights "
-                f"({human_bytes(dense)}) exceed the {human_bytes(available)} of memory "
-                "available: streaming with --expert-memory auto (--expert-slots or "
-                "--expert-memory sets it)",
-                file=sys.stderr,
-            )
-    sm = load(store.path, config)
+        sm = open_model(
+            model,
+            config,
+            auto_when_too_large=config.expert_slots is None and config.expert_memory is None,
+            on_auto=say_auto,
+            progress=progress,
+        )
     if config.expert_memory is not None:
         print(_pool_line(sm), file=sys.stderr)
     return sm
@@ -361,6 +360,7 @@ def _generate_pipeline(args) -> int:
     from engine import pipeline
     from engine.generate import prompt_tokens
     from engine.model import load_stage
+    from engine.open_model import check_real_slots
     from engine.store import layer_range
 
     group = pipeline.init_group()
@@ -529,17 +529,9 @@ def _bench(argv: list[str]) -> int:
 
 
 def _advise(args) -> int:
-    from engine.advisor import (
-        Budget,
-        advise,
-        check_png,
-        estimate_tps,
-        policy_of,
-        save_png,
-        sweep,
-        table,
-    )
-    from engine.model import resolve_store, store_cache_dir
+    from engine.advisor import Budget, advice_for, check_png, policy_of, save_png, table
+    from engine.model import resolve_store
+    from engine.open_model import check_real_slots
     from engine.trace import load_trace
 
     _check_output("--save-trace", args.save_trace)
@@ -590,12 +582,8 @@ def _advise(args) -> int:
         f"MIN; now: {current} slots per layer ({source})",
         file=sys.stderr,
     )
-    curve = sweep(
-        trace, store_cache_dir() / "replay", policy, current, autopin_frac=config.autopin_frac
-    )
-    if store is not None:
-        estimate_tps(curve, Budget.of(store.manifest, config), measured)
-    advice = advise(curve, available_bytes())
+    budget = Budget.of(store.manifest, config) if store is not None else None
+    curve, advice = advice_for(trace, config, current, budget, measured)
     if args.json:
         print(
             json.dumps(
@@ -656,16 +644,9 @@ def _record_for_advice(args, config):
     trace = recorder.trace(Path(args.prompt_file).stem)
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
-    c = result.cache
-    measured = None  # nothing measured without a decode step (--max-tokens 1)
-    if result.decode_tps is not None:
-        measured = Measured(
-            decode_tps=result.decode_tps,
-            read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
-            hit_rate=c["hit_rate"],
-            decode_tokens=len(result.tokens),
-            decode_hit_rate=decode["hit_rate"],
-        )
+    measured = Measured.of(
+        result.decode_tps, len(result.tokens), result.cache, decode_hit_rate=decode["hit_rate"]
+    )
     return trace, measured, sm.store, sm.real_slots
 
 

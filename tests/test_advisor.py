@@ -185,6 +185,29 @@ def test_advice_within_the_estimates_noise_is_not_offered():
     assert advise(curve).slots == 8
 
 
+def test_measured_has_one_rule_for_a_session_that_read_nothing():
+    """The CLI and the app measure alike: nothing without a decode step or counters; a
+    session that read nothing keeps its figures, with no read rate to estimate from."""
+    totals = {"bytes_read": 3_000_000, "read_seconds": 0.5, "hit_rate": 0.75}
+    m = Measured.of(20.0, 40, totals, decode_hit_rate=0.8)
+    assert m == Measured(20.0, 6_000_000.0, 0.75, 40, 0.8)
+    assert Measured.of(None, 0, totals) is None  # a reply of one token
+    assert Measured.of(20.0, 40, None) is None
+    resident = Measured.of(20.0, 40, {"bytes_read": 0, "read_seconds": 0.0, "hit_rate": 1.0})
+    assert resident == Measured(20.0, 0.0, 1.0, 40)
+    curve = Curve(
+        slots=[2, 4],
+        bytes=None,
+        hit_rate={"lfu": [0.9, 1.0], "lru": [0.9, 1.0], BELADY: [0.95, 1.0]},
+        policy="lfu",
+        current=4,
+        lookups_per_token=10.0,
+        tokens=100,
+    )
+    estimate_tps(curve, Budget(4, 4_000, 500, 100), resident)
+    assert curve.measured == resident and curve.tps is None and curve.bytes == [3_000, 4_000]
+
+
 def test_recorder_sees_what_the_sync_path_sees_and_changes_nothing(model_dirs):
     path = model_dirs("qwen3_moe")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
