@@ -10,7 +10,6 @@ import sys
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-
 class BackendMissing(ImportError):
     """MLX's backend library cannot load: on Linux it is an extra (cpu or cuda) that
     was not installed."""
