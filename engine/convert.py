@@ -60,6 +60,7 @@ from .store import (
     header_digest,
     is_store,
     layout_segments,
+    non_finite,
     read_stride,
     stride_for,
 )
@@ -85,13 +86,6 @@ _SAFETENSORS_DTYPES = {
     "F16": "float16",
     "BF16": "bfloat16",
     "F32": "float32",
-}
-# The exponent bits of each float dtype (as an unsigned integer of its width): all set in
-# an infinity or a NaN.
-_EXPONENT = {
-    "float16": (np.uint16, 0x7C00),
-    "bfloat16": (np.uint16, 0x7F80),
-    "float32": (np.uint32, 0x7F800000),
 }
 # Bytes an index reads at a time for its checksums.
 _INDEX_CHUNK = 64 << 20
@@ -154,15 +148,15 @@ def convert(
     Raises:
         FileNotFoundError: `model_dir`, its `config.json` or its weights are
             missing.
-        ValueError: `model_dir` is an expert store already, invalid `config.json`, a
+        ValueError: `model_dir` is an expert store already, `store_dir` exists and is
+            neither a store nor empty (with `force` or not), invalid `config.json`, a
             config with `model_file` (custom model code is never run), or weights that
             do not match the model.
         UnsupportedModelError: mlx-lm has no such model, or its experts are not a
             stacked SwitchGLU / SwitchMLP (`engine.experts`).
         NotMoEError: no layer of the model has routed experts, or the config has no
             experts-per-token entry.
-        FileExistsError: `store_dir` exists and `force` is False, or it is not a
-            store.
+        FileExistsError: `store_dir` is a store (or empty) and `force` is False.
         OSError: writing failed (e.g. ENOSPC); the message names `store_dir`.
             Nothing is left behind: neither `store_dir` nor the temporary
             directory.
@@ -455,10 +449,7 @@ def _check_in_place_finite(data: bytes, seg: Segment, module: str, path: Path) -
     Raises:
         ModelFileError: naming the file and the weight.
     """
-    if seg.dtype not in _EXPONENT:
-        return
-    uint, exponent = _EXPONENT[seg.dtype]
-    if ((np.frombuffer(data, dtype=uint) & exponent) == exponent).any():
+    if non_finite(seg.dtype, data):
         raise ModelFileError(
             f"{path}: {module}.{seg.key} holds NaN or infinity (a damaged checkpoint?)"
         )
@@ -493,16 +484,17 @@ def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
         raise ValueError(f"the store {store_dir} cannot be the model directory")
     if not (store_dir.exists() or store_dir.is_symlink()):
         return
+    # What --force cannot replace is said first: offering --force for it only leads to
+    # a second refusal.
+    replaceable = store_dir.is_dir() and not store_dir.is_symlink()
+    if not (replaceable and (is_store(store_dir) or not any(store_dir.iterdir()))):
+        raise ValueError(
+            f"{store_dir} exists and is not an expert store: convert never replaces it, "
+            "--force or not; give a new directory"
+        )
     if not force:
         raise FileExistsError(
             errno.EEXIST, "already exists (--force, or force=True, replaces it)", str(store_dir)
-        )
-    replaceable = store_dir.is_dir() and not store_dir.is_symlink()
-    if not (replaceable and (is_store(store_dir) or not any(store_dir.iterdir()))):
-        raise FileExistsError(
-            errno.EEXIST,
-            "exists and is not an expert store; refusing to replace it",
-            str(store_dir),
         )
 
 

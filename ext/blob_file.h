@@ -54,6 +54,18 @@ struct ReadSpan {
   size_t need() const { return skip + length; }
 };
 
+// A float segment of a record (scales, biases, unquantized weights): `count` values of
+// `width` bytes (2 or 4) from byte `offset`, whose exponent bits are `exponent`. A value
+// with every exponent bit set is NaN or infinity, which a checksum written to match does
+// not reveal and which turns every reply empty.
+struct FloatSpan {
+  std::string key;
+  int64_t offset;
+  int64_t count;
+  int width;
+  uint32_t exponent;
+};
+
 class BlobFile {
  public:
   // Without `sources`: opens the blob `path` and checks that it holds exactly
@@ -63,9 +75,10 @@ class BlobFile {
   // messages, and `stride` is the read buffer a record needs (at least the sum over
   // segments of nbytes rounded up to 4096, plus 4096). Throws ReadError naming the file
   // when it cannot be opened or is too short ("truncated") or, for a blob, too long.
+  // `floats`: the record's float segments, checked with the crc32.
   BlobFile(std::string path, int layer, int64_t num_records, int64_t stride,
            int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached,
-           std::vector<SegmentSource> sources = {});
+           std::vector<FloatSpan> floats = {}, std::vector<SegmentSource> sources = {});
   ~BlobFile();
   BlobFile(const BlobFile&) = delete;
   BlobFile& operator=(const BlobFile&) = delete;
@@ -116,7 +129,8 @@ class BlobFile {
   // ReadError; then the page-cache hint where O_DIRECT was refused, the spans' bytes
   // moved into the record's layout (in place), the injected corruption (kCorrupt flips
   // buf[0]) and, when `verify`, the crc32 of the first record_bytes bytes (ChecksumError
-  // on a mismatch).
+  // on a mismatch) and the float segments (ChecksumError naming the first holding NaN or
+  // infinity).
   void finish_record(int expert, uint8_t* buf, size_t got, Fault fault, bool verify) const;
 
   const std::string& path() const { return path_; }
@@ -152,6 +166,7 @@ class BlobFile {
   int64_t stride_;
   int64_t record_bytes_;
   std::vector<uint32_t> checksums_;
+  std::vector<FloatSpan> floats_;
   struct Source {  // an in-place segment
     int file;
     int64_t offset, nbytes;

@@ -109,7 +109,16 @@ def test_a_cached_snapshot_runs_offline_bit_exact_with_mlx_lm(capfd, hf, tiny):
     hf.offline()
     assert model_dir(REPO) == snapshot and repo_of(snapshot) == REPO
     code, out, err = run(
-        capfd, "generate", "--model", REPO, "--prompt", PROMPT, "--max-tokens", "8", "--json"
+        capfd,
+        "generate",
+        "--model",
+        REPO,
+        "--no-chat",
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "8",
+        "--json",
     )
     assert code == 0, err
     assert "downloading" not in err  # nothing was missing
