@@ -845,6 +845,15 @@ class ExpertStore:
         """Whether the experts are read from the checkpoint's own files."""
         return self.manifest.source is not None
 
+    @property
+    def size_bytes(self) -> int:
+        """Bytes on disk of the model's weights as this store holds them: its files, or in
+        place the checkpoint's safetensors files it reads (their size when indexed)."""
+        source = self.manifest.source
+        if source is not None:
+            return sum(f.size for f in source.files)
+        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+
     def __repr__(self) -> str:
         return f"ExpertStore({str(self.path)!r})"
 

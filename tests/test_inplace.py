@@ -134,6 +134,8 @@ def test_shards_stream_bit_exact_and_records_are_the_blobs(sharded, tmp_path, pr
         for e in range(store.manifest.num_experts):
             assert store.read_record(spec, e) == blob.read_record(blob_spec, e)
     assert store.verify() == len(store.manifest.layers) * store.manifest.num_experts
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    assert store.size_bytes == weights  # what the server's model lists say it takes
     extra = {"side_slots": 3, "prefetch": True, "ahead_lo": 1, "ahead_hi": 1} if prefetch else {}
     sm = load(store.path, StreamConfig(expert_slots=2, io_uring=io_uring, **extra))
     assert_same(resident, greedy(sm.model))

@@ -64,7 +64,7 @@ class Served:
         default_max_tokens: reply limit of requests that set none.
         created: when the server started, Unix seconds.
         config: the model's config.json.
-        size_bytes: the bytes of the model's store files.
+        size_bytes: the bytes of the model's weights on disk (`ExpertStore.size_bytes`).
     """
 
     engine: object

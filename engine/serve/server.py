@@ -568,7 +568,7 @@ def build_app(
         default_max_tokens=default_max_tokens,
         created=int(time.time()),
         config=sm.store.config,
-        size_bytes=sum(f.stat().st_size for f in sm.store.path.iterdir() if f.is_file()),
+        size_bytes=sm.store.size_bytes,
     )
 
     async def models(request: Request):
