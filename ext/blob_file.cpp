@@ -286,6 +286,10 @@ void BlobFile::finish_record(int expert, uint8_t* buf, size_t got, Fault fault,
     // later span's bytes (dest + length <= the next span's at).
     if (sp.at + sp.skip != sp.dest) std::memmove(buf + sp.dest, buf + sp.at + sp.skip, sp.length);
   }
+  check_record(expert, buf, fault, verify);
+}
+
+void BlobFile::check_record(int expert, uint8_t* buf, Fault fault, bool verify) const {
   if (fault == Fault::kCorrupt) buf[0] ^= 0xFF;
   if (!verify) return;
   const uint32_t crc = record_crc32(buf, static_cast<size_t>(record_bytes_));
@@ -322,20 +326,6 @@ void BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
   check_expert(first + count - 1);
   ok.assign(static_cast<size_t>(count), 0);
   const auto stride = static_cast<size_t>(stride_);
-  if (in_place()) {  // a record's segments lie apart: each record is its own reads
-    for (int i = 0; i < count; ++i) {
-      uint8_t* buf = dst + static_cast<size_t>(i) * stride;
-      try {
-        int delay_ms = 0;
-        const Fault fault = take_fault(first + i, &delay_ms);
-        finish_record(first + i, buf, read_once(first + i, buf, fault, delay_ms), fault, verify);
-        ok[static_cast<size_t>(i)] = 1;
-      } catch (const ReadError&) {
-        // read again on its own: read_record's second attempt words any error
-      }
-    }
-    return;
-  }
   std::vector<Fault> faults(static_cast<size_t>(count));
   int delay_ms = 0;
   for (int i = 0; i < count; ++i) {
@@ -344,6 +334,10 @@ void BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
     if (faults[static_cast<size_t>(i)] == Fault::kDelay) delay_ms = std::max(delay_ms, d);
   }
   if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  if (in_place()) {
+    read_run_in_place(first, count, dst, verify, faults, ok);
+    return;
+  }
   int err = 0;
   const size_t bytes = static_cast<size_t>(count) * stride;
   const size_t got = read_bytes(0, dst, bytes, bytes,
@@ -354,6 +348,56 @@ void BlobFile::read_run(int first, int count, uint8_t* dst, bool verify,
     if (got < static_cast<size_t>(i + 1) * stride) break;
     try {
       finish_record(first + i, dst + static_cast<size_t>(i) * stride, stride, fault, verify);
+      ok[static_cast<size_t>(i)] = 1;
+    } catch (const ReadError&) {
+      // read again on its own: read_record's second attempt words any error
+    }
+  }
+}
+
+void BlobFile::read_run_in_place(int first, int count, uint8_t* dst, bool verify,
+                                 const std::vector<Fault>& faults,
+                                 std::vector<uint8_t>& ok) const {
+  const auto align = static_cast<int64_t>(kAlign);
+  const auto stride = static_cast<size_t>(stride_);
+  size_t biggest = 0;
+  for (const auto& src : sources_)
+    biggest = std::max(biggest, static_cast<size_t>(count * src.nbytes + 2 * align));
+  AlignedBuffer run(biggest);
+  std::vector<uint8_t> arrived(static_cast<size_t>(count), 1);
+  size_t dest = 0;
+  for (const auto& src : sources_) {
+    // The segment of every record of the run: adjacent in its file, one read.
+    const int64_t begin = src.offset + static_cast<int64_t>(first) * src.nbytes;
+    const int64_t lo = begin / align * align;
+    const int64_t hi = (begin + count * src.nbytes + align - 1) / align * align;
+    const auto skip = static_cast<size_t>(begin - lo);
+    const auto n = static_cast<size_t>(src.nbytes);
+    int err = 0;
+    const size_t got = read_bytes(src.file, run.data(), static_cast<size_t>(hi - lo),
+                                  skip + static_cast<size_t>(count) * n, static_cast<off_t>(lo),
+                                  &err);
+#if defined(__linux__)
+    if (uncached_ && !direct(src.file))
+      ::posix_fadvise(fd(src.file), static_cast<off_t>(lo), static_cast<off_t>(hi - lo),
+                      POSIX_FADV_DONTNEED);
+#endif
+    for (int i = 0; i < count; ++i) {
+      const size_t at = skip + static_cast<size_t>(i) * n;
+      if (err != 0 || got < at + n) {
+        arrived[static_cast<size_t>(i)] = 0;
+        continue;
+      }
+      std::memcpy(dst + static_cast<size_t>(i) * stride + dest, run.data() + at, n);
+    }
+    dest += n;
+  }
+  for (int i = 0; i < count; ++i) {
+    const Fault fault = faults[static_cast<size_t>(i)];
+    if (fault == Fault::kEIO || fault == Fault::kShortRead || !arrived[static_cast<size_t>(i)])
+      continue;  // its attempt failed
+    try {
+      check_record(first + i, dst + static_cast<size_t>(i) * stride, fault, verify);
       ok[static_cast<size_t>(i)] = 1;
     } catch (const ReadError&) {
       // read again on its own: read_record's second attempt words any error

@@ -92,7 +92,8 @@ class BlobFile {
   // Records first .. first + count - 1 into `dst` (4096-aligned, count * stride bytes),
   // record i at i * stride: in a blob, adjacent records in one read of count * stride
   // bytes (a few large reads go at the disk's rate where many small ones wait on its
-  // latency); in place, each record's spans. The first attempt of each: ok[i] = 1 where
+  // latency); in place, one read per segment of the run's records (adjacent in the
+  // segment's stacked tensor), each record's part copied into its place. The first attempt of each: ok[i] = 1 where
   // record first + i arrived whole (and with its crc32, when `verify`); the others take
   // read_record(..., 1), which words their error. Each record takes its armed fault as
   // that attempt: kEIO and kShortRead fail it, kCorrupt flips its first byte, kDelay
@@ -148,6 +149,12 @@ class BlobFile {
   std::string where(int expert, int file = -1) const;
 
  private:
+  // The checks of finish_record on a record laid out in `buf`: the injected corruption,
+  // the crc32 and the float segments.
+  void check_record(int expert, uint8_t* buf, Fault fault, bool verify) const;
+  // read_run of an in-place store, each record's fault already taken.
+  void read_run_in_place(int first, int count, uint8_t* dst, bool verify,
+                         const std::vector<Fault>& faults, std::vector<uint8_t>& ok) const;
   // One attempt with the fault already taken; returns the bytes that arrived of what
   // the spans need (finish_record's `got`).
   size_t read_once(int expert, uint8_t* dst, Fault fault, int delay_ms) const;

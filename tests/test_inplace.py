@@ -187,6 +187,30 @@ def test_a_persistent_fault_names_the_file_layer_and_expert(sharded, kind, io_ur
         checker.assert_row(1, r, e)
 
 
+def scratch_bytes(cache, li, row):
+    """The record in layer-scratch row `row` of MoE layer `li`, as bytes."""
+    return b"".join(np.array(a[row]).tobytes() for a in cache.layer_scratch(li))
+
+
+def test_a_layer_read_in_runs_lands_every_record(sharded):
+    """A whole layer's reads go in runs of adjacent experts (BlobFile::read_run): in place,
+    one read per segment of a run; every record lands whole, and a record whose attempt
+    in the run is corrupt is read again alone."""
+    _, store, _ = sharded
+    config = StreamConfig(expert_slots=2, reader_threads=2, io_uring=False)
+    cache = open_cache(store, config)
+    checker = RowChecker(store, cache)
+    cache.inject_fault(1, "corrupt", expert=5, count=1)
+    assert cache.read_layer(1, 0) == 8
+    cache.load_whole(1, 0)
+    for e in range(8):
+        assert scratch_bytes(cache, 1, e) == checker.records[(1, e)]
+    cache.inject_fault(2, "eio", expert=3, count=2)  # its attempt in the run and alone
+    with pytest.raises(ExpertReadError, match=r"\(layer 3, expert 3\): read failed"):
+        cache.load_whole(2, 0)
+    assert cache.check() == ""
+
+
 @pytest.fixture
 def own(sharded, tmp_path):
     """A copy of the sharded model, its in-place store, and the shard of decoder layers
