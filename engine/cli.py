@@ -500,6 +500,7 @@ def _serve(args) -> int:
             f"serve needs the 'serve' extra ({e.name} is missing): "
             "pip install 'expertstream[serve]'"
         ) from None
+    from engine.hub import is_hub_id
     from engine.resources import default_model_path
 
     if args.record_trace < 0:
@@ -537,7 +538,9 @@ def _serve(args) -> int:
                 f"{sock.getsockname()[1]} can use the model (no authentication)",
                 file=sys.stderr,
             )
-        app = build_app(engine, model.name, args.max_tokens)
+        # a Hub id names the model as clients of mlx-lm's server ask for it
+        name = args.model if args.model and is_hub_id(args.model) else model.name
+        app = build_app(engine, name, args.max_tokens)
         server = uvicorn_server(
             app,
             engine,

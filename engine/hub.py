@@ -55,6 +55,13 @@ def parse_id(name: str) -> tuple[str, str | None] | None:
     return repo, match["revision"]
 
 
+def is_hub_id(name: str | Path) -> bool:
+    """Whether `name` names a model of the Hub: an id (`parse_id`) that is no path that
+    exists (a local directory wins over an id of the same spelling)."""
+    text = str(name)
+    return not (Path(text).exists() or Path(text).is_symlink()) and parse_id(text) is not None
+
+
 def hub_cache_dir() -> Path:
     """huggingface_hub's cache of downloaded repositories (`HF_HUB_CACHE`, else
     `HF_HOME/hub`, else `~/.cache/huggingface/hub`), as it reads them at import."""
@@ -96,10 +103,9 @@ def model_dir(
             no such revision, or a download that failed.
     """
     text = str(name)
-    parsed = None if Path(text).exists() or Path(text).is_symlink() else parse_id(text)
-    if parsed is None:
+    if not is_hub_id(text):
         return Path(name)
-    repo, revision = parsed
+    repo, revision = parse_id(text)
     import httpx2  # huggingface_hub's HTTP client: its errors end a download
     from huggingface_hub import snapshot_download
 

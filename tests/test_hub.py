@@ -6,8 +6,10 @@ refusal); `expertstream cache` lists and removes what a hub model left on disk."
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import mlx_lm
@@ -279,6 +281,35 @@ def test_the_command_line_downloads_through_hf_endpoint(tiny, tmp_path):
         "expertstream generate: error: some-org/absent-model is not in the Hugging Face cache "
     )
     assert done.stderr.count("\n") == 1
+
+
+def test_serve_names_the_model_by_its_id(tiny, tmp_path):
+    """`serve --model org/name` from the hub cache, offline: the model lists name it by
+    its id, as clients of mlx-lm's server ask for it."""
+    lay_out_cache(tmp_path / "hf" / "hub", REPO, repo_files(tiny))
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "EXPERTSTREAM_CACHE": str(tmp_path / "stores"),
+        "PYTHONPATH": str(ROOT),
+    }
+    env.pop("HF_HUB_CACHE", None)
+    command = [sys.executable, "-m", "engine.cli", "serve", "--model", REPO, "--port", "0"]
+    p = subprocess.Popen(
+        [*command, "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = ""
+        while not line.startswith("serving on "):
+            line = p.stderr.readline()
+            assert line, "the server stopped"
+        url = line.split()[2]
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == [REPO]
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
 
 
 def test_allow_patterns_keep_every_file_a_store_copies(tiny):
