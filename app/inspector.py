@@ -340,7 +340,7 @@ class InspectorPanel(QWidget):
         """Shapes the plots for `info` and restarts the time series."""
         c = info.config
         n = len(info.layers)
-        self.occupancy.set_shape(n, max(info.pool_slots), c.side_slots)
+        self.occupancy.set_shape(n, max(info.plan.layer_slots), c.side_slots)
         self.frequency.set_shape(n, info.num_experts)
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()

@@ -68,13 +68,13 @@ class ModelInfo:
     num_experts: int
     top_k: int
     config: object
-    slots: list[int]  # real-region slots per MoE layer the config gives (StreamedModel.real_slots)
-    # The pool's real slots per MoE layer (the cache's layer_slots): `slots`, plus their
-    # 2 x side rows in the layers no layer prefetches for (engine.cache.layer_rows).
-    pool_slots: list[int]
+    # The load's memory plan (engine.memory_plan.MemoryPlan): real_slots per MoE layer as
+    # the config gives them, layer_slots the pool's (the layers no layer prefetches for
+    # hold their 2 x side rows as slots), the host tier, bytes and the memory available.
+    plan: object
     chat_template: bool
     pool_bytes: int
-    budget: object  # engine.advisor.Budget
+    budget: object  # engine.advisor.Budget of the plan
     load_seconds: float
     context: int | None
     note: str = ""  # what the load changed of the settings asked for, and why
@@ -199,7 +199,7 @@ class Worker(QObject):
             from engine.advisor import Budget
             from engine.cache import PoolMemoryError, pool_bytes
             from engine.config import ConfigError, StreamConfig
-            from engine.flags import check_real_slots, describe, flag_names, with_defaults
+            from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
             from engine.model import load, resolve_store
             from engine.resources import default_model_path
@@ -208,11 +208,9 @@ class Worker(QObject):
             store = resolve_store(source, progress=self._progress)
             m = store.manifest
             config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
-            check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
-            note = ""
-            if overrides.get("expert_slots") is None and overrides.get("expert_memory") is None:
-                config, note = _auto_if_too_large(store, config)
-            sm = load(store.path, config)
+            sized = ("expert_slots", "expert_memory")
+            fit = all(overrides.get(f) is None for f in sized)  # the app's default size
+            sm = load(store.path, config, fit_default=fit, strict=True)
         except _Cancelled:
             return
         except (ConfigError, PoolMemoryError) as e:  # named as the window labels them
@@ -226,8 +224,6 @@ class Worker(QObject):
                 f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
             )
             return
-        slots = list(sm.real_slots)
-        targets = [s > 0 for s in sm.cache.layer_side_slots]  # the layers prefetch fills
         old = self._sm
         with self._lock:
             self._sm = sm
@@ -242,15 +238,14 @@ class Worker(QObject):
                 layers=[s.layer for s in m.layers],
                 num_experts=m.num_experts,
                 top_k=m.top_k,
-                config=config,
+                config=sm.config,
+                plan=sm.plan,
                 chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
-                slots=slots,
-                pool_slots=list(sm.cache.layer_slots),
                 pool_bytes=pool_bytes(sm.cache),
-                budget=Budget.of(m, config, slots, targets),
+                budget=Budget.of(sm.plan),
                 load_seconds=time.monotonic() - t0,
                 context=store.context_length,
-                note=note,
+                note=_fallback_note(sm.plan),
             )
         )
 
@@ -314,23 +309,22 @@ class Worker(QObject):
         del sm
 
 
-def _auto_if_too_large(store, config) -> tuple:
-    """(config, note): the app's default expert slots, or expert memory auto where those
-    and the dense weights exceed the memory available (`engine.model.auto_if_too_large`),
-    with a note in the window's words saying so ("" when unchanged)."""
+def _fallback_note(plan) -> str:
+    """What the load changed of the app's default pool size, in the window's words: ""
+    when nothing, else that the default did not fit (`MemoryPlan.fell_back`) and what
+    expert memory auto bought instead."""
     from engine.config import AUTO_MEMORY_FRACTION
     from engine.memory import human_bytes
-    from engine.model import auto_if_too_large
 
-    auto, sizes = auto_if_too_large(store, config)
-    if sizes is None:
-        return config, ""
-    pools, dense, available = sizes
-    return auto, (
-        f"The default {config.expert_slots} expert slots per layer ({human_bytes(pools)}) "
-        f"and the dense weights ({human_bytes(dense)}) exceed the {human_bytes(available)} "
-        f"of memory available: expert memory is set to auto ({AUTO_MEMORY_FRACTION:.0%} "
-        "of it), so the experts stream from disk"
+    if not plan.fell_back:
+        return ""
+    asked = plan.asked
+    return (
+        f"The default {asked.config.expert_slots} expert slots per layer "
+        f"({human_bytes(asked.expert_bytes)}) and the dense weights "
+        f"({human_bytes(asked.dense_bytes)}) exceed the {human_bytes(plan.available)} of "
+        f"memory available: expert memory is set to auto ({AUTO_MEMORY_FRACTION:.0%} of it, "
+        f"{plan.slots_text()} slots per layer), so the experts stream from disk"
     )
 
 

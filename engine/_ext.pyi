@@ -36,6 +36,11 @@ def planned_bytes(rows: Sequence[int], record_bytes: Sequence[int], num_experts:
         ValueError: rows and record_bytes differ in length.
     """
 
+def staging_slot_size(record_bytes: int, segments: int) -> int:
+    """
+    Bytes of one staging or host-tier slot that holds a record of `record_bytes` bytes in `segments` segments (each 16-byte aligned, slots 256-byte aligned): what a host tier is sized by, per slot of its widest record.
+    """
+
 def crc32_implementation() -> str:
     """
     Which library computes record checksums: "libdeflate" where the build found it, else "zlib" (the same values; libdeflate is several times faster).

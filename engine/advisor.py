@@ -32,7 +32,7 @@ class Budget:
         slots_per_layer: the current expert_slots.
         pool_bytes: expert memory now: the records of every MoE layer's pool (real
             slots, side rows and scratch rows), bytes, as `engine.cache.pool_bytes`
-            counts them (not the tables and read buffers `planned_pool_bytes` adds).
+            counts them (not the tables and read buffers `MemoryPlan.pool_bytes` adds).
         slot_bytes: bytes one more slot per layer costs (the sum of the layers' record
             sizes).
         record_bytes: bytes read per miss (mean record size over layers).
@@ -44,23 +44,15 @@ class Budget:
     record_bytes: int
 
     @classmethod
-    def of(cls, manifest, config, layer_slots: list[int] | None = None, targets=None) -> "Budget":
-        """The budget of a store's `manifest` (engine.store.Manifest) under StreamConfig
-        `config`; `layer_slots`: the real slots per layer the config gives where they
-        differ (expert_memory), the largest standing for slots_per_layer; `targets`:
-        whether each layer is a prefetch target (default: every router found), the
-        others holding their side rows as slots (`engine.cache.held_rows`)."""
-        from engine.cache import pool_rows
-        from engine.predictor import prefetch_targets
-
-        n = len(manifest.layers)
-        slots = layer_slots or [config.expert_slots or manifest.num_experts] * n
-        targets = prefetch_targets([True] * n) if targets is None else targets
-        rows = pool_rows(slots, config, manifest.num_experts, manifest.top_k, targets)
-        records = [spec.record_bytes for spec in manifest.layers]
+    def of(cls, plan) -> "Budget":
+        """The budget of a load's memory plan (`engine.memory_plan.MemoryPlan`): its
+        real slots per layer (the largest standing for slots_per_layer where they differ:
+        expert_memory) and its pools' records (the layers no layer prefetches for hold
+        their side rows as slots, `engine.memory_plan.held_rows`)."""
+        records = plan.record_bytes
         row = sum(records)  # a pool row holds one record per layer
-        pool = sum(k * r for k, r in zip(rows, records, strict=True))
-        return cls(max(slots), pool, row, round(row / len(records)))
+        pool = sum(k * r for k, r in zip(plan.pool_rows, records, strict=True))
+        return cls(max(plan.real_slots), pool, row, round(row / len(records)))
 
     def bytes_at(self, slots: int) -> int:
         """Expert memory with `slots` real slots per layer, bytes."""

@@ -12,7 +12,6 @@ from engine.config import ConfigError, PoolMemoryError
 from engine.flags import (
     Parser,
     add_cache_flags,
-    check_real_slots,
     config_error_message,
     flag_names,
     port,
@@ -88,31 +87,29 @@ def _convert(args) -> int:
 
 def _load(model: str | Path | None, config):
     """`engine.model.load` for one process: a model directory's first-use convert says
-    so on stderr (`_convert_progress`), real regions below top-k are refused
-    (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
-    model whose experts and dense weights exceed the memory available is streamed with
-    --expert-memory auto instead, said on stderr, rather than refused."""
-    from engine.model import auto_if_too_large, load, resolve_store
+    so on stderr (`_convert_progress`), and without --expert-slots or --expert-memory
+    (every expert), a model whose plan exceeds the memory available is streamed with
+    --expert-memory auto instead, said on stderr with what auto bought
+    (`engine.memory_plan.MemoryPlan`), rather than refused."""
+    from engine.model import load, resolve_store
     from engine.resources import default_model_path
 
     model = model or default_model_path()
     line = f"converting {model} to an expert store, once per model"
     with _convert_progress(line) as progress:
         store = resolve_store(model, progress)
-    m = store.manifest
-    check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
-    if config.expert_slots is None and config.expert_memory is None:
-        config, sizes = auto_if_too_large(store, config)
-        if sizes is not None:
-            pools, dense, available = sizes
-            print(
-                f"note: every expert ({human_bytes(pools)}) and the dense weights "
-                f"({human_bytes(dense)}) exceed the {human_bytes(available)} of memory "
-                "available: streaming with --expert-memory auto (--expert-slots or "
-                "--expert-memory sets it)",
-                file=sys.stderr,
-            )
-    return load(store.path, config)
+    given = config.expert_slots is not None or config.expert_memory is not None
+    sm = load(store.path, config, fit_default=not given, strict=True)
+    plan = sm.plan
+    if plan.fell_back:
+        print(
+            f"note: every expert ({human_bytes(plan.asked.expert_bytes)}) and the dense "
+            f"weights ({human_bytes(plan.asked.dense_bytes)}) exceed the "
+            f"{human_bytes(plan.available)} of memory available: streaming with "
+            f"{plan.words(flag_names())} (--expert-slots or --expert-memory sets it)",
+            file=sys.stderr,
+        )
+    return sm
 
 
 def _copy_stage(args) -> int:
@@ -261,9 +258,7 @@ def _generate_pipeline(args) -> int:
     group = pipeline.init_group()
     rank = group.rank()
     config = stream_config(args)
-    sm = load_stage(args.model, config, group)
-    m = sm.store.manifest  # the same on every rank: each refuses alike
-    check_real_slots(config, m.top_k, [s.record_bytes for s in m.layers if sm.stage.holds(s.layer)])
+    sm = load_stage(args.model, config, group, strict=True)  # each rank's plan refuses its own
     prompt, error = None, None
     if rank == 0:  # rank 0 tokenizes; the others take its ids
         try:
@@ -432,6 +427,7 @@ def _advise(args) -> int:
         sweep,
         table,
     )
+    from engine.memory_plan import check_real_slots, plan_memory
     from engine.model import resolve_store, store_cache_dir
     from engine.trace import load_trace
 
@@ -442,9 +438,9 @@ def _advise(args) -> int:
     if args.trace is not None and args.prompt_file is not None:
         raise ValueError("--trace and --prompt-file exclude each other: replay one trace")
     config = stream_config(args)
-    measured, slots = None, None
+    measured, plan = None, None
     if args.prompt_file is not None:
-        trace, measured, store, slots = _record_for_advice(args, config)
+        trace, measured, store, plan = _record_for_advice(args, config)
     else:
         trace = load_trace(args.trace)
         store = resolve_store(args.model) if args.model else None
@@ -457,7 +453,7 @@ def _advise(args) -> int:
                 f"{trace.num_experts} (top-{trace.top_k})"
             )
     records = [spec.record_bytes for spec in store.manifest.layers] if store else []
-    check_real_slots(config, trace.top_k, records)  # as generate refuses them
+    check_real_slots(config, trace.top_k, records)  # as a load's plan refuses them
     # The budget the advice starts from: the flags', else the one the trace was recorded
     # at (the real slots per layer it carries), else every expert.
     if config.expert_slots is not None:
@@ -466,11 +462,10 @@ def _advise(args) -> int:
         current, source = round(float(trace.real_slots.mean())), "as recorded"
     else:
         current, source = trace.num_experts, "every expert"
-    if config.expert_memory is not None and store is not None:
-        from engine.cache import real_slots
-
-        slots = slots or real_slots(store, config)  # per layer, by record size
-        current, source = round(sum(slots) / len(slots)), "--expert-memory"  # as their mean
+    if store is not None:  # the plan of a budget estimated, not loaded: nothing refused
+        plan = plan or plan_memory(store, config, check=False)
+    if config.expert_memory is not None and plan is not None:
+        current, source = plan.mean_slots, "--expert-memory"  # slots by record size
     if not trace.top_k <= current <= trace.num_experts:
         raise ValueError(
             f"--expert-slots {current}: must be in [{trace.top_k}, {trace.num_experts}]"
@@ -485,7 +480,7 @@ def _advise(args) -> int:
         trace, store_cache_dir() / "replay", policy, current, autopin_frac=config.autopin_frac
     )
     if store is not None:
-        estimate_tps(curve, Budget.of(store.manifest, config), measured)
+        estimate_tps(curve, Budget.of(plan), measured)
     advice = advise(curve, available_bytes())
     if args.json:
         print(
@@ -521,8 +516,9 @@ def _advise(args) -> int:
 def _record_for_advice(args, config):
     """Generates from --prompt-file with the cache flags, recording the routing; returns
     the trace, the measured figures (the hit rate over the reply and over its decode),
-    the store and the real slots per MoE layer its config gives (`StreamedModel.real_slots`:
-    without the side rows a layer no layer prefetches for holds as slots)."""
+    the store and the load's memory plan (`StreamedModel.plan`: the real slots per MoE
+    layer its config gives, without the side rows a layer no layer prefetches for holds
+    as slots)."""
     from engine.advisor import Measured
     from engine.generate import cache_delta, generate, prompt_tokens
     from engine.trace import record
@@ -557,7 +553,7 @@ def _record_for_advice(args, config):
             decode_tokens=len(result.tokens),
             decode_hit_rate=decode["hit_rate"],
         )
-    return trace, measured, sm.store, sm.real_slots
+    return trace, measured, sm.store, sm.plan
 
 
 def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:

@@ -590,6 +590,10 @@ NB_MODULE(_ext, m) {
         doc::kIoUringDepth);
   m.def("planned_bytes", &es::planned_bytes, "rows"_a, "record_bytes"_a, "num_experts"_a,
         "reader_threads"_a, "stride"_a, "io_uring_depth"_a, doc::kPlannedBytes);
+  m.def("staging_slot_size", &es::StagedCopies::slot_size, "record_bytes"_a, "segments"_a,
+        "Bytes of one staging or host-tier slot that holds a record of `record_bytes` bytes in "
+        "`segments` segments (each 16-byte aligned, slots 256-byte aligned): what a host tier "
+        "is sized by, per slot of its widest record.");
   // A function, not a constant: a constant's value would be written into the generated
   // stub, which must be the same whichever library the build found.
   m.def(
