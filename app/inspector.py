@@ -29,6 +29,7 @@ from app.monitor import (
     row_info,
 )
 from app.worker import ModelInfo
+from engine.cache import NO_ROW
 from engine.memory import human_bytes
 
 BACKGROUND = "#1b1d23"
@@ -260,8 +261,9 @@ TOTALS = (
     ("side_hits", "side hits"),
     ("promotions", "side hits promoted / declined"),
     ("pins_dropped", "pins dropped (cost hits)"),
-    ("prefetch", "prefetch used / issued"),
+    ("prefetch", "fills used / wasted / issued"),
     ("prefetch_accuracy", "prefetch accuracy"),
+    ("prefetch_degree", "fills per prediction (mean) · threshold"),
     ("bytes_read", "read from disk"),
     ("host_tier", "from host memory (records / bytes)"),
     ("evictions", "evictions"),
@@ -270,6 +272,16 @@ TOTALS = (
     ("rss", "process memory (RSS)"),
     ("forward", "forward passes"),
 )
+
+
+def _degree_text(snap) -> str:
+    """The layers' prefetch degree (the experts a prediction fills) as their mean over
+    the layers that have side rows, and the threshold a fill must reach now."""
+    targets = (snap.side_state != NO_ROW).any(axis=1) if snap.side_state.size else []
+    degrees = snap.degree[targets] if len(targets) else snap.degree[:0]
+    if degrees.size == 0:
+        return "—"
+    return f"{degrees.mean():.1f} · {snap.threshold:.2f}"
 
 
 class InspectorPanel(QWidget):
@@ -365,8 +377,11 @@ class InspectorPanel(QWidget):
             "side_hits": f"{t['side_hits']:,}",
             "promotions": f"{t['promotions']:,} / {t['promotions_declined']:,}",
             "pins_dropped": f"{t['pins_dropped']:,}",
-            "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_issued']:,}",
+            "prefetch": (
+                f"{t['prefetch_used']:,} / {t['prefetch_wasted']:,} / {t['prefetch_issued']:,}"
+            ),
             "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}" if t["prefetch_issued"] else "—",
+            "prefetch_degree": _degree_text(snap),
             "bytes_read": human_bytes(t["bytes_read"]),
             "host_tier": (
                 f"{t['host_hits']:,} / {human_bytes(t['host_bytes'])}" if t["host_hits"] else "—"

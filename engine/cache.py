@@ -149,6 +149,7 @@ def open_planned(
             layer_side_slots=side,
             io_uring=config.io_uring,
             io_uring_depth=plan.io_uring_depth,
+            adaptive_prefetch=config.adaptive_prefetch,
         )
     except MemoryError as e:  # the native allocation failed after all (see plan_memory)
         raise PoolMemoryError(f"{store.path}: {e}", config) from None
@@ -181,6 +182,11 @@ class CacheSnapshot:
         side_state: (n, 2 * side_slots) uint8, ROW_* codes (NO_ROW past a layer's rows:
             a layer that is no prefetch target has none, `engine.memory_plan.held_rows`).
         freq: (n, num_experts) float32, LFU frequency per expert.
+        degree: (n,) int32, the experts of a prediction each layer fills now (its
+            prefetch degree: at most its side rows, `StreamConfig.adaptive_prefetch`).
+        threshold: the usefulness a fill must reach in the forward under way, and
+            `kept_threshold` the one the throttle settled on (`ExpertCache.
+            prefetch_threshold`; 0 without adaptive prefetch: every side row).
         stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds and
             acquire_seconds in seconds: time reading records, and time inside acquire
             calls with their demand reads; bytes_read in bytes; the rest counts;
@@ -203,6 +209,9 @@ class CacheSnapshot:
     side_expert: np.ndarray
     side_state: np.ndarray
     freq: np.ndarray
+    degree: np.ndarray
+    threshold: float
+    kept_threshold: float
     stats: dict
     inflight: int
     forward: int
@@ -257,6 +266,9 @@ def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
         side_expert=padded("side_expert", side_rows, np.int32(-1)),
         side_state=padded("side_state", side_rows, np.uint8(NO_ROW)),
         freq=padded("freq", cache.num_experts, np.float32(0)),
+        degree=np.array([p["prefetch_degree"] for p in per], np.int32),
+        threshold=cache.prefetch_threshold,
+        kept_threshold=cache.kept_prefetch_threshold,
         stats={k: np.array([p["stats"][k] for p in per]) for k in STAT_KEYS},
         inflight=cache.inflight,
         forward=cache.forward,

@@ -116,6 +116,12 @@ class StreamConfig:
             one whose router is not found) holds its 2 x side_slots rows as real slots
             instead (`engine.memory_plan.held_rows`).
         prefetch: run the predictor and fill the side region.
+        adaptive_prefetch: how many of a prediction's side_slots experts each layer fills
+            (its prefetch degree) is decided at run time: from how often each rank of the
+            layer's predictions is routed to, against the usefulness a fill needs on this
+            machine, measured by comparing decode forward times at neighbouring
+            thresholds (ext/prefetch_throttle.h); side_slots is then an upper bound.
+            False: every prediction fills side_slots experts.
         ahead_lo: target distance (in MoE layers) for source layers before `cutoff`.
         ahead_hi: target distance from `cutoff` on. Every MoE layer after the first is
             predicted once per forward whatever the distances: a source whose distance
@@ -171,6 +177,7 @@ class StreamConfig:
     expert_memory: int | str | None = None
     side_slots: int = 0
     prefetch: bool = False
+    adaptive_prefetch: bool = True
     ahead_lo: int = 1
     ahead_hi: int = 2
     cutoff: int | None = None

@@ -27,6 +27,10 @@ HIDDEN = 16  # any: the requests here carry no hidden state
 
 
 def staged_cache(store, fill_slots=4, tier_slots=0, **config):
+    # Every prediction filled (a fixed degree): these tests are of the fills' staging, and
+    # the adaptive degree of staged fills starts at none until predictions prove useful
+    # (tests/test_prefetch_throttle.py).
+    config.setdefault("adaptive_prefetch", False)
     cache = open_cache(store, StreamConfig(reader_threads=1, **config))
     mailbox = AcquireMailbox(cache, HIDDEN, max_ids=4, fill_slots=fill_slots, tier_slots=tier_slots)
     cache.set_staging(True)
