@@ -132,7 +132,7 @@ def compare(
 
 
 def prefetch_suite(
-    model=None, fraction: float = 0.25, reps: int = 3, max_tokens: int = 64, log=print
+    model=None, fraction: float = 0.25, reps: int = 5, max_tokens: int = 64, log=print
 ) -> dict:
     """`compare` on the embedded model (or `model`) and on the random-router store."""
     model = model or default_model_path()
