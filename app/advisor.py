@@ -158,26 +158,22 @@ class AdvisorRunner(QObject):
         self._stop = threading.Event()
         self.running = False
 
-    def analyze(self, trace, root, policy, current, autopin_frac, budget, measured) -> None:
-        """Queues a sweep of `trace` (numpy only) and its advice."""
+    def analyze(self, trace, config, current, budget, measured) -> None:
+        """Queues the advice session (`engine.advisor.advice_for`) of `trace` (numpy
+        only) under StreamConfig `config`, from `current` slots per layer."""
         self._stop.clear()
         self.running = True
-        self._thread.submit(
-            lambda: self._run(trace, root, policy, current, autopin_frac, budget, measured)
-        )
+        self._thread.submit(lambda: self._run(trace, config, current, budget, measured))
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _run(self, trace, root, policy, current, autopin_frac, budget, measured) -> None:
-        from engine.advisor import advise, estimate_tps, sweep
-        from engine.memory import available_bytes
+    def _run(self, trace, config, current, budget, measured) -> None:
+        from engine.advisor import advice_for
         from engine.replay import ReplayStopped
 
         try:
-            curve = sweep(trace, root, policy, current, None, autopin_frac, self._stop.is_set)
-            estimate_tps(curve, budget, measured)
-            advice = advise(curve, available_bytes())
+            curve, advice = advice_for(trace, config, current, budget, measured, self._stop.is_set)
         except ReplayStopped:
             self.running = False
             self.stopped.emit()

@@ -238,8 +238,7 @@ class MainWindow(QMainWindow):
     def analyze(self) -> None:
         """Replays the session's routing at a sweep of budgets on the advisor thread
         (refused while a reply runs: it runs again after it)."""
-        from engine.advisor import Measured, policy_of
-        from engine.store_cache import store_cache_dir
+        from engine.advisor import Measured
 
         status = self.advisor.status.setText
         if self.info is None or self.busy == "generating":
@@ -249,25 +248,20 @@ class MainWindow(QMainWindow):
         if trace is None or trace.num_tokens == 0:
             status("No routing recorded yet: send a message (and keep some tokens).")
             return
-        c, snap = self.info.config, self.engine.snapshot()
-        measured = None
-        t = snap.totals() if snap is not None else None
-        if self.decode[0] and t and t["read_seconds"] > 0:
-            measured = Measured(
-                decode_tps=self.decode[0] / self.decode[1],
-                read_Bps=t["bytes_read"] / t["read_seconds"],
-                hit_rate=t["hit_rate"],
-                decode_tokens=self.decode[0],
-            )
+        snap = self.engine.snapshot()
+        tokens, seconds = self.decode
+        measured = Measured.of(
+            tokens / seconds if tokens else None,
+            tokens,
+            snap.totals() if snap is not None else None,
+        )
         status(f"Replaying {trace.num_tokens:,} tokens…")
         self.advisor_runner.analyze(
             trace,
-            store_cache_dir() / "replay",
-            policy_of(c.policy, c.decay_every, c.autopin_frac),
+            self.info.config,
             # expert memory gives each layer its own slots: the advisor's uniform
             # equivalent is their mean
             self.info.plan.mean_slots,
-            c.autopin_frac,
             self.info.budget,
             measured,
         )

@@ -201,16 +201,22 @@ class Worker(QObject):
             from engine.config import ConfigError, StreamConfig
             from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
-            from engine.model import load, resolve_store
+            from engine.open_model import open_model
             from engine.resources import default_model_path
 
+            def app_config(m) -> StreamConfig:
+                return StreamConfig(
+                    **with_defaults(app_defaults(m.num_experts, m.top_k), overrides)
+                )
+
             source = Path(default_model_path() if path is None else path)
-            store = resolve_store(source, progress=self._progress)
-            m = store.manifest
-            config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
-            sized = ("expert_slots", "expert_memory")
-            fit = all(overrides.get(f) is None for f in sized)  # the app's default size
-            sm = load(store.path, config, fit_default=fit, strict=True)
+            sm = open_model(
+                source,
+                app_config,
+                auto_when_too_large=overrides.get("expert_slots") is None
+                and overrides.get("expert_memory") is None,
+                progress=self._progress,
+            )
         except _Cancelled:
             return
         except (ConfigError, PoolMemoryError) as e:  # named as the window labels them
@@ -224,6 +230,7 @@ class Worker(QObject):
                 f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
             )
             return
+        store, m = sm.store, sm.store.manifest
         old = self._sm
         with self._lock:
             self._sm = sm

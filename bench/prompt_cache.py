@@ -2,7 +2,7 @@
 continues one the server has seen (an agent resending its growing context), against a
 request of the same length that shares nothing with it (a full prefill).
 
-The server runs in this process as `expertstream serve` runs it (engine.server's
+The server runs in this process as `expertstream serve` runs it (engine.serve.server's
 generation thread and application on uvicorn, a loopback port); the requests go over HTTP
 as token ids to `/v1/completions`, streamed, and the time to the first token is the time
 from sending the request to its first text chunk. Each repetition sends a fresh context
@@ -99,7 +99,7 @@ class Server:
 
         from engine.config import StreamConfig
         from engine.model import load
-        from engine.server import GenerationThread, build_app
+        from engine.serve.server import GenerationThread, build_app
 
         config = StreamConfig(expert_slots=expert_slots) if expert_slots else StreamConfig()
         self.engine = GenerationThread(lambda: load(model, config), 4, 0, cache_bytes)

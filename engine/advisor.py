@@ -9,16 +9,20 @@ tokens/s: per token, the compute time measured at the current budget plus one re
 miss the tier holds is a copy, which the measured time per token holds as it does the
 compute). `advise` picks a budget and says it in one line. Measured figures are the
 session's; everything at another budget is an estimate (the replay models the real
-region only: prefetch into the side region is not replayed).
+region only: prefetch into the side region is not replayed). `advice_for` is the one
+advice session of the front ends (the CLI's `advise`, the app's Advisor tab): sweep,
+estimate, advise.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.memory import human_bytes
+from engine.config import StreamConfig
+from engine.memory import available_bytes, human_bytes
 from engine.replay import AUTOPIN_FRAC, POLICIES, belady, replay, trace_store
 from engine.safe_io import atomic_write
+from engine.store_cache import store_cache_dir
 from engine.trace import Trace
 
 BELADY = "belady"
@@ -86,6 +90,31 @@ class Measured:
     hit_rate: float
     decode_tokens: int
     decode_hit_rate: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        decode_tps: float | None,
+        decode_tokens: int,
+        totals: Mapping | None,
+        decode_hit_rate: float | None = None,
+    ) -> "Measured | None":
+        """The figures of a session that decoded `decode_tokens` tokens at `decode_tps`
+        tokens/s, its cache counters `totals` (`engine.cache.CacheSnapshot.totals()`, or
+        a reply's `cache`); None where nothing was measured: no decode step (a reply of
+        one token) or no counters. A session that read nothing (every expert it routed
+        was resident) is measured with read_Bps 0.0: its figures stand, and no tokens/s
+        is estimated at other budgets (`estimate_tps`)."""
+        if not decode_tps or decode_tokens <= 0 or totals is None:
+            return None
+        seconds = totals["read_seconds"]
+        return cls(
+            decode_tps=decode_tps,
+            read_Bps=totals["bytes_read"] / seconds if seconds > 0 else 0.0,
+            hit_rate=totals["hit_rate"],
+            decode_tokens=decode_tokens,
+            decode_hit_rate=decode_hit_rate,
+        )
 
 
 @dataclass
@@ -305,6 +334,32 @@ def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Ad
         line += f", about {change:+.0%} tokens/s"
     line += f"; the ceiling at this budget (Belady) is {belady_at:.0%}"
     return Advice(s, line)
+
+
+def advice_for(
+    trace: Trace,
+    config: StreamConfig,
+    current: int,
+    budget: Budget | None = None,
+    measured: Measured | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> tuple[Curve, Advice]:
+    """One advice session: `trace` replayed at a sweep of budgets around `current` (real
+    slots per layer) under `config`'s eviction settings (`policy_of`), LRU and Belady's
+    MIN (`sweep`, its store in the store cache); with a `budget`, each budget's bytes
+    and, with `measured`, its estimated decode tokens/s (`estimate_tps`); then the advice
+    for the memory available now (`advise`).
+
+    Raises:
+        As `sweep` (ValueError; engine.replay.ReplayStopped when `stop()` returns True).
+    """
+    policy = policy_of(config.policy, config.decay_every, config.autopin_frac)
+    curve = sweep(
+        trace, store_cache_dir() / "replay", policy, current, None, config.autopin_frac, stop
+    )
+    if budget is not None:
+        estimate_tps(curve, budget, measured)
+    return curve, advise(curve, available_bytes())
 
 
 def table(curve: Curve) -> str:

@@ -14,7 +14,6 @@ from engine.flags import (
     add_cache_flags,
     config_error_message,
     flag_names,
-    port,
     positive_int,
     prompt_text,
     seed,
@@ -22,7 +21,8 @@ from engine.flags import (
     temperature,
     top_p,
 )
-from engine.memory import available_bytes, human_bytes
+from engine.memory import human_bytes
+from engine.serve.flags import add_serve_flags
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -86,22 +86,15 @@ def _convert(args) -> int:
 
 
 def _load(model: str | Path | None, config):
-    """`engine.model.load` for one process: a model directory's first-use convert says
-    so on stderr (`_convert_progress`), and without --expert-slots or --expert-memory
-    (every expert), a model whose plan exceeds the memory available is streamed with
-    --expert-memory auto instead, said on stderr with what auto bought
-    (`engine.memory_plan.MemoryPlan`), rather than refused."""
-    from engine.model import load, resolve_store
+    """`engine.open_model.open_model` for one process: a model directory's first-use
+    convert says so on stderr (`_convert_progress`), and without --expert-slots or
+    --expert-memory (every expert), a model whose plan exceeds the memory available is
+    streamed with --expert-memory auto instead, said on stderr with what auto bought
+    (`engine.memory_plan.MemoryPlan.words`)."""
+    from engine.open_model import open_model
     from engine.resources import default_model_path
 
-    model = model or default_model_path()
-    line = f"converting {model} to an expert store, once per model"
-    with _convert_progress(line) as progress:
-        store = resolve_store(model, progress)
-    given = config.expert_slots is not None or config.expert_memory is not None
-    sm = load(store.path, config, fit_default=not given, strict=True)
-    plan = sm.plan
-    if plan.fell_back:
+    def say_auto(plan) -> None:
         print(
             f"note: every expert ({human_bytes(plan.asked.expert_bytes)}) and the dense "
             f"weights ({human_bytes(plan.asked.dense_bytes)}) exceed the "
@@ -109,7 +102,17 @@ def _load(model: str | Path | None, config):
             f"{plan.words(flag_names())} (--expert-slots or --expert-memory sets it)",
             file=sys.stderr,
         )
-    return sm
+
+    model = model or default_model_path()
+    line = f"converting {model} to an expert store, once per model"
+    with _convert_progress(line) as progress:
+        return open_model(
+            model,
+            config,
+            auto_when_too_large=config.expert_slots is None and config.expert_memory is None,
+            on_auto=say_auto,
+            progress=progress,
+        )
 
 
 def _copy_stage(args) -> int:
@@ -310,7 +313,7 @@ def _serve(args) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: refused here in one line)
 
-        from engine.server import GenerationThread, bind, build_app, url, uvicorn_server
+        from engine.serve.server import GenerationThread, bind, build_app, url, uvicorn_server
     except ImportError as e:
         raise ValueError(
             f"serve needs the 'serve' extra ({e.name} is missing): "
@@ -326,7 +329,7 @@ def _serve(args) -> int:
         if args.record_trace:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
         from engine import pipeline
-        from engine.pipeline_server import PipelineGenerationThread, follow
+        from engine.serve.pipeline import PipelineGenerationThread, follow
 
         group = pipeline.init_group()
         model = Path(str(model).replace("{rank}", str(group.rank())))
@@ -418,17 +421,9 @@ def _bench(argv: list[str]) -> int:
 
 
 def _advise(args) -> int:
-    from engine.advisor import (
-        Budget,
-        advise,
-        estimate_tps,
-        policy_of,
-        save_png,
-        sweep,
-        table,
-    )
+    from engine.advisor import Budget, advice_for, policy_of, save_png, table
     from engine.memory_plan import check_real_slots, plan_memory
-    from engine.model import resolve_store, store_cache_dir
+    from engine.model import resolve_store
     from engine.trace import load_trace
 
     _check_output("--save-trace", args.save_trace)
@@ -476,12 +471,8 @@ def _advise(args) -> int:
         f"MIN; now: {current} slots per layer ({source})",
         file=sys.stderr,
     )
-    curve = sweep(
-        trace, store_cache_dir() / "replay", policy, current, autopin_frac=config.autopin_frac
-    )
-    if store is not None:
-        estimate_tps(curve, Budget.of(plan), measured)
-    advice = advise(curve, available_bytes())
+    budget = Budget.of(plan) if plan is not None else None
+    curve, advice = advice_for(trace, config, current, budget, measured)
     if args.json:
         print(
             json.dumps(
@@ -543,16 +534,9 @@ def _record_for_advice(args, config):
     trace = recorder.trace(Path(args.prompt_file).stem)
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
-    c = result.cache
-    measured = None  # nothing measured without a decode step (--max-tokens 1)
-    if result.decode_tps is not None:
-        measured = Measured(
-            decode_tps=result.decode_tps,
-            read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
-            hit_rate=c["hit_rate"],
-            decode_tokens=len(result.tokens),
-            decode_hit_rate=decode["hit_rate"],
-        )
+    measured = Measured.of(
+        result.decode_tps, len(result.tokens), result.cache, decode_hit_rate=decode["hit_rate"]
+    )
     return trace, measured, sm.store, sm.plan
 
 
@@ -670,56 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     _add_model_flag(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=port, default=8080, help="TCP port (0: any free port)")
-    p.add_argument(
-        "--max-queue",
-        type=positive_int,
-        default=32,
-        help="requests that may wait while one generates; more get 503 with Retry-After",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=256,
-        help="reply limit of requests that set no max_tokens (tokens)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level (info: one line per request)",
-    )
-    p.add_argument(
-        "--record-trace",
-        type=int,
-        default=0,
-        metavar="N",
-        help="keep the routing of the last N tokens, served at GET /v1/trace as .npz "
-        "(for expertstream advise --trace; 0: off)",
-    )
-
-    def prompt_cache_size(text: str) -> int:
-        from engine.config import parse_memory
-
-        wanted = f"must be a size (e.g. 1GiB) or 0 (off), got {text!r}"
-        try:
-            value = 0 if text.strip() == "0" else parse_memory(text)
-        except ValueError:
-            # parse_memory's own words offer "auto" and refuse 0, both wrong for this flag
-            raise argparse.ArgumentTypeError(wanted) from None
-        if value == "auto":
-            raise argparse.ArgumentTypeError(wanted)
-        return int(value)
-
-    p.add_argument(
-        "--prompt-cache",
-        type=prompt_cache_size,
-        default="1GiB",
-        metavar="SIZE",
-        help="KV memory kept of recent conversations, so that a request continuing one "
-        "prefills only its new tokens (LRU; 0: off; not with --pipeline)",
-    )
+    add_serve_flags(p)
     _add_pipeline_flag(p, "rank 0 serves, the other ranks follow it")
     add_cache_flags(p)
     p.set_defaults(func=_serve, command_parser=p)

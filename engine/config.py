@@ -13,6 +13,7 @@ from dataclasses import dataclass
 # Real-region eviction policies of the native cache (ext/real_region.h says what each
 # does); the first is the default.
 EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
+EXPERT_MAJOR = ("auto", "on", "off")
 
 # The longest read timeout, seconds (a day; the native cache refuses longer ones too).
 MAX_READ_TIMEOUT_S = 86400
@@ -171,6 +172,11 @@ class StreamConfig:
             (`engine.memory_plan.auto_bytes`); a budget that the plan cannot hold with
             the rest is refused at load; 0 or None: no tier. Where the pools are host
             memory (CPU, Metal) the pools are the tier: no other is made.
+        expert_major: how calls of many tokens (a prompt's chunks) compute their
+            experts: "auto" expert-major where the backend and quantization make it
+            faster (MLX CUDA, affine), "on" wherever a call has enough tokens, "off"
+            always mlx-lm's form; either way bit for bit mlx-lm's outputs
+            (`engine.expert_compute.ExpertMajor`).
     """
 
     expert_slots: int | None = None
@@ -194,6 +200,7 @@ class StreamConfig:
     io_uring: bool = True
     device_acquire: bool = True
     host_memory: int | str | None = "auto"
+    expert_major: str = "auto"
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
@@ -221,6 +228,12 @@ class StreamConfig:
             "host_memory",
             self.host_memory,
             'must be a number of bytes >= 0, "auto" or None',
+        )
+        need(
+            self.expert_major in EXPERT_MAJOR,
+            "expert_major",
+            self.expert_major,
+            f"must be one of {', '.join(EXPERT_MAJOR)}",
         )
         if self.expert_memory is not None and self.expert_slots is not None:
             raise ConfigError("expert_slots", None, "give one of them", also="expert_memory")

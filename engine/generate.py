@@ -235,7 +235,7 @@ def generate(
         stop: polled after each token and, with `stop_mid_forward`, at every MoE layer
             call (so also during a long prefill); the reply ends early when it returns
             True (`GenerationResult.stopped`). A pipeline stage polls it between tokens
-            only (engine.pipeline_server): every rank must end at the same token.
+            only (engine.serve.pipeline): every rank must end at the same token.
         prompt_cache, cached_tokens: as for `stream_generate`.
 
     Raises:

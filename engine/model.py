@@ -21,6 +21,7 @@ from engine import autopin, pipeline
 from engine import cache as cache_mod
 from engine.config import ConfigError, StreamConfig
 from engine.convert import convert, quantize_dense
+from engine.expert_compute import ExpertMajor
 from engine.experts import (
     ExpertModule,
     find_experts,
@@ -32,7 +33,7 @@ from engine.experts import (
     segment_mismatch,
     top_k,
 )
-from engine.memory_plan import MemoryPlan, plan_memory
+from engine.memory_plan import MemoryPlan, cuda_pools, plan_memory
 from engine.pipeline import Stage
 from engine.predictor import Predictor, prefetch_targets
 from engine.safe_io import contained, read_json_object, remove_leftovers
@@ -112,6 +113,8 @@ class StreamedModel:
         plan: the memory plan the cache was built from (`engine.memory_plan.MemoryPlan`:
             real slots per MoE layer as `config` gives them, expert_memory "auto" as it
             was at load; side rows, host tier, bytes and the memory available).
+        compute: the form each call's expert math takes (mlx-lm's or expert-major), and
+            what its checks found (`ExpertMajor.same_bits`).
         stage: this process's pipeline stage (engine.pipeline), or None when it runs
             every layer.
     """
@@ -123,6 +126,7 @@ class StreamedModel:
     cache: cache_mod.ExpertCache
     predictor: Predictor
     plan: MemoryPlan
+    compute: ExpertMajor
     stage: Stage | None = None
 
     @property
@@ -314,8 +318,11 @@ def load(
     config = plan.config
     cache = cache_mod.open_planned(store, plan, specs)
     predictor = Predictor(cache, routers, config, plan.tier_slots)
+    compute = ExpertMajor(config.expert_major, cuda_pools(), store.manifest.num_experts)
     for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
-        replace(model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math))
+        replace(
+            model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math, compute)
+        )
 
     weights = store.dense_weights()
     if hasattr(model, "sanitize"):
@@ -336,7 +343,9 @@ def load(
     cache_mod.fill_whole_layers(cache)  # the last step: every check above is cheaper
     # A decode step's request: top_k ids of one token.
     predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k)
-    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, plan, stage)
+    model_obj = StreamedModel(
+        model, tokenizer, store, config, cache, predictor, plan, compute, stage
+    )
     remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
         n = store.manifest.num_experts

@@ -21,6 +21,7 @@ WHEEL_REQUIRED = (
     "engine/__init__.py",
     "engine/cli.py",
     "engine/resources.py",
+    "engine/serve/server.py",  # a subpackage: expertstream serve
     "app/__init__.py",
     "app/main.py",
     "engine/resources/style.qss",

@@ -130,6 +130,29 @@ def test_estimate_and_advice():
     assert advise(curve).slots == 4
 
 
+def test_measured_has_one_rule_for_a_session_that_read_nothing():
+    """The CLI and the app measure alike: nothing without a decode step or counters; a
+    session that read nothing keeps its figures, with no read rate to estimate from."""
+    totals = {"bytes_read": 3_000_000, "read_seconds": 0.5, "hit_rate": 0.75}
+    m = Measured.of(20.0, 40, totals, decode_hit_rate=0.8)
+    assert m == Measured(20.0, 6_000_000.0, 0.75, 40, 0.8)
+    assert Measured.of(None, 0, totals) is None  # a reply of one token
+    assert Measured.of(20.0, 40, None) is None
+    resident = Measured.of(20.0, 40, {"bytes_read": 0, "read_seconds": 0.0, "hit_rate": 1.0})
+    assert resident == Measured(20.0, 0.0, 1.0, 40)
+    curve = Curve(
+        slots=[2, 4],
+        bytes=None,
+        hit_rate={"lfu": [0.9, 1.0], "lru": [0.9, 1.0], BELADY: [0.95, 1.0]},
+        policy="lfu",
+        current=4,
+        lookups_per_token=10.0,
+        tokens=100,
+    )
+    estimate_tps(curve, Budget(4, 4_000, 500, 100), resident)
+    assert curve.measured == resident and curve.tps is None and curve.bytes == [3_000, 4_000]
+
+
 def test_the_estimate_counts_the_host_tier():
     """A host tier of 6 slots per layer holds what a 6-slot real region would: below 6
     slots, more GPU memory saves copies from host memory, not reads; the advice keeps the

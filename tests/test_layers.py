@@ -2,7 +2,7 @@
 
 - the app never imports `engine._ext` (it goes through `engine.cache`), nor does `bench`;
 - the engine never imports `bench` or `app`;
-- no core module of the engine imports a front end (`FRONT_ENDS`): the command line, the
+- no core module of the engine imports a front end (`is_front_end`): the command line, the
   servers and their flags sit on top of it;
 - no import cycles among the modules of engine/, app/ and bench/, counting imports
   inside functions too (a deferred import does not make a cycle acceptable);
@@ -18,14 +18,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "app", "bench")
-# Front-end modules of the engine: the command line, the servers, and the flag names they
-# share. Every other engine module is core.
-FRONT_ENDS = ("engine.cli", "engine.server", "engine.pipeline_server", "engine.flags")
+# Front ends of the engine: the console entry (the command line and the flag names it
+# shares) and the HTTP server's package. Every other engine module is core.
+FRONT_END_MODULES = ("engine.cli", "engine.flags")
+FRONT_END_PACKAGES = ("engine.serve",)
 
 
 def is_front_end(mod: str) -> bool:
-    """Whether engine module `mod` is a front end (`engine.server_*` included)."""
-    return mod in FRONT_ENDS or mod.startswith("engine.server_")
+    """Whether engine module `mod` is a front end: a console entry module, or a front-end
+    package or any module inside it."""
+    return mod in FRONT_END_MODULES or any(
+        mod == p or mod.startswith(p + ".") for p in FRONT_END_PACKAGES
+    )
 
 
 def module_name(path: Path) -> str:
@@ -113,7 +117,8 @@ def test_the_layer_check_sees_imports():
     assert "engine._ext" in g["engine.cache"]
     assert "engine.model" in g["bench.peers"]
     assert "engine.predictor" in g["engine.model"]
-    assert "engine.flags" in g["engine.cli"] and is_front_end("engine.server_openai")
+    assert "engine.flags" in g["engine.cli"] and "engine.serve.server" in g["engine.cli"]
+    assert is_front_end("engine.serve.openai") and not is_front_end("engine.chat")
 
 
 def test_native_stub_is_current(tmp_path):

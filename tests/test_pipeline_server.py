@@ -1,4 +1,4 @@
-"""`expertstream serve --pipeline` on loopback (engine.pipeline_server), through the
+"""`expertstream serve --pipeline` on loopback (engine.serve.pipeline), through the
 official `openai` client.
 
 `mlx.launch --backend ring -n 2` starts the server: rank 0 serves HTTP, rank 1 follows.
@@ -202,7 +202,7 @@ def test_killed_follower_ends_rank_0_with_an_error(store, tmp_path):
         wait_ready(f"http://127.0.0.1:{port}", procs, logs[0])
         procs[1].send_signal(signal.SIGKILL)
         # Noticed at the next idle round (every 2 s): an error from MLX, or at worst the
-        # round's bound (engine.pipeline_server.STEP_TIMEOUT_S, 60 s).
+        # round's bound (engine.serve.pipeline.STEP_TIMEOUT_S, 60 s).
         assert procs[0].wait(timeout=90) == 2
     finally:
         for p in procs:

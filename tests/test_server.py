@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 
 from engine.config import StreamConfig
 from engine.model import load
-from engine.server import GenerationThread, StopMatcher, bind, build_app, uvicorn_server
+from engine.serve.server import GenerationThread, StopMatcher, bind, build_app, uvicorn_server
 
 PROMPT = "Once upon a"
 

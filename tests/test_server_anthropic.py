@@ -82,6 +82,17 @@ def test_tool_use_whole_and_streamed_then_the_result(tool_served):
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == prompt.input_tokens
 
 
+def test_tool_choice_none_keeps_the_tools_from_the_model(tool_served):
+    client = client_of(tool_served)
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    plain = client.messages.create(model="m", max_tokens=32, messages=ask)
+    none = client.messages.create(
+        model="m", max_tokens=32, messages=ask, tools=TOOLS, tool_choice={"type": "none"}
+    )
+    assert [(b.type, b.text) for b in none.content] == [("text", plain.content[0].text)]
+    assert plain.content[0].text.startswith("<tool_call>") and none.stop_reason == "end_turn"
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -104,6 +115,14 @@ def test_tool_use_whole_and_streamed_then_the_result(tool_served):
         (
             {"max_tokens": 4, "messages": [{"role": "user", "content": "\ud800"}]},
             "messages[0].content",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": "any"},
+            },
+            "tool_choice",
         ),
     ],
 )

@@ -14,12 +14,12 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-import engine.server_requests
+import engine.serve.bodies
 from engine.config import StreamConfig
 from engine.generate import generate, prompt_tokens
 from engine.model import load
-from engine.server import GenerationThread, uvicorn_server
-from engine.server_requests import Job
+from engine.serve.bodies import Job
+from engine.serve.server import GenerationThread, uvicorn_server
 
 from test_server import PROMPT, Served, http, raw_post
 
@@ -147,7 +147,7 @@ def test_a_stalled_body_is_refused_in_time_and_a_leaving_client_is_quiet(
 ):
     """A body that stops coming is answered 408 after BODY_TIMEOUT_S; a client that
     leaves mid-body leaves no ClientDisconnect traceback."""
-    monkeypatch.setattr(engine.server_requests, "BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(engine.serve.bodies, "BODY_TIMEOUT_S", 1.0)
     t0 = time.monotonic()
     answer = raw_post(served.url, b'{"prompt"', length=100)
     assert answer.startswith(b"HTTP/1.1 408 ") and 1.0 <= time.monotonic() - t0 < 5

@@ -110,6 +110,7 @@ def test_function_calls_whole_and_streamed_then_the_output(tool_served):
         ({"input": PROMPT, "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": PROMPT, "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": PROMPT, "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": PROMPT, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ({"input": PROMPT, "top_p": 2}, "top_p"),
         ({"input": PROMPT, "text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"input": PROMPT, "text": "plain"}, "text"),

@@ -15,6 +15,7 @@ from engine.chat import chat_ids
 from engine.config import StreamConfig
 from engine.generate import prompt_tokens
 from engine.model import load
+from engine.serve.bodies import RequestError, tool_choice
 
 from test_server import PROMPT, Served, http
 from tool_model import ANSWER, CALL, TOOLS
@@ -124,6 +125,36 @@ def test_bad_tool_requests(tool_served, extra, param):
     body = {"messages": ASK} | extra
     status, reply = http("POST", f"{tool_served.url}/v1/chat/completions", body)
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+@pytest.mark.parametrize(
+    ("choice", "typed", "message"),
+    [
+        ("required", False, 'tool_choice "required" is not supported: only "auto" or "none"'),
+        (
+            {"type": "function", "function": {"name": "f"}},
+            False,
+            'tool_choice {"type": "function", "function": {"name": "f"}} is not supported',
+        ),
+        (
+            {"type": "any"},
+            True,
+            'tool_choice {"type": "any"} is not supported: only {"type": "auto"} or '
+            '{"type": "none"}',
+        ),
+    ],
+)
+def test_tool_choice_that_forces_a_call_is_refused_in_the_protocols_words(choice, typed, message):
+    with pytest.raises(RequestError) as e:
+        tool_choice(choice, typed)
+    assert e.value.param == "tool_choice" and str(e.value).startswith(message), str(e.value)
+
+
+def test_tool_choice_maps_every_protocols_spelling_onto_one_form():
+    forms = [None, "auto", "none"]
+    assert [tool_choice(c) for c in forms] == ["auto", "auto", "none"]
+    typed = [None, {"type": "auto"}, {"type": "none", "x": 1}, "auto", "none"]
+    assert [tool_choice(c, typed=True) for c in typed] == ["auto", "auto", "none", "auto", "none"]
 
 
 def test_a_model_without_a_tool_template_refuses_tools():
@@ -271,7 +302,7 @@ def test_replies_over_the_prompt_cache_equal_replies_without_it():
 def test_the_prompt_cache_stays_within_its_budget():
     """Different prompts each leave an entry; the least recently used go once their KV
     passes the budget."""
-    from engine.server import PROMPT_CACHE_ENTRIES
+    from engine.serve.server import PROMPT_CACHE_ENTRIES
 
     budget = 5 << 20  # bytes: two entries (the KV is allocated 256 tokens at a time)
     served = Served(prompt_cache_bytes=budget)
@@ -304,7 +335,7 @@ def test_the_split_keeps_every_character_the_model_wrote_outside_its_calls(tool_
     its text."""
     from mlx_lm.utils import load_tokenizer
 
-    from engine.tool_calls import ToolCall, ToolCallStream
+    from engine.serve.tool_calls import ToolCall, ToolCallStream
 
     tok = load_tokenizer(tool_model)
     assert tok.has_thinking and tok.has_tool_calling

@@ -21,8 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL, USER, checked_ids, encode
-from engine.server_messages import call_arguments, openai_tools
-from engine.server_requests import (
+from engine.serve.bodies import (
     RequestError,
     Served,
     collect,
@@ -33,7 +32,8 @@ from engine.server_requests import (
     submit,
     text,
 )
-from engine.tool_calls import ToolCall, ToolCallStream
+from engine.serve.messages import call_arguments, openai_tools
+from engine.serve.tool_calls import ToolCall, ToolCallStream
 
 
 def error_response(e: RequestError) -> JSONResponse:

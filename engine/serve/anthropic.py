@@ -12,8 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, SYSTEM, TOOL, USER
-from engine.server_messages import call_arguments, function_tool
-from engine.server_requests import (
+from engine.serve.bodies import (
     RequestError,
     Served,
     collect,
@@ -24,8 +23,10 @@ from engine.server_requests import (
     read_json,
     submit,
     text,
+    tool_choice,
 )
-from engine.tool_calls import ToolCall, ToolCallStream
+from engine.serve.messages import call_arguments, function_tool
+from engine.serve.tool_calls import ToolCall, ToolCallStream
 
 # Anthropic's error types by status.
 _ERROR_TYPES = {
@@ -100,15 +101,8 @@ def anthropic_tools(data: dict) -> list[dict] | None:
         RequestError: naming the field; tool_choice "any" or a named tool (a call cannot
             be forced: replies are not constrained).
     """
-    tools, choice = data.get("tools"), data.get("tool_choice")
-    kind = choice.get("type") if isinstance(choice, dict) else choice
-    if choice is not None and kind not in ("auto", "none"):
-        raise RequestError(
-            "tool_choice",
-            f'tool_choice {json.dumps(choice)} is not supported: only {{"type": "auto"}} or '
-            '{"type": "none"} (replies are not constrained to a call)',
-        )
-    if tools is None or kind == "none":
+    tools = data.get("tools")
+    if tool_choice(data.get("tool_choice"), typed=True) == "none" or tools is None:
         return None
     if not isinstance(tools, list):
         raise RequestError("tools", "tools must be a list of tools")

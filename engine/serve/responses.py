@@ -15,9 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, SYSTEM, TOOL, USER
-from engine.server_messages import call_arguments, content_text, function_tool
-from engine.server_openai import endpoint
-from engine.server_requests import (
+from engine.serve.bodies import (
     RequestError,
     Served,
     collect,
@@ -27,8 +25,11 @@ from engine.server_requests import (
     read_json,
     submit,
     text,
+    tool_choice,
 )
-from engine.tool_calls import ToolCall, ToolCallStream
+from engine.serve.messages import call_arguments, content_text, function_tool
+from engine.serve.openai import endpoint
+from engine.serve.tool_calls import ToolCall, ToolCallStream
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -85,14 +86,8 @@ def responses_tools(data: dict) -> list[dict] | None:
         RequestError: naming the field; a tool of another type, or a tool_choice that
             forces a call.
     """
-    tools, choice = data.get("tools"), data.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(
-            "tool_choice",
-            f'tool_choice {json.dumps(choice)} is not supported: only "auto" or "none" '
-            "(replies are not constrained to a call)",
-        )
-    if not tools or choice == "none":
+    tools = data.get("tools")
+    if tool_choice(data.get("tool_choice")) == "none" or not tools:
         return None
     if not isinstance(tools, list):
         raise RequestError("tools", "tools must be a list of function tools")

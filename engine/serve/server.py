@@ -1,12 +1,12 @@
 """`expertstream serve`: an HTTP server for one streamed model, in the protocols agents and
 chat front ends speak: OpenAI's chat completions, completions and Responses
-(engine.server_openai, engine.server_responses), Anthropic's Messages
-(engine.server_anthropic) and Ollama's API (engine.server_ollama).
+(engine.serve.openai, engine.serve.responses), Anthropic's Messages
+(engine.serve.anthropic) and Ollama's API (engine.serve.ollama).
 
 Starlette routes run on uvicorn's event loop; one generation thread owns the model (it
 loads it, and only it touches MLX arrays) and serves requests one at a time, in arrival
 order, from a bounded queue (a full queue answers 503 with Retry-After). Every route turns
-its request into the same `Job` (engine.server_requests), so every protocol shares the
+its request into the same `Job` (engine.serve.bodies), so every protocol shares the
 queue, the sampling checks and the limits; each writes its own error format. The thread
 sends the reply's text pieces and its end back to the event loop. A client that goes away
 sets the job's cancel flag, which the model polls at every MoE layer call, so its
@@ -23,7 +23,7 @@ unlike `expertstream generate --json`'s stats, which are one reply's), `GET /v1/
 `expertstream advise --trace` reads it), `GET /health` (with `last_error` while the latest
 reply failed). A request names no file: `model` is not used to pick or load anything.
 
-`serve --pipeline` serves the same application with engine.pipeline_server's subclass of
+`serve --pipeline` serves the same application with engine.serve.pipeline's subclass of
 the generation thread, which runs each job on every rank of a pipeline.
 """
 
@@ -46,9 +46,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import server_anthropic, server_ollama, server_openai, server_responses
 from engine.cache import REPORTED_STATS, ratio
-from engine.server_requests import Job, RequestError, Served
+from engine.serve import anthropic, ollama, openai, responses
+from engine.serve.bodies import Job, RequestError, Served
 
 # Conversations the prompt cache keeps at most (mlx_lm.server's default), within its bytes.
 PROMPT_CACHE_ENTRIES = 10
@@ -189,7 +189,7 @@ class GenerationThread:
 
     A subclass may change how the thread waits for a job (`_next_job`) and generates one
     (`_generate`); an exception of `fatal` raised there ends the thread, not only the
-    request (engine.pipeline_server).
+    request (engine.serve.pipeline).
     """
 
     fatal: tuple[type[BaseException], ...] = ()
@@ -631,24 +631,24 @@ def build_app(
         await asyncio.to_thread(engine.close)
 
     async def http_error(request: Request, exc: HTTPException):
-        return server_openai.error_response(
+        return openai.error_response(
             RequestError(None, str(exc.detail), exc.status_code, headers=exc.headers)
         )
 
     async def internal_error(request: Request, exc: Exception):
-        return server_openai.error_response(
+        return openai.error_response(
             RequestError(None, f"internal error: {type(exc).__name__}: {exc}", 500)
         )
 
     return Starlette(
         routes=[
-            *server_openai.routes(served),
-            *server_responses.routes(served),
-            *server_anthropic.routes(served),
-            *server_ollama.routes(served),
-            Route("/v1/models", server_openai.endpoint(models), methods=["GET"]),
+            *openai.routes(served),
+            *responses.routes(served),
+            *anthropic.routes(served),
+            *ollama.routes(served),
+            Route("/v1/models", openai.endpoint(models), methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
-            Route("/v1/trace", server_openai.endpoint(trace), methods=["GET"]),
+            Route("/v1/trace", openai.endpoint(trace), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},

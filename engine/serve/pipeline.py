@@ -1,6 +1,6 @@
 """`expertstream serve --pipeline`: rank 0 serves HTTP, every other rank follows it.
 
-Under `mlx.launch`, rank 0 runs engine.server (the same routes, flags and queue) with a
+Under `mlx.launch`, rank 0 runs engine.serve.server (the same routes, flags and queue) with a
 `PipelineGenerationThread`; every other rank runs `follow`. They talk only through the
 pipeline's collectives (engine.pipeline), every rank joining them in the same order:
 
@@ -51,7 +51,7 @@ from engine.pipeline import (
     lost,
     rank_stats,
 )
-from engine.server import GenerationThread, Job
+from engine.serve.server import GenerationThread, Job
 
 # Seconds between rank 0's idle command rounds.
 HEARTBEAT_S = 2.0
@@ -175,7 +175,7 @@ def follow(path: str | Path | None, config: StreamConfig, group) -> int:
 
 
 class PipelineGenerationThread(GenerationThread):
-    """Rank 0's generation thread: engine.server.GenerationThread that sends each job to
+    """Rank 0's generation thread: engine.serve.server.GenerationThread that sends each job to
     the other ranks (`command_round`), generates it with them (`reply`), and keeps every
     rank's cache figures (`ranks`).
 

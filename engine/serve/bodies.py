@@ -1,8 +1,8 @@
 """What every route of `expertstream serve` shares: reading a request body, the checks of
-its fields (sampling, limits, stop strings) and the job it becomes, and waiting for the
-job's events. Each protocol module (engine.server_openai, engine.server_anthropic,
-engine.server_responses, engine.server_ollama) maps its own field names onto these and
-writes `RequestError` in its own error format.
+its fields (sampling, limits, stop strings, `tool_choice`) and the job it becomes, and
+waiting for the job's events. Each protocol module (engine.serve.openai,
+engine.serve.anthropic, engine.serve.responses, engine.serve.ollama) maps its own field
+names onto these and writes `RequestError` in its own error format.
 """
 
 import asyncio
@@ -262,6 +262,30 @@ def text(value, name: str, empty: bool = True) -> str:
     if not isinstance(value, str) or (not empty and not value):
         raise RequestError(name, f"{name} must be a {'' if empty else 'non-empty '}string")
     return value
+
+
+def tool_choice(choice, typed: bool = False) -> str:
+    """A request's `tool_choice` in one form: "auto" (the model is told of the tools and may
+    call one; also when the request sets none) or "none" (it is not told of them). OpenAI's
+    protocols spell these as strings; Anthropic's as `{"type": "auto"}` (`typed`), where a
+    bare string is taken too.
+
+    Raises:
+        RequestError: (param "tool_choice") any other choice, which would force a call
+            ("required", "any", a named tool): replies are not constrained to a call, so
+            that cannot be promised. The message spells the choices as the protocol does.
+    """
+    if choice is None:
+        return "auto"
+    kind = choice.get("type") if typed and isinstance(choice, dict) else choice
+    if kind in ("auto", "none"):
+        return kind
+    auto, none = ({"type": "auto"}, {"type": "none"}) if typed else ("auto", "none")
+    raise RequestError(
+        "tool_choice",
+        f"tool_choice {json.dumps(choice)} is not supported: only {json.dumps(auto)} or "
+        f"{json.dumps(none)} (replies are not constrained to a call)",
+    )
 
 
 @dataclass

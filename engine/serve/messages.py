@@ -5,7 +5,7 @@ assistant's `tool_calls` with parsed arguments, a tool result's `tool_call_id`).
 import json
 
 from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL
-from engine.server_requests import RequestError, lone_surrogate, text
+from engine.serve.bodies import RequestError, lone_surrogate, text, tool_choice
 
 
 def openai_tools(data: dict) -> list[dict] | None:
@@ -16,14 +16,8 @@ def openai_tools(data: dict) -> list[dict] | None:
         RequestError: naming the field, for a malformed tool or a `tool_choice` that would
             force a call (replies are not constrained, so that cannot be promised).
     """
-    tools, choice = data.get("tools"), data.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(
-            "tool_choice",
-            f'tool_choice {json.dumps(choice)} is not supported: only "auto" or "none" '
-            "(replies are not constrained to a call)",
-        )
-    if tools is None or choice == "none":
+    tools = data.get("tools")
+    if tool_choice(data.get("tool_choice")) == "none" or tools is None:
         return None
     if not isinstance(tools, list):
         raise RequestError("tools", "tools must be a list of function tools")

@@ -13,10 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine import server_requests
 from engine.chat import checked_ids, encode
-from engine.server_messages import openai_messages, openai_tools
-from engine.server_requests import (
+from engine.serve import bodies
+from engine.serve.bodies import (
     MAX_TOP_LOGPROBS,
     Job,
     RequestError,
@@ -29,7 +28,8 @@ from engine.server_requests import (
     read_json,
     submit,
 )
-from engine.tool_calls import ToolCall, ToolCallStream
+from engine.serve.messages import openai_messages, openai_tools
+from engine.serve.tool_calls import ToolCall, ToolCallStream
 
 # OpenAI's limit of `logprobs` on the (legacy) completions route.
 MAX_COMPLETION_LOGPROBS = 5
@@ -46,7 +46,7 @@ def error_response(e: RequestError) -> JSONResponse:
 
 def endpoint(handler):
     """`handler` answering its RequestErrors in OpenAI's error format."""
-    return server_requests.endpoint(handler, error_response)
+    return bodies.endpoint(handler, error_response)
 
 
 def routes(served: Served) -> list[Route]:
