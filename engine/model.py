@@ -316,9 +316,9 @@ def load(
     targets = prefetch_targets([r is not None for r in routers])
     plan = plan_memory(store, config, specs, targets, fit_default, strict)
     config = plan.config
+    compute = ExpertMajor(config.expert_major, cuda_pools(), store.manifest.num_experts)
     cache = cache_mod.open_planned(store, plan, specs)
     predictor = Predictor(cache, routers, config, plan.tier_slots)
-    compute = ExpertMajor(config.expert_major, cuda_pools(), store.manifest.num_experts)
     for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
         replace(
             model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math, compute)
