@@ -37,6 +37,11 @@ if TYPE_CHECKING:  # engine.generate imports MLX, which the engine thread import
     from engine.generate import GenerationResult
 
 POLL_HZ = 10.0
+# The window's size where the screen has room for it (and its frame); on a smaller screen
+# it opens maximized, within the screen's available area, which its minimum size fits
+# down to a 1280x720 laptop's.
+PREFERRED_SIZE = QSize(1480, 940)
+FRAME_ROOM = QSize(16, 48)  # a window manager's borders and title bar
 
 
 def icon_path() -> str:
@@ -71,7 +76,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle("ExpertStream")
         self.setWindowIcon(QIcon(icon_path()))
-        self.resize(QSize(1480, 940))
+        self.resize(PREFERRED_SIZE)
         self.info: ModelInfo | None = None
         self.busy: str | None = None  # "loading" | "generating" | None
         self.pending: tuple[str | None, dict] | None = None
@@ -104,7 +109,7 @@ class MainWindow(QMainWindow):
         self.advisor_runner.finished.connect(self.advisor.show_result)
         # bound methods of the panel's widgets, not lambdas: a sweep that ends after the
         # window is gone then reaches no deleted widget
-        self.advisor_runner.failed.connect(self.advisor.status.setText)
+        self.advisor_runner.failed.connect(self.advisor.show_failed)
         self.advisor_runner.stopped.connect(self.advisor.show_stopped)
         self.chat.sendRequested.connect(self.send)
         self.chat.stopRequested.connect(self.stop)
@@ -150,6 +155,17 @@ class MainWindow(QMainWindow):
         if poll_hz > 0:
             self.timer.start(int(1000 / poll_hz))
         self.request_load(model_path, overrides or {})
+
+    def show_fitted(self) -> None:
+        """Shows the window at `PREFERRED_SIZE` where its screen's available area holds
+        it, else maximized (the window manager fits it to the area)."""
+        screen = self.screen() or QApplication.primaryScreen()
+        room = screen.availableGeometry().size()
+        if (PREFERRED_SIZE + FRAME_ROOM).boundedTo(room) == PREFERRED_SIZE + FRAME_ROOM:
+            self.resize(PREFERRED_SIZE)
+            self.show()
+        else:
+            self.showMaximized()
 
     def _menus(self) -> None:
         menu = self.menuBar().addMenu("&File")

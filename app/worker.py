@@ -226,9 +226,7 @@ class Worker(QObject):
             self.loadFailed.emit(f"could not open {where}: {words}")
             return
         except Exception as e:  # noqa: BLE001  (any failure is reported, the app goes on)
-            self.loadFailed.emit(
-                f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
-            )
+            self.loadFailed.emit(f"could not open {path or 'the embedded model'}: {error_text(e)}")
             return
         store, m = sm.store, sm.store.manifest
         old = self._sm
@@ -302,7 +300,7 @@ class Worker(QObject):
         except ContextError as e:
             self.replyFailed.emit(_context_message(e), "".join(text))
         except Exception as e:  # noqa: BLE001  (shown in the window; the app goes on)
-            self.replyFailed.emit(f"{type(e).__name__}: {e}", "".join(text))
+            self.replyFailed.emit(error_text(e), "".join(text))
         finally:
             _settle_random_state()
 
@@ -314,6 +312,16 @@ class Worker(QObject):
         if self._recorder is not None:
             self._recorder.close()
         del sm
+
+
+def error_text(e: Exception) -> str:
+    """An exception as the window says it: its message, an OSError's file and reason
+    (`engine.safe_io.os_error_text`), never Python's name for it; the name only for
+    an exception that carries no message at all (a bug to report)."""
+    from engine.safe_io import os_error_text
+
+    text = os_error_text(e) if isinstance(e, OSError) else str(e)
+    return text or f"an internal error ({type(e).__name__}, no message)"
 
 
 def _fallback_note(plan) -> str:

@@ -117,9 +117,15 @@ def resident_run(model_dir: str | Path, prompt: list[int], max_tokens: int, reps
     return _resident_summary([_resident_once(model_dir, prompt, max_tokens) for _ in range(reps)])
 
 
-def _streamed_once(store_path, fields: dict, prompt: list[int], max_tokens: int) -> dict:
+def _streamed_once(
+    store_path, fields: dict, prompt: list[int], max_tokens: int, warm: bool = False
+) -> dict:
+    """One timed generation from a freshly loaded model; `warm`: after one untimed token
+    of the same prompt (the caches it fills kept: the host tier, the real regions)."""
     reset_vm_hwm()
     sm = load(store_path, StreamConfig(**fields))
+    if warm:
+        timed_generate(sm.model, prompt, 1)
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     mid = {}
@@ -410,7 +416,8 @@ def prefill_suite(
     """Time to first token of `prompt` (a long one: `long_prompt`) for mlx-lm resident
     and the engine at each fraction of the experts (prefetch off: a prefill of several
     tokens never prefetches; `fields`: more StreamConfig fields for every engine run;
-    `configs`: instead of `fractions`, named runs of (fraction, more fields) each),
+    `configs`: instead of `fractions`, named runs of (fraction, more fields) each, a
+    field "warm": True running the prompt once untimed after the load, `_streamed_once`),
     each repetition from a freshly loaded model (cold cache: every expert the prompt
     routes to is read), in `reps` round-robin rounds after one discarded warm-up of each
     path, as `decode_suite` does (`warm_up` False: none, where an earlier suite in the
@@ -442,7 +449,13 @@ def prefill_suite(
         ).items()
     }
     runs = {
-        name: lambda fields=fields: _streamed_once(store.path, fields, prompt, 1)
+        name: lambda fields=fields: _streamed_once(
+            store.path,
+            {k: v for k, v in fields.items() if k != "warm"},
+            prompt,
+            1,
+            fields.get("warm", False),
+        )
         for name, (_, fields) in configs.items()
     }
     if not is_store(model):

@@ -422,6 +422,7 @@ def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
         configs |= {
             "100%": (1.0, {}),
             "25%, host tier": (0.25, {"uncached_io": False}),
+            "25%, host tier warm": (0.25, {"uncached_io": False, "warm": True}),
             "25%, O_DIRECT": (0.25, {"uncached_io": True, "host_memory": None}),
         }
         log(f"\n### Time to first token, synthetic store, {n} tokens\n")

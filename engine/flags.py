@@ -13,6 +13,7 @@ refuse bad values while parsing, and `Parser` says so in one line.
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,9 +39,17 @@ ENV_FIELDS = {
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the flag and the value, with
-    where to look (the usage of a command with every cache flag runs to 16 lines)."""
+    where to look (the usage of a command with every cache flag runs to 16 lines). A
+    value such as "-5GiB" is a value, as "-5" is: its flag's own check refuses it by
+    name, not argparse's "expected one argument"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)\s*[A-Za-z]*$")
 
     def error(self, message: str):
+        # a flag by its long name only, where argparse joins its spellings ("--max-tokens/-m")
+        message = re.sub(r"^argument (--[\w-]+)(/-\w+)+:", r"argument \1:", message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -148,7 +157,7 @@ FLAGS = (
         "--expert-memory",
         "expert_memory",
         _memory,
-        "memory for the real regions of all layers (6GiB, 512MiB, 8GB or auto: "
+        "memory for the real regions of all layers (6GiB, 512MiB, 8GB, 10G for 10 GiB, or auto: "
         f"{AUTO_MEMORY_FRACTION * 100:.0f}%% of the memory available at start), slots per "
         "layer by its record size; instead of --expert-slots",
     ),

@@ -18,6 +18,27 @@ namespace es {
 
 namespace {
 
+// The float segments of a record, which BlobFile checks for NaN and infinity with each
+// record's crc32 (exponent bits of float16, bfloat16, float32).
+std::vector<FloatSpan> float_spans(const std::vector<Segment>& segments) {
+  std::vector<FloatSpan> spans;
+  for (const auto& seg : segments) {
+    int width = 0;
+    uint32_t exponent = 0;
+    if (seg.dtype == mx::float16) {
+      width = 2, exponent = 0x7C00;
+    } else if (seg.dtype == mx::bfloat16) {
+      width = 2, exponent = 0x7F80;
+    } else if (seg.dtype == mx::float32) {
+      width = 4, exponent = 0x7F800000;
+    } else {
+      continue;
+    }
+    spans.push_back({seg.key, seg.offset, seg.nbytes / width, width, exponent});
+  }
+  return spans;
+}
+
 // demand_read's landed[i] for a record staged from the host tier (1: read).
 constexpr uint8_t kLandedFromTier = 2;
 
@@ -111,7 +132,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     const int rows = this->rows(static_cast<int>(li));
     const auto& L = layers_[li];
     files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
-                                                L.record_bytes, L.checksums, config_.uncached_io));
+                                                L.record_bytes, L.checksums, config_.uncached_io,
+                                                float_spans(L.segments)));
     std::vector<mx::array> arrays;
     std::vector<uint8_t*> ptrs;
     int64_t end = 0;
