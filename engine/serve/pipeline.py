@@ -242,6 +242,7 @@ class PipelineGenerationThread(GenerationThread):
             "top_p": job.top_p,
             "seed": seed,
         }
+        job.emit("start", {"cached_tokens": 0})
         try:
             command_round(params, self.group)
             result = reply(self.sm, self.group, params, on_response, stop)

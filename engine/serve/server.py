@@ -207,6 +207,7 @@ class GenerationThread:
             raise ValueError(f"trace_tokens is {trace_tokens}: must be >= 0")
         if prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes is {prompt_cache_bytes}: must be >= 0")
+        self.max_queue = max_queue
         self.prompt_cache_bytes = prompt_cache_bytes
         self.prompt_cache = None  # made on the thread, with the model
         self._load = load
@@ -453,6 +454,7 @@ class GenerationThread:
         from engine.generate import generate
 
         cache, cached = self._fetch(job.prompt)
+        job.emit("start", {"cached_tokens": cached})
         try:
             if job.seed is not None:
                 mx.random.seed(job.seed)
@@ -571,14 +573,23 @@ def build_app(
         size_bytes=sum(f.stat().st_size for f in sm.store.path.iterdir() if f.is_file()),
     )
 
+    entry = {
+        "id": model_id,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "expertstream",
+    }
+
     async def models(request: Request):
-        entry = {
-            "id": model_id,
-            "object": "model",
-            "created": served.created,
-            "owned_by": "expertstream",
-        }
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name != model_id:
+            raise RequestError(
+                "model", f"model {name!r} is not served here: this server serves {model_id!r}", 404
+            )
+        return JSONResponse(entry)
 
     async def stats(request: Request):
         cache = engine.cache_stats()
@@ -647,6 +658,7 @@ def build_app(
             *anthropic.routes(served),
             *ollama.routes(served),
             Route("/v1/models", openai.endpoint(models), methods=["GET"]),
+            Route("/v1/models/{name:path}", openai.endpoint(model), methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
             Route("/v1/trace", openai.endpoint(trace), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
