@@ -70,6 +70,10 @@ def parse_memory(text: str) -> MemorySize | str:
     return MemorySize(int(value * _UNITS[unit]), str(text).strip())
 
 
+# Prompt tokens per forward of a prefill (mlx-lm's default `prefill_step_size`).
+PREFILL_STEP_SIZE = 2048
+
+
 class ConfigError(ValueError):
     """A setting out of range: `field` (a StreamConfig field, or "temperature" /
     "top_p"), its `value`, and `what` it must be; or, with `also`, two fields given
@@ -179,6 +183,9 @@ class StreamConfig:
             `AUTO_MEMORY_FRACTION` of the memory available at load (a budget above what is
             available is refused then); 0 or None: no tier. Where the pools are host
             memory (CPU, Metal) the pools are the tier: no other is made.
+        max_batch: the most sequences one forward carries (`expertstream serve
+            --max-batch`): with device_acquire, one acquire kernel's request holds up to
+            max_batch x top_k ids, its mailbox and staging slots sized at load.
     """
 
     expert_slots: int | None = None
@@ -201,6 +208,7 @@ class StreamConfig:
     io_uring: bool = True
     device_acquire: bool = True
     host_memory: int | str | None = "auto"
+    max_batch: int = 1
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
@@ -232,6 +240,7 @@ class StreamConfig:
         if self.expert_memory is not None and self.expert_slots is not None:
             raise ConfigError("expert_slots", None, "give one of them", also="expert_memory")
         need(self.side_slots >= 0, "side_slots", self.side_slots, "must be >= 0")
+        need(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
         need(self.cutoff is None or self.cutoff >= 0, "cutoff", self.cutoff, "must be >= 0")

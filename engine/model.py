@@ -351,8 +351,8 @@ def load(
 
     tokenizer = load_store_tokenizer(store)
     cache_mod.fill_whole_layers(cache)  # the last step: every check above is cheaper
-    # A decode step's request: top_k ids of one token.
-    predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k)
+    # A decode step's request: top_k ids of each token of the batch.
+    predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k * config.max_batch)
     model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, real, stage)
     remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run

@@ -308,7 +308,7 @@ def tool_choice(choice, typed: bool = False) -> str:
     )
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: hashed and compared by identity
 class Job:
     """One request's generation.
 
