@@ -23,7 +23,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.worker import ServiceThread
+from app.inspector import fixed_axes
+from app.worker import ServiceThread, error_text
 from engine.memory import human_bytes
 
 POLICY_COLORS = {"lru": "#f0a030"}
@@ -34,9 +35,7 @@ TPS_COLOR = "#ff7b72"
 
 
 def _style(plot: pg.PlotItem) -> None:
-    plot.setMenuEnabled(False)
-    plot.setMouseEnabled(x=False, y=False)
-    plot.hideButtons()
+    fixed_axes(plot)
     plot.showGrid(x=True, y=True, alpha=0.15)
 
 
@@ -75,6 +74,19 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
             self.lines.append((now, new))
         self.note = pg.TextItem("", color="#8a93a3", anchor=(0.5, 0.5))
         self.speed.addItem(self.note)
+        self._empty()
+
+    def _empty(self) -> None:
+        # Before the first sweep: the axes' ranges with no ticks on the budget axes and
+        # no budget lines, not pyqtgraph's default range around 0.
+        self.hits.setRange(xRange=(0, 1), yRange=(0, 100), padding=0.02)
+        self.speed.setYRange(0, 1, padding=0.02)
+        for axis in (self.hits.getAxis("bottom"), self.hits.getAxis("top")):
+            axis.setTicks([[], []])
+        self.speed.getAxis("bottom").setTicks([[], []])
+        self.speed.getAxis("left").setTicks([[], []])
+        for line in (line for pair in self.lines for line in pair):
+            line.setVisible(False)
 
     def draw(self, curve, suggested: int | None) -> None:
         """Draws an `engine.advisor.Curve` with the `suggested` slots marked."""
@@ -98,6 +110,9 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
             self.curves[name].setData(x, 100 * np.asarray(rates))
         self.hits.setYRange(0, 100, padding=0.02)
         self.hits.setXRange(x[0], x[-1], padding=0.03)
+        for axis in (self.hits.getAxis("bottom"), self.speed.getAxis("bottom")):
+            axis.setTicks(None)  # pyqtgraph's, which _empty took away
+        self.speed.getAxis("left").setTicks(None)
         step = max(1, len(x) // 6)
         top = [
             (float(c), _short_bytes(b))
@@ -105,6 +120,7 @@ class AdvisorPlot(pg.GraphicsLayoutWidget):
         ]
         self.hits.getAxis("top").setTicks([top[::step], []])
         for now, new in self.lines:
+            now.setVisible(True)
             now.setPos(curve.current)
             new.setPos(suggested if suggested is not None else curve.current)
             new.setVisible(suggested is not None and suggested != curve.current)
@@ -126,15 +142,22 @@ def _short_bytes(n: float) -> str:
 
 
 def figures_text(curve) -> str:
-    """What was measured and what is estimated, as HTML for the panel."""
+    """What was measured and what is estimated, as HTML for the panel. The measured hit
+    rate is the inspector's figure as it shows it; the replayed one at the same budget
+    is named apart, with why it differs."""
     m = curve.measured
-    parts = [f"Replayed {curve.tokens:,} tokens of this session one at a time (real region only)."]
+    replayed = curve.at(curve.current)
+    parts = [
+        f"Replayed {curve.tokens:,} tokens of this session one at a time (real region only): "
+        f"hit rate {replayed:.1%} at {curve.current} slots, from an empty cache and without "
+        "the side region's prefetch."
+    ]
     if m is not None:
         parts.append(
             f"<b>Measured</b> at {curve.current} slots: decode {m.decode_tps:.1f} tok/s over "
-            f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.0%} over the session (its "
-            "prompts included: a prompt's forward looks up each of its distinct experts once, "
-            f"into a colder cache; side hits count), reads {human_bytes(m.read_Bps)}/s."
+            f"{m.decode_tokens:,} tokens, hit rate {m.hit_rate:.1%} (the inspector's: side "
+            "hits count, and a prompt's forward looks up each of its distinct experts once), "
+            f"reads {human_bytes(m.read_Bps)}/s."
         )
     if curve.tps:
         parts.append(
@@ -158,33 +181,29 @@ class AdvisorRunner(QObject):
         self._stop = threading.Event()
         self.running = False
 
-    def analyze(self, trace, root, policy, current, autopin_frac, budget, measured) -> None:
-        """Queues a sweep of `trace` (numpy only) and its advice."""
+    def analyze(self, trace, config, current, budget, measured) -> None:
+        """Queues the advice session (`engine.advisor.advice_for`) of `trace` (numpy
+        only) under StreamConfig `config`, from `current` slots per layer."""
         self._stop.clear()
         self.running = True
-        self._thread.submit(
-            lambda: self._run(trace, root, policy, current, autopin_frac, budget, measured)
-        )
+        self._thread.submit(lambda: self._run(trace, config, current, budget, measured))
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _run(self, trace, root, policy, current, autopin_frac, budget, measured) -> None:
-        from engine.advisor import advise, estimate_tps, sweep
-        from engine.memory import available_bytes
+    def _run(self, trace, config, current, budget, measured) -> None:
+        from engine.advisor import advice_for
         from engine.replay import ReplayStopped
 
         try:
-            curve = sweep(trace, root, policy, current, None, autopin_frac, self._stop.is_set)
-            estimate_tps(curve, budget, measured)
-            advice = advise(curve, available_bytes())
+            curve, advice = advice_for(trace, config, current, budget, measured, self._stop.is_set)
         except ReplayStopped:
             self.running = False
             self.stopped.emit()
             return
         except Exception as e:  # noqa: BLE001  (shown in the panel; the app goes on)
             self.running = False
-            self.failed.emit(f"{type(e).__name__}: {e}")
+            self.failed.emit(error_text(e))
             return
         self.running = False
         self.finished.emit(curve, advice)
@@ -261,6 +280,10 @@ class AdvisorPanel(QWidget):
         layout.addWidget(self.figures)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
+
+    def show_failed(self, message: str) -> None:
+        """Says why the analysis failed."""
+        self.status.setText(f"The analysis failed: {message}")
 
     def show_stopped(self) -> None:
         """Says that a reply stopped the analysis."""

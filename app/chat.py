@@ -125,12 +125,18 @@ class ChatPanel(QWidget):
             row.addSpacing(8)
         row.addStretch(1)
 
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
+        # the title and the system prompt share a row: the window must fit a laptop's
+        # 720 pixels of height with the inspector's plots readable
+        top = QHBoxLayout()
         title = QLabel("Chat")
         title.setObjectName("title")
-        layout.addWidget(title)
-        layout.addWidget(self.system)
+        top.addWidget(title)
+        top.addSpacing(8)
+        top.addWidget(self.system, 1)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(top)
         layout.addWidget(self.transcript, 1)
         layout.addWidget(self.prompt)
         layout.addLayout(buttons)

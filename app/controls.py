@@ -20,6 +20,9 @@ from app.worker import SETTING_NAMES, ModelInfo
 from engine.config import AUTO_MEMORY_FRACTION, parse_memory
 from engine.memory import human_bytes
 
+# Inside a group box, within the style sheet's padding: the boxes stay low enough for
+# the window to fit a laptop's height (Qt's default margins are 9 to 11 pixels).
+BOX_MARGINS = (4, 2, 4, 2)
 # The autopin fraction box's step (and the distance of its maximum from 1).
 AUTOPIN_STEP = 0.05
 
@@ -75,6 +78,7 @@ class ControlsPanel(QWidget):
         self.live = {}
         live_box = QGroupBox("Live · from the next forward, safe mid-reply")
         live_row = QHBoxLayout(live_box)
+        live_row.setContentsMargins(*BOX_MARGINS)
         for name, (label, tip) in LIVE_LABELS.items():
             box = QCheckBox(label)
             box.setToolTip(tip)
@@ -133,26 +137,28 @@ class ControlsPanel(QWidget):
             ("cutoff", self.cutoff),
         ):
             form2.addRow(SETTING_NAMES[field], box)
-        grid = QHBoxLayout()
+        # in the fourth row of the second column, beside autopin: no row of its own, so
+        # that the window fits a laptop's height
+        form2.addRow(self.apply_button)
+        grid = QHBoxLayout(pool_box)
+        grid.setContentsMargins(*BOX_MARGINS)
+        for f in (form, form2):
+            f.setVerticalSpacing(4)
         grid.addLayout(form)
         grid.addSpacing(12)
         grid.addLayout(form2)
         grid.addStretch(1)
-        pool_layout = QVBoxLayout(pool_box)
-        pool_layout.addLayout(grid)
-        buttons = QHBoxLayout()
-        buttons.addWidget(self.apply_button)
-        buttons.addStretch(1)
-        buttons.addWidget(self.open_button)
-        pool_layout.addLayout(buttons)
 
         self.model_label = QLabel("Loading…")
         self.model_label.setObjectName("model")
         self.model_label.setWordWrap(True)
+        model_row = QHBoxLayout()
+        model_row.addWidget(self.model_label, 1)
+        model_row.addWidget(self.open_button)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.model_label)
+        layout.addLayout(model_row)
         layout.addWidget(live_box)
         layout.addWidget(pool_box)
 
@@ -161,7 +167,7 @@ class ControlsPanel(QWidget):
         c = info.config
         n = len(info.layers)
         # a token's top-k experts of a layer fit its real region together, as every front
-        # end requires (engine.flags.check_real_slots)
+        # end requires (engine.open_model.check_real_slots)
         self.expert_slots.setRange(info.top_k, info.num_experts)
         self.expert_slots.setValue(c.expert_slots or max(info.slots))
         memory = c.expert_memory

@@ -13,13 +13,13 @@ from PySide6.QtWidgets import (
     QGridLayout,
     QHBoxLayout,
     QLabel,
+    QSizePolicy,
     QToolTip,
     QVBoxLayout,
     QWidget,
 )
 
 from app.monitor import (
-    ABSENT,
     STATE_COLORS,
     STATE_NAMES,
     LiveSeries,
@@ -42,15 +42,28 @@ def _title(text: str) -> QLabel:
     return label
 
 
-def _heat_plot(widget: pg.GraphicsLayoutWidget, xlabel: str) -> tuple[pg.PlotItem, pg.ImageItem]:
-    plot = widget.addPlot(row=0, col=0)
+def fixed_axes(plot: pg.PlotItem) -> None:
+    """A plot that neither the mouse nor pyqtgraph rescales: no menu, no buttons, and
+    axes that never show an SI multiplier such as "(x0.001)" (an empty plot's range)."""
     plot.setMenuEnabled(False)
     plot.setMouseEnabled(x=False, y=False)
     plot.hideButtons()
+    for name in ("left", "bottom", "top", "right"):
+        plot.getAxis(name).enableAutoSIPrefix(False)
+
+
+def _heat_plot(widget: pg.GraphicsLayoutWidget) -> tuple[pg.PlotItem, pg.ImageItem]:
+    # The bottom axis has ticks and no label (the section's title names it): the rows
+    # keep the height, on a laptop's screen.
+    plot = widget.addPlot(row=0, col=0)
+    fixed_axes(plot)
     plot.invertY(True)
     plot.setLabel("left", "MoE layer")
-    plot.setLabel("bottom", xlabel)
     plot.getAxis("left").setTickSpacing(major=1, minor=1)
+    # no model yet: an empty unit square, not pyqtgraph's default range
+    plot.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+    plot.getAxis("bottom").setTicks([[], []])
+    plot.getAxis("left").setTicks([[], []])
     image = pg.ImageItem(axisOrder="row-major")
     plot.addItem(image)
     return plot, image
@@ -63,12 +76,13 @@ class OccupancyView(pg.GraphicsLayoutWidget):
 
     def __init__(self):
         super().__init__()
-        self.plot, self.image = _heat_plot(self, "pool row")
+        self.plot, self.image = _heat_plot(self)
         lut = np.array([QColor(c).getRgb()[:3] for c in STATE_COLORS], np.uint8)
         self.image.setLookupTable(lut)
         self.image.setLevels((0, len(STATE_COLORS)))
         self.plot.showAxis("top")
         self.plot.getAxis("top").setStyle(tickLength=0)
+        self.plot.getAxis("top").setTicks([[], []])  # the regions' names, once shaped
         self.separators = [
             pg.InfiniteLine(angle=90, pen=pg.mkPen("#e6e6e6", width=2)) for _ in range(2)
         ]
@@ -146,10 +160,10 @@ class FrequencyView(pg.GraphicsLayoutWidget):
 
     def __init__(self):
         super().__init__()
-        self.plot, self.image = _heat_plot(self, "expert")
+        self.plot, self.image = _heat_plot(self)
         cmap = pg.colormap.get("inferno")
         self.colorbar = pg.ColorBarItem(
-            values=(0, 1), colorMap=cmap, interactive=False, width=14, label="log10(1 + frequency)"
+            values=(0, 1), colorMap=cmap, interactive=False, width=14, label="log10(1 + freq.)"
         )
         self.colorbar.setImageItem(self.image, insert_in=self.plot)
         self.real_marks = pg.ScatterPlotItem(
@@ -209,10 +223,23 @@ SERIES = (
     ("inflight", "fills in flight", "#f0a030", 1.0),
     ("read_Bps", "MB read /s", "#ff7b72", 1e-6),
 )
+# Series that count things: their ticks are whole numbers.
+INTEGER_SERIES = frozenset({"inflight"})
+
+
+def y_ticks(top: float, integer: bool = False) -> list[tuple[float, str]]:
+    """The y ticks of a series plot from 0 to `top`: 0, the middle and the top (the
+    middle only where it is a whole number, for a series of counts), so that a plot a
+    few dozen pixels tall still reads, which pyqtgraph's automatic ticks do not."""
+    values = [0.0, top / 2, top]
+    if integer:
+        values = [v for v in values if v == int(v)]
+    return [(v, f"{v:g}") for v in values]
 
 
 class SeriesView(pg.GraphicsLayoutWidget):
-    """The time series of `LiveSeries`, last minute, one small plot each."""
+    """The time series of `LiveSeries`, last minute, one small plot each; the x axis is
+    seconds before now."""
 
     def __init__(self):
         super().__init__()
@@ -221,18 +248,26 @@ class SeriesView(pg.GraphicsLayoutWidget):
         self._xmin = None
         self._ytop = {}
         for i, (key, title, color, _) in enumerate(SERIES):
-            plot = self.addPlot(row=i // 3, col=i % 3)
+            plot = self.addPlot(row=0, col=i)  # one row: each plot keeps the height
             plot.setTitle(title, size="9pt")
-            plot.setMenuEnabled(False)
-            plot.setMouseEnabled(x=False, y=False)
-            plot.hideButtons()
-            plot.setYRange(0, 100 if key == "hit_rate" else 1, padding=0.02)
+            plot.layout.setRowFixedHeight(0, 18)  # pyqtgraph's 30 pixels for a title of 9pt
+            fixed_axes(plot)
             self.plots.append(plot)
             plot.getAxis("bottom").setStyle(tickLength=-4)
-            if i >= 2:
-                plot.setLabel("bottom", "seconds")
             curve = plot.plot(pen=pg.mkPen(color, width=2), connect="finite")
             self.curves[key] = curve
+            self._set_top(key, plot, 100.0 if key == "hit_rate" else 1.0)
+        self._set_xmin(-5.0)
+
+    def _set_top(self, key: str, plot: pg.PlotItem, top: float) -> None:
+        self._ytop[key] = top
+        plot.setYRange(0, top, padding=0.02)
+        plot.getAxis("left").setTicks([y_ticks(top, key in INTEGER_SERIES), []])
+
+    def _set_xmin(self, xmin: float) -> None:
+        self._xmin = xmin
+        for plot in self.plots:
+            plot.setXRange(xmin, 0, padding=0)
 
     def draw(self, series: LiveSeries, now: float) -> None:
         """Draws `series` as of time `now`."""
@@ -243,14 +278,11 @@ class SeriesView(pg.GraphicsLayoutWidget):
             if key != "hit_rate":  # y from 0 to a round number above the peak
                 top = _round_up(float(np.nanmax(y, initial=0.0)))
                 if top != self._ytop.get(key):
-                    self._ytop[key] = top
-                    plot.setYRange(0, top, padding=0.02)
+                    self._set_top(key, plot, top)
         # the x axis grows from 5 s to WINDOW_SECONDS as history accumulates
         xmin = -min(WINDOW_SECONDS, max(5.0, float(np.ceil(-x[0]))) if len(x) else 5.0)
         if xmin != self._xmin:
-            self._xmin = xmin
-            for plot in self.plots:
-                plot.setXRange(xmin, 0, padding=0)
+            self._set_xmin(xmin)
 
 
 TOTALS = (
@@ -258,12 +290,12 @@ TOTALS = (
     ("misses", "misses"),
     ("hit_rate", "hit rate"),
     ("side_hits", "side hits"),
-    ("promotions", "side hits promoted / declined"),
+    ("promotions", "promoted / declined"),
     ("pins_dropped", "pins dropped (cost hits)"),
     ("prefetch", "prefetch used / issued"),
     ("prefetch_accuracy", "prefetch accuracy"),
     ("bytes_read", "read from disk"),
-    ("host_tier", "from host memory (records / bytes)"),
+    ("host_tier", "host memory hits / bytes"),
     ("evictions", "evictions"),
     ("inflight", "fills in flight"),
     ("pool", "pool memory"),
@@ -284,60 +316,97 @@ class InspectorPanel(QWidget):
         self.series = LiveSeries(maxlen=int(WINDOW_SECONDS * 10) + 10)
         self.pool_bytes = 0
 
+        # Each section's title shares its row with the section's key or hint, so that
+        # the plots keep their height on a laptop's screen.
+        self.hover_label = QLabel("Hover a cell for its layer, row, expert and frequency.")
+        self.hover_label.setObjectName("hint")
+        # the hover text never widens the window: it is cut where the row ends
+        self.hover_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.occupancy.scene().sigMouseMoved.connect(
+            lambda _: self.hover_label.setText(self.occupancy.hover_text or self.hover_label.text())
+        )
+        occupancy_title = QHBoxLayout()
+        occupancy_title.addWidget(_title("Slot occupancy"))
+        occupancy_title.addSpacing(10)
+        occupancy_title.addWidget(self.hover_label, 1)
+
         key = QHBoxLayout()
         key.setSpacing(4)
-        for name, color in zip(STATE_NAMES[:ABSENT], STATE_COLORS[:ABSENT], strict=True):
+        for name, color in zip(STATE_NAMES, STATE_COLORS, strict=True):
             swatch = QLabel()
             swatch.setFixedSize(14, 14)
             swatch.setStyleSheet(f"background: {color}; border: 1px solid #555;")
             key.addWidget(swatch)
             key.addWidget(QLabel(name))
-            key.addSpacing(10)
+            key.addSpacing(8)
         key.addStretch(1)
-
-        self.hover_label = QLabel("Hover a cell for its layer, row, expert and frequency.")
-        self.hover_label.setObjectName("hint")
-        self.occupancy.scene().sigMouseMoved.connect(
-            lambda _: self.hover_label.setText(self.occupancy.hover_text or self.hover_label.text())
-        )
 
         marks = QLabel(
             '<span style="color:#7fd4ff">■</span> held in a real slot &nbsp; '
-            '<span style="color:#3fbf7f">○</span> published in a side row &nbsp; '
-            "colour: log10(1 + LFU frequency)"
+            '<span style="color:#3fbf7f">○</span> published in a side row'
         )
         marks.setObjectName("hint")
+        frequency_title = QHBoxLayout()
+        frequency_title.addWidget(_title("LFU frequency"))
+        frequency_title.addSpacing(10)
+        frequency_title.addWidget(marks, 1)
+
+        live_title = QHBoxLayout()
+        live_title.addWidget(_title("Live"))
+        live_title.addSpacing(10)
+        seconds = QLabel("the last minute; x: seconds before now")
+        seconds.setObjectName("hint")
+        live_title.addWidget(seconds, 1)
 
         self.totals = {}
-        grid = QGridLayout()
-        grid.setHorizontalSpacing(14)
-        grid.setVerticalSpacing(2)
-        for i, (k, label) in enumerate(TOTALS):
+        self.total_names = {}
+        self.grid = QGridLayout()
+        self.grid.setHorizontalSpacing(14)
+        self.grid.setVerticalSpacing(2)
+        for k, label in TOTALS:
             name = QLabel(label)
             name.setObjectName("hint")
             value = QLabel("–")
             value.setObjectName("value")
             value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            r, c = divmod(i, 3)
-            grid.addWidget(name, r, 2 * c)
-            grid.addWidget(value, r, 2 * c + 1)
+            self.total_names[k] = name
             self.totals[k] = value
+        self._place_totals([t for t in TOTALS if t[0] != "host_tier"])
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(_title("Slot occupancy"))
+        layout.setSpacing(4)
+        layout.addLayout(occupancy_title)
         layout.addLayout(key)
-        layout.addWidget(self.occupancy, 4)
-        layout.addWidget(self.hover_label)
-        layout.addWidget(_title("LFU frequency"))
-        layout.addWidget(marks)
-        layout.addWidget(self.frequency, 4)
-        layout.addWidget(_title("Live"))
-        layout.addWidget(self.series_view, 6)
-        layout.addLayout(grid)
+        # the heights below which a map's rows or a plot's ticks stop reading
+        self.occupancy.setMinimumHeight(90)
+        self.frequency.setMinimumHeight(90)
+        self.series_view.setMinimumHeight(100)
+        layout.addWidget(self.occupancy, 5)
+        layout.addLayout(frequency_title)
+        layout.addWidget(self.frequency, 5)
+        layout.addLayout(live_title)
+        layout.addWidget(self.series_view, 4)
+        layout.addLayout(self.grid)
+
+    def _place_totals(self, shown) -> None:
+        """Lays out the totals `shown` ((key, label) pairs) three to a row; the others
+        are hidden."""
+        keys = [k for k, _ in shown]
+        for k in self.totals:
+            self.grid.removeWidget(self.total_names[k])
+            self.grid.removeWidget(self.totals[k])
+        for i, k in enumerate(keys):
+            r, c = divmod(i, 3)
+            self.grid.addWidget(self.total_names[k], r, 2 * c)
+            self.grid.addWidget(self.totals[k], r, 2 * c + 1)
+        for k in self.totals:  # after adding: a layout shows what it adds, later
+            self.total_names[k].setVisible(k in keys)
+            self.totals[k].setVisible(k in keys)
 
     def set_model(self, info: ModelInfo) -> None:
-        """Shapes the plots for `info` and restarts the time series."""
+        """Shapes the plots for `info` and restarts the time series. The host-memory
+        row shows only where the model has a host tier (MLX CUDA)."""
         c = info.config
         n = len(info.layers)
         self.occupancy.set_shape(n, max(info.pool_slots), c.side_slots)
@@ -345,6 +414,7 @@ class InspectorPanel(QWidget):
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()
         self.pool_bytes = info.pool_bytes
+        self._place_totals([t for t in TOTALS if info.host_tier or t[0] != "host_tier"])
 
     def show_snapshot(self, snap, now: float, tokens: int, full: bool = True) -> None:
         """Draws one poll: `snap`, at monotonic time `now`, `tokens` received so far.

@@ -2,7 +2,7 @@
 
     expertstream-gui [--model PATH] [--expert-slots N] [--side-slots N] [...]
     expertstream-gui --screenshot PNG --prompt TEXT [--model PATH] [--max-tokens N]
-        [--tab advisor]
+        [--tab advisor] [--size WxH]
 
 The second form runs one chat turn, saves a PNG of the whole window while tokens are
 still being generated, and exits (with QT_QPA_PLATFORM=offscreen it needs no display).
@@ -47,6 +47,20 @@ NO_XCB = """expertstream-gui: Qt's X11 platform (xcb) needs libraries this syste
 XCB_CURSOR = "libxcb-cursor.so.0"
 
 
+def window_size(text: str) -> tuple[int, int]:
+    """A `--size` such as "1366x768" as (width, height) in pixels.
+
+    Raises:
+        argparse.ArgumentTypeError: not two positive integers joined by "x".
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or not int(m[1]) or not int(m[2]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a window size: give WIDTHxHEIGHT in pixels, e.g. 1366x768"
+        )
+    return int(m[1]), int(m[2])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="expertstream-gui",
@@ -75,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["inspector", "advisor"],
         default="inspector",
         help="the tab --screenshot shows (advisor: grabbed once the reply is analysed)",
+    )
+    p.add_argument(
+        "--size",
+        type=window_size,
+        metavar="WxH",
+        help="the window's size in pixels, e.g. 1366x768 (default: 1480x940 where the "
+        "screen holds it, else maximized; with --screenshot, 1480x940)",
     )
     p.add_argument(
         "--shot-at",
@@ -198,7 +219,11 @@ def _screenshot(window, args, app) -> None:
     def on_token(n: int) -> None:
         if n >= shot_at and not state["saved"] and args.tab == "inspector":
             grab(f"at reply token {n} of at most {args.max_tokens}")
-            window.stop()
+            # Stopped once saved, not before: a token delivered by the grab's own
+            # processEvents gets here while it runs, and stopping then put "Stopping…"
+            # in the status bar of the picture.
+            if state["saved"]:
+                window.stop()
 
     def on_done(reply) -> None:
         if state["grabbing"]:
@@ -293,7 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow(args.model, overrides)
     if args.screenshot:
         _screenshot(window, args, app)
-    window.show()
+    if args.size:
+        window.resize(*args.size)
+        window.show()
+    elif args.screenshot:  # grabbed, not looked at on a screen (offscreen has none)
+        window.show()
+    else:
+        window.show_fitted()
     code = app.exec()
     window.close()
     # Deleted now, while the QApplication lives: left to PySide's exit clean-up, the

@@ -25,8 +25,10 @@ from engine.cache import (
     CacheSnapshot,
 )
 
-# Display states of the occupancy heat map, in colour-key order; ABSENT (no pool row
-# there: a layer with fewer slots or side rows than the widest) is drawn as the background.
+# Display states of the occupancy heat map, in colour-key order. ABSENT: no pool row
+# there (a layer with fewer slots or side rows than the widest), in a colour of its own,
+# unlike the background and every row's state, so that it is not read as a black band
+# of rows.
 EMPTY, RESIDENT, PINNED, SIDE_READY, IN_FLIGHT, JUST_LOADED, ABSENT = range(7)
 STATE_NAMES = (
     "empty",
@@ -37,7 +39,7 @@ STATE_NAMES = (
     "just loaded",
     "no row",
 )
-STATE_COLORS = ("#2a2d34", "#3f7fd9", "#b05ce0", "#3fbf7f", "#f0a030", "#f4f1a0", "#1b1d23")
+STATE_COLORS = ("#2a2d34", "#3f7fd9", "#b05ce0", "#3fbf7f", "#f0a030", "#f4f1a0", "#5a4b3c")
 
 _SLOT_DISPLAY = np.full(NO_ROW + 1, ABSENT, np.uint8)
 _SLOT_DISPLAY[[SLOT_EMPTY, SLOT_RESIDENT, SLOT_PINNED, SLOT_LOADING, SLOT_JUST_LOADED]] = (

@@ -37,6 +37,11 @@ if TYPE_CHECKING:  # engine.generate imports MLX, which the engine thread import
     from engine.generate import GenerationResult
 
 POLL_HZ = 10.0
+# The window's size where the screen has room for it (and its frame); on a smaller screen
+# it opens maximized, within the screen's available area, which its minimum size fits
+# down to a 1280x720 laptop's.
+PREFERRED_SIZE = QSize(1480, 940)
+FRAME_ROOM = QSize(16, 48)  # a window manager's borders and title bar
 
 
 def icon_path() -> str:
@@ -71,7 +76,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle("ExpertStream")
         self.setWindowIcon(QIcon(icon_path()))
-        self.resize(QSize(1480, 940))
+        self.resize(PREFERRED_SIZE)
         self.info: ModelInfo | None = None
         self.busy: str | None = None  # "loading" | "generating" | None
         self.pending: tuple[str | None, dict] | None = None
@@ -104,7 +109,7 @@ class MainWindow(QMainWindow):
         self.advisor_runner.finished.connect(self.advisor.show_result)
         # bound methods of the panel's widgets, not lambdas: a sweep that ends after the
         # window is gone then reaches no deleted widget
-        self.advisor_runner.failed.connect(self.advisor.status.setText)
+        self.advisor_runner.failed.connect(self.advisor.show_failed)
         self.advisor_runner.stopped.connect(self.advisor.show_stopped)
         self.chat.sendRequested.connect(self.send)
         self.chat.stopRequested.connect(self.stop)
@@ -150,6 +155,17 @@ class MainWindow(QMainWindow):
         if poll_hz > 0:
             self.timer.start(int(1000 / poll_hz))
         self.request_load(model_path, overrides or {})
+
+    def show_fitted(self) -> None:
+        """Shows the window at `PREFERRED_SIZE` where its screen's available area holds
+        it, else maximized (the window manager fits it to the area)."""
+        screen = self.screen() or QApplication.primaryScreen()
+        room = screen.availableGeometry().size()
+        if (PREFERRED_SIZE + FRAME_ROOM).boundedTo(room) == PREFERRED_SIZE + FRAME_ROOM:
+            self.resize(PREFERRED_SIZE)
+            self.show()
+        else:
+            self.showMaximized()
 
     def _menus(self) -> None:
         menu = self.menuBar().addMenu("&File")
@@ -238,8 +254,7 @@ class MainWindow(QMainWindow):
     def analyze(self) -> None:
         """Replays the session's routing at a sweep of budgets on the advisor thread
         (refused while a reply runs: it runs again after it)."""
-        from engine.advisor import Measured, policy_of
-        from engine.store_cache import store_cache_dir
+        from engine.advisor import Measured
 
         status = self.advisor.status.setText
         if self.info is None or self.busy == "generating":
@@ -249,25 +264,20 @@ class MainWindow(QMainWindow):
         if trace is None or trace.num_tokens == 0:
             status("No routing recorded yet: send a message (and keep some tokens).")
             return
-        c, snap = self.info.config, self.engine.snapshot()
-        measured = None
-        t = snap.totals() if snap is not None else None
-        if self.decode[0] and t and t["read_seconds"] > 0:
-            measured = Measured(
-                decode_tps=self.decode[0] / self.decode[1],
-                read_Bps=t["bytes_read"] / t["read_seconds"],
-                hit_rate=t["hit_rate"],
-                decode_tokens=self.decode[0],
-            )
+        snap = self.engine.snapshot()
+        tokens, seconds = self.decode
+        measured = Measured.of(
+            tokens / seconds if tokens else None,
+            tokens,
+            snap.totals() if snap is not None else None,
+        )
         status(f"Replaying {trace.num_tokens:,} tokens…")
         self.advisor_runner.analyze(
             trace,
-            store_cache_dir() / "replay",
-            policy_of(c.policy, c.decay_every, c.autopin_frac),
+            self.info.config,
             # expert memory gives each layer its own slots: the advisor's uniform
             # equivalent is their mean
             round(sum(self.info.slots) / len(self.info.slots)),
-            c.autopin_frac,
             self.info.budget,
             measured,
         )

@@ -78,6 +78,7 @@ class ModelInfo:
     load_seconds: float
     context: int | None
     note: str = ""  # what the load changed of the settings asked for, and why
+    host_tier: bool = False  # experts kept in host memory (MLX CUDA's --host-memory)
 
 
 class ServiceThread:
@@ -199,20 +200,26 @@ class Worker(QObject):
             from engine.advisor import Budget
             from engine.cache import PoolMemoryError, pool_bytes
             from engine.config import ConfigError, StreamConfig
-            from engine.flags import check_real_slots, describe, flag_names, with_defaults
+            from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
-            from engine.model import load, resolve_store
+            from engine.open_model import open_model
             from engine.resources import default_model_path
 
+            def app_config(m) -> StreamConfig:
+                return StreamConfig(
+                    **with_defaults(app_defaults(m.num_experts, m.top_k), overrides)
+                )
+
             source = Path(default_model_path() if path is None else path)
-            store = resolve_store(source, progress=self._progress)
-            m = store.manifest
-            config = StreamConfig(**with_defaults(app_defaults(m.num_experts, m.top_k), overrides))
-            check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
-            note = ""
-            if overrides.get("expert_slots") is None and overrides.get("expert_memory") is None:
-                config, note = _auto_if_too_large(store, config)
-            sm = load(store.path, config)
+            too_large = []
+            sm = open_model(
+                source,
+                app_config,
+                auto_when_too_large=overrides.get("expert_slots") is None
+                and overrides.get("expert_memory") is None,
+                on_auto=too_large.append,
+                progress=self._progress,
+            )
         except _Cancelled:
             return
         except (ConfigError, PoolMemoryError) as e:  # named as the window labels them
@@ -222,10 +229,10 @@ class Worker(QObject):
             self.loadFailed.emit(f"could not open {where}: {words}")
             return
         except Exception as e:  # noqa: BLE001  (any failure is reported, the app goes on)
-            self.loadFailed.emit(
-                f"could not open {path or 'the embedded model'}: {type(e).__name__}: {e}"
-            )
+            self.loadFailed.emit(f"could not open {path or 'the embedded model'}: {error_text(e)}")
             return
+        store, m, config = sm.store, sm.store.manifest, sm.config
+        note = _auto_note(too_large[0]) if too_large else ""
         slots = list(sm.real_slots)
         targets = [s > 0 for s in sm.cache.layer_side_slots]  # the layers prefetch fills
         old = self._sm
@@ -251,6 +258,7 @@ class Worker(QObject):
                 load_seconds=time.monotonic() - t0,
                 context=store.context_length,
                 note=note,
+                host_tier=sm.predictor.tier_slots > 0,
             )
         )
 
@@ -300,7 +308,7 @@ class Worker(QObject):
         except ContextError as e:
             self.replyFailed.emit(_context_message(e), "".join(text))
         except Exception as e:  # noqa: BLE001  (shown in the window; the app goes on)
-            self.replyFailed.emit(f"{type(e).__name__}: {e}", "".join(text))
+            self.replyFailed.emit(error_text(e), "".join(text))
         finally:
             _settle_random_state()
 
@@ -314,23 +322,28 @@ class Worker(QObject):
         del sm
 
 
-def _auto_if_too_large(store, config) -> tuple:
-    """(config, note): the app's default expert slots, or expert memory auto where those
-    and the dense weights exceed the memory available (`engine.model.auto_if_too_large`),
-    with a note in the window's words saying so ("" when unchanged)."""
+def error_text(e: Exception) -> str:
+    """An exception as the window says it: its message, an OSError's file and reason
+    (`engine.safe_io.os_error_text`), never Python's name for it; the name only for
+    an exception that carries no message at all (a bug to report)."""
+    from engine.safe_io import os_error_text
+
+    text = os_error_text(e) if isinstance(e, OSError) else str(e)
+    return text or f"an internal error ({type(e).__name__}, no message)"
+
+
+def _auto_note(t) -> str:
+    """The window's words for a load switched to expert memory auto
+    (`engine.open_model.TooLarge`): the app's default expert slots and the dense weights
+    exceed the memory available."""
     from engine.config import AUTO_MEMORY_FRACTION
     from engine.memory import human_bytes
-    from engine.model import auto_if_too_large
 
-    auto, sizes = auto_if_too_large(store, config)
-    if sizes is None:
-        return config, ""
-    pools, dense, available = sizes
-    return auto, (
-        f"The default {config.expert_slots} expert slots per layer ({human_bytes(pools)}) "
-        f"and the dense weights ({human_bytes(dense)}) exceed the {human_bytes(available)} "
-        f"of memory available: expert memory is set to auto ({AUTO_MEMORY_FRACTION:.0%} "
-        "of it), so the experts stream from disk"
+    return (
+        f"The default {t.config.expert_slots} expert slots per layer ({human_bytes(t.pools)}) "
+        f"and the dense weights ({human_bytes(t.dense)}) exceed the "
+        f"{human_bytes(t.available)} of memory available: expert memory is set to auto "
+        f"({AUTO_MEMORY_FRACTION:.0%} of it), so the experts stream from disk"
     )
 
 

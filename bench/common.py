@@ -29,6 +29,9 @@ class Timing:
     prefill_s: float
     decode_s: float
     wall_s: float
+    # The first token's log-probabilities over the vocabulary (float32; the prefill's
+    # last logits, log-softmaxed): equal arrays mean equal logits.
+    first_logprobs: np.ndarray | None = None
 
     @property
     def prefill_tps(self) -> float:
@@ -46,16 +49,20 @@ def timed_generate(model, prompt: list[int], max_tokens: int, on_first_token=Non
     sampler = make_sampler(temp=0.0)
     tokens = []
     t0 = time.perf_counter()
-    t_first = None
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler):
+    t_first, first = None, None
+    for tok, logprobs in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler
+    ):
         tokens.append(int(tok))
         if t_first is None:
             t_first = time.perf_counter()
+            first = logprobs
             if on_first_token is not None:
                 on_first_token()
     t_end = time.perf_counter()
     t_first = t_first or t_end
-    return Timing(len(prompt), tokens, t_first - t0, t_end - t_first, t_end - t0)
+    logprobs = None if first is None else np.array(first.astype(mx.float32))
+    return Timing(len(prompt), tokens, t_first - t0, t_end - t_first, t_end - t0, logprobs)
 
 
 def prompt_ids(tokenizer, vocab_size: int, length: int = 64) -> list[int]:

@@ -19,6 +19,7 @@ import gc
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.utils import load_model as mlx_load_model
 
 from bench.common import (
@@ -116,9 +117,15 @@ def resident_run(model_dir: str | Path, prompt: list[int], max_tokens: int, reps
     return _resident_summary([_resident_once(model_dir, prompt, max_tokens) for _ in range(reps)])
 
 
-def _streamed_once(store_path, fields: dict, prompt: list[int], max_tokens: int) -> dict:
+def _streamed_once(
+    store_path, fields: dict, prompt: list[int], max_tokens: int, warm: bool = False
+) -> dict:
+    """One timed generation from a freshly loaded model; `warm`: after one untimed token
+    of the same prompt (the caches it fills kept: the host tier, the real regions)."""
     reset_vm_hwm()
     sm = load(store_path, StreamConfig(**fields))
+    if warm:
+        timed_generate(sm.model, prompt, 1)
     mx.reset_peak_memory()
     before = sm.snapshot().totals()
     mid = {}
@@ -403,13 +410,18 @@ def prefill_suite(
     reps: int = 3,
     fields: dict | None = None,
     log=print,
+    configs: dict[str, tuple[float, dict]] | None = None,
+    warm_up: bool = True,
 ) -> dict:
     """Time to first token of `prompt` (a long one: `long_prompt`) for mlx-lm resident
     and the engine at each fraction of the experts (prefetch off: a prefill of several
-    tokens never prefetches; `fields`: more StreamConfig fields for every engine run),
+    tokens never prefetches; `fields`: more StreamConfig fields for every engine run;
+    `configs`: instead of `fractions`, named runs of (fraction, more fields) each, a
+    field "warm": True running the prompt once untimed after the load, `_streamed_once`),
     each repetition from a freshly loaded model (cold cache: every expert the prompt
     routes to is read), in `reps` round-robin rounds after one discarded warm-up of each
-    path, as `decode_suite` does.
+    path, as `decode_suite` does (`warm_up` False: none, where an earlier suite in the
+    process has compiled the kernels).
 
     Returns:
         {"prompt_tokens", "baseline", "rows"}: one row per run with "ttft_s" (median
@@ -419,9 +431,9 @@ def prefill_suite(
         "bytes_read", "reading_s" (seconds with a read in flight: `reading_seconds`) and
         "MBps_while_reading" (bytes_read / reading_s; 0 with nothing read), of the median
         repetition; "same_tokens": every repetition's first token equals the baseline's
-        first repetition's. The baseline is the first row: resident,
-        or for an expert store (no mlx-lm model) the engine at the first fraction (at
-        100%: every expert cached).
+        first repetition's; "same_logits": and its logits, every bit. The baseline is
+        the first row: resident, or for an expert store (no mlx-lm model) the engine at
+        the first fraction (at 100%: every expert cached).
 
     Raises:
         ValueError: reps < 1.
@@ -431,16 +443,24 @@ def prefill_suite(
     store = resolve_store(model)
     m = store.manifest
     configs = {
-        f"streamed {f:.1%}": (f, stream_fields("off", f, m.num_experts, m.top_k) | (fields or {}))
-        for f in fractions
+        name: (f, stream_fields("off", f, m.num_experts, m.top_k) | (fields or {}) | more)
+        for name, (f, more) in (
+            configs or {f"streamed {f:.1%}": (f, {}) for f in fractions}
+        ).items()
     }
     runs = {
-        name: lambda fields=fields: _streamed_once(store.path, fields, prompt, 1)
+        name: lambda fields=fields: _streamed_once(
+            store.path,
+            {k: v for k, v in fields.items() if k != "warm"},
+            prompt,
+            1,
+            fields.get("warm", False),
+        )
         for name, (_, fields) in configs.items()
     }
     if not is_store(model):
         runs = {"resident (mlx-lm)": lambda: _resident_once(model, prompt, 1), **runs}
-    for run in runs.values():  # warm-up (discarded): kernels and allocations
+    for run in runs.values() if warm_up else ():  # discarded: kernels and allocations
         run()
     onces = {name: [] for name in runs}
     names = list(runs)
@@ -450,7 +470,7 @@ def prefill_suite(
         for name in names[start:] + names[:start]:
             onces[name].append(runs[name]())
     rows = []
-    first = onces[names[0]][0]["timing"].tokens
+    first = onces[names[0]][0]["timing"]
     for name in names:
         ttft, lo, hi = med_spread([o["timing"].prefill_s for o in onces[name]])
         row = {
@@ -460,7 +480,11 @@ def prefill_suite(
             "prefill_tps": len(prompt) / ttft,
             "ratio": rows[0]["ttft_s"] / ttft if rows else 1.0,
             "reps": reps,
-            "same_tokens": all(o["timing"].tokens == first for o in onces[name]),
+            "same_tokens": all(o["timing"].tokens == first.tokens for o in onces[name]),
+            "same_logits": all(
+                np.array_equal(o["timing"].first_logprobs, first.first_logprobs)
+                for o in onces[name]
+            ),
         }
         if name in configs:
             o = sorted(onces[name], key=lambda o: o["timing"].prefill_s)[reps // 2]
@@ -483,5 +507,6 @@ def prefill_suite(
             f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})"
             + reads
             + ("" if row["same_tokens"] else f"; FIRST TOKEN DIFFERS from {names[0]}'s")
+            + ("" if row["same_logits"] else f"; LOGITS DIFFER from {names[0]}'s")
         )
     return {"prompt_tokens": len(prompt), "baseline": names[0], "rows": rows}

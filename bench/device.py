@@ -23,10 +23,13 @@ row (`dd_beside`).
 
 With --prefill, time to first token of a long prompt: the embedded model's
 1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's
-2,048 tokens at 100% (every expert cached: the baseline) and 25%, buffered reads (the
-store in the page cache, i.e. host RAM) and O_DIRECT; each run from a fresh load, in
-alternated rounds (`bench.decode.prefill_suite`), each engine row with the MB/s while
-reading (`reading_seconds`), the synthetic store's beside `dd`'s. --no-decode leaves the
+prompts of --prefill-tokens (2,048 by default) with every expert cached in mlx-lm's form
+(the reference, up to 8,192 tokens) and expert-major (`StreamConfig.expert_major`), and
+at 25% with the host tier (buffered reads: the store in the page cache, i.e. host RAM)
+and O_DIRECT; each run from a fresh load, in alternated rounds
+(`bench.decode.prefill_suite`), each row saying whether its first token and logits equal
+the first row's, each engine row with the MB/s while reading (`reading_seconds`) beside
+`dd`'s; then where one forward's time goes (`prefill_split`). --no-decode leaves the
 decode rows out.
 
 With --batch, many conversations at once (`bench.batch`): 1, 2, 4 and 8 clients
@@ -163,6 +166,17 @@ def fractions(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"must be fractions in (0, 1] separated by commas, e.g. 1,0.25; got {text!r}"
         )
+    return values
+
+
+def lengths(text: str) -> tuple[int, ...]:
+    """--prefill-tokens: comma-separated prompt lengths, each at least 1."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token counts") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every length must be at least 1")
     return values
 
 
@@ -371,8 +385,9 @@ def synthetic(
     return res
 
 
-def prefill(store: Path | None, log, rounds: int) -> dict:
-    """Time to first token (module docstring): the embedded model, or `store`."""
+def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
+    """Time to first token (module docstring): the embedded model, or `store` at each
+    prompt length of `lengths`."""
     from bench.common import prompt_ids
     from bench.decode import long_prompt, prefill_suite
     from engine.model import load_store_tokenizer, resolve_store
@@ -385,17 +400,32 @@ def prefill(store: Path | None, log, rounds: int) -> dict:
         log("\n### Time to first token, embedded model\n")
         return prefill_suite(model, long_prompt(prompt, 1536), reps=rounds, log=log)
     vocab = resolve_store(store).config["vocab_size"]
-    prompt = np.random.default_rng(0).integers(0, vocab, 2048).tolist()
     out = {}
-    for reads, uncached in (("buffered", False), ("O_DIRECT", True)):
-        log(f"\n### Time to first token, synthetic store, {reads} reads\n")
-        before = dd_beside(store) if uncached else 0.0
-        out[reads] = prefill_suite(
-            store, prompt, (1.0, 0.25), rounds, {"uncached_io": uncached}, log=log
+    for n in lengths:
+        prompt = np.random.default_rng(0).integers(0, vocab, n).tolist()
+        # mlx-lm's form takes a minute at 16k tokens: the reference where it is quick
+        # enough, else expert-major at 100% (whose own check compares the first chunk
+        # of every layer kind with mlx-lm's form).
+        configs = {"100%, mlx-lm's form": (1.0, {"expert_major": "off"})} if n <= 8192 else {}
+        configs |= {
+            "100%": (1.0, {}),
+            "25%, host tier": (0.25, {"uncached_io": False}),
+            "25%, host tier warm": (0.25, {"uncached_io": False, "warm": True}),
+            "25%, O_DIRECT": (0.25, {"uncached_io": True, "host_memory": None}),
+        }
+        log(f"\n### Time to first token, synthetic store, {n} tokens\n")
+        before = dd_beside(store)
+        # Past 2,048 tokens: one round, no warm-up (the shorter prompt's compiled the
+        # kernels): mlx-lm's form alone takes half a minute at 8,192 tokens.
+        first = n == lengths[0]
+        out[str(n)] = prefill_suite(
+            store, prompt, reps=rounds if first else 1, log=log, configs=configs, warm_up=first
         )
-    after = dd_beside(store)
-    out["dd_MBps"] = (before + after) / 2 if before and after else 0.0
-    log(f"\ndd O_DIRECT beside the O_DIRECT rows: {out['dd_MBps']:.0f} MB/s")
+        after = dd_beside(store)
+        out[str(n)]["dd_MBps"] = (before + after) / 2 if before and after else 0.0
+        log(f"\ndd O_DIRECT beside these rows: {out[str(n)]['dd_MBps']:.0f} MB/s")
+    log("\n### Where a prefill's time goes, synthetic store, 100%, one forward\n")
+    out["split"] = {form: prefill_split(store, min(lengths), form, log) for form in ("off", "auto")}
     return out
 
 
@@ -418,6 +448,66 @@ def batch(store: Path | None, tokens: int, log) -> dict:
         log(f"\n### Many conversations at once, {store}, {frac:.0%} of the experts{tier}\n")
         out[f"{frac:.0%}"] = suite(store, config, tokens=tokens, log=log)
     return out
+
+
+def prefill_split(store: Path, n: int, expert_major: str, log) -> dict:
+    """One forward of an `n`-token prompt with every expert cached, timed whole, with
+    the experts' math left out (their outputs zeros that still wait for the router),
+    and with attention left out too: the experts' share is the first difference, the
+    attention's the second, the rest (embeddings, norms, routers, dense layers, the
+    head) what remains. Median of 3 after a warm-up, milliseconds."""
+    from engine.model import resolve_store
+
+    vocab = resolve_store(store).config["vocab_size"]
+    tokens = mx.array([np.random.default_rng(1).integers(0, vocab, n).tolist()])
+    sm = load(store, StreamConfig(expert_major=expert_major))
+    layers = [m for m in sm.model.modules() if hasattr(m, "self_attn")]
+
+    def forward_ms() -> float:
+        mx.eval(sm.model(tokens))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            mx.eval(sm.model(tokens))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    def no_experts(self, x, indices):
+        return mx.broadcast_to(
+            (indices[..., None] * 0).astype(x.dtype), (*indices.shape, x.shape[-1])
+        )
+
+    def no_attention(x, *args, **kwargs):
+        return mx.zeros_like(x)
+
+    whole = forward_ms()
+    call = StreamedExperts.__call__
+    StreamedExperts.__call__ = no_experts
+    try:
+        without_experts = forward_ms()
+        attention = [layer.self_attn for layer in layers]
+        for layer in layers:
+            layer.self_attn = no_attention
+        try:
+            rest = forward_ms()
+        finally:
+            for layer, a in zip(layers, attention, strict=True):
+                layer.self_attn = a
+    finally:
+        StreamedExperts.__call__ = call
+    split = {
+        "tokens": n,
+        "forward_ms": whole,
+        "experts_ms": whole - without_experts,
+        "attention_ms": without_experts - rest,
+        "rest_ms": rest,
+    }
+    log(
+        f"expert_major {expert_major}: forward {whole:.0f} ms = experts "
+        f"{split['experts_ms']:.0f} + attention {split['attention_ms']:.0f} + rest "
+        f"(embeddings, norms, routers, dense layers, head) {rest:.0f}"
+    )
+    return split
 
 
 def main(argv=None) -> int:
@@ -461,6 +551,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="also drive 1, 2, 4 and 8 clients at once through serve (bench.batch): the "
         "embedded model; a synthetic store at 100%% and at 25%% with the host tier",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=lengths,
+        default=(2048,),
+        help="the synthetic store's prompt lengths, comma-separated (default 2048; "
+        "lengths after the first take one round)",
     )
     p.add_argument(
         "--no-decode",
@@ -516,7 +613,9 @@ def main(argv=None) -> int:
             return synthetic(store, args.tokens, log, args.fractions, rounds, side, res)
         if section.startswith("batch"):
             return batch(None if section == "batch_embedded" else store, args.tokens, log)
-        return prefill(None if section == "prefill_embedded" else store, log, rounds or 3)
+        if section == "prefill_embedded":
+            return prefill(None, log, rounds or 3)
+        return prefill(store, log, rounds or 3, args.prefill_tokens)
 
     log(f"device: {mx.default_device()}; {os.uname().nodename}; {time.strftime('%F %T')}")
     for section in [name for name, wanted in sections.items() if wanted]:

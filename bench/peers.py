@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.config import StreamConfig
+from engine.expert_compute import ExpertMajor
 from engine.experts import ExpertMath, replace
 from engine.model import StreamedModel, load
 from engine.store import DTYPES, LayerSpec
@@ -55,11 +56,13 @@ class PeerExperts(StreamedExperts):
         mode: str,
         math: ExpertMath,
         counters: FetchCounters,
+        compute: ExpertMajor,
     ):
         nn.Module.__init__(self)
         if mode not in PEER_MODES:
             raise ValueError(f"peer mode {mode!r} not in {PEER_MODES}")
         self._math = math
+        self._compute = compute
         self._quant = spec.quantization
         self._spec = spec
         self._mode = mode
@@ -118,6 +121,7 @@ def load_peer(store_path, mode: str) -> tuple[StreamedModel, FetchCounters]:
             mode,
             layer._math,
             counters,
+            layer._compute,
         )
         replace(sm.model, spec.module, peer)
     return sm, counters

@@ -8,16 +8,20 @@ tokens/s: per token, the compute time measured at the current budget plus one re
 `record_bytes` at the measured read rate per miss. `advise` picks a budget and says it
 in one line. Measured figures are the session's; everything at another budget is an
 estimate (the replay models the real region only: prefetch into the side region is not
-replayed).
+replayed). `advice_for` is the one advice session of the front ends (the CLI's `advise`,
+the app's Advisor tab): sweep, estimate, advise.
 """
 
-from collections.abc import Callable
+import importlib.util
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.memory import human_bytes
+from engine.config import StreamConfig
+from engine.memory import available_bytes, human_bytes
 from engine.replay import AUTOPIN_FRAC, POLICIES, belady, replay, trace_store
 from engine.safe_io import atomic_write
+from engine.store_cache import store_cache_dir
 from engine.trace import Trace
 
 BELADY = "belady"
@@ -89,6 +93,31 @@ class Measured:
     hit_rate: float
     decode_tokens: int
     decode_hit_rate: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        decode_tps: float | None,
+        decode_tokens: int,
+        totals: Mapping | None,
+        decode_hit_rate: float | None = None,
+    ) -> "Measured | None":
+        """The figures of a session that decoded `decode_tokens` tokens at `decode_tps`
+        tokens/s, its cache counters `totals` (`engine.cache.CacheSnapshot.totals()`, or
+        a reply's `cache`); None where nothing was measured: no decode step (a reply of
+        one token) or no counters. A session that read nothing (every expert it routed
+        was resident) is measured with read_Bps 0.0: its figures stand, and no tokens/s
+        is estimated at other budgets (`estimate_tps`)."""
+        if not decode_tps or decode_tokens <= 0 or totals is None:
+            return None
+        seconds = totals["read_seconds"]
+        return cls(
+            decode_tps=decode_tps,
+            read_Bps=totals["bytes_read"] / seconds if seconds > 0 else 0.0,
+            hit_rate=totals["hit_rate"],
+            decode_tokens=decode_tokens,
+            decode_hit_rate=decode_hit_rate,
+        )
 
 
 @dataclass
@@ -244,15 +273,31 @@ class Advice:
     line: str
 
 
+# An estimated tokens/s within this fraction of the measured speed is not told apart
+# from it: every estimate scales one measured decode speed, which moves by more than
+# this between runs (docs/benchmarks.md, "Machines"), so a smaller change is not advice.
+TPS_NOISE = 0.05
+# Without an estimate of tokens/s: a hit rate within this fraction of the current one.
+HIT_RATE_MARGIN = 0.03
+# Memory given back is worth a change of budget from this fraction of the memory
+# available on (of the current expert memory where that is unknown).
+WORTH_FREEING = 0.01
+WORTH_FREEING_OF_POOL = 0.10
+
+
 def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Advice:
     """The smallest budget that reaches `gain` of the best achievable improvement (in
     estimated tokens/s, or in hit rate without one) among the budgets that fit
-    `free_bytes` more memory (`engine.memory.available_bytes`; None: no bound); when
-    growing gains under 3%, the smallest budget that keeps 97% of the current speed, to
-    give memory back.
+    `free_bytes` more memory (`engine.memory.available_bytes`; None: no bound), where
+    that improvement is more than the estimate's noise (`TPS_NOISE`; `HIT_RATE_MARGIN`
+    of hit rate); else the smallest budget that keeps the speed within that noise, where
+    the memory it gives back is worth it (`WORTH_FREEING` of `free_bytes` plus the
+    current expert memory; `WORTH_FREEING_OF_POOL` of the current expert memory, or of
+    the slots, where one is unknown); else the current budget.
     """
     cur = curve.slots.index(curve.current)
     score = curve.tps or curve.hit_rate[curve.policy]
+    margin = TPS_NOISE if curve.tps else HIT_RATE_MARGIN
     fits = [
         i
         for i in range(len(curve.slots))
@@ -267,16 +312,19 @@ def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Ad
         (i for i in fits if i >= cur and score[i] >= score[cur] + gain * (best - score[cur])),
         cur,
     )
-    if score[pick] < 1.03 * score[cur]:
-        pick = next(i for i in range(cur + 1) if score[i] >= 0.97 * score[cur])
+    if score[pick] <= (1 + margin) * score[cur]:
+        pick = next(i for i in range(cur + 1) if score[i] >= (1 - margin) * score[cur])
+        if not _worth_freeing(curve, pick, free_bytes):
+            pick = cur
     belady_at = curve.hit_rate[BELADY][pick]
+    what = "tokens/s" if curve.tps else "hit rate"
     if pick == cur:
         head = f"keep {curve.current} slots per layer"
         if curve.bytes is not None:
             head += f" ({human_bytes(curve.bytes[cur])} of expert memory)"
-        rest = f"hit rate {curve.at(curve.current):.0%}"
+        rest = f"replayed hit rate {curve.at(curve.current):.0%}"
         if pick + 1 < len(curve.slots):
-            rest += f", more memory buys under 3% ({'tokens/s' if curve.tps else 'hit rate'})"
+            rest += f", more memory buys at most {margin:.0%} {what}, within the estimate's noise"
         return Advice(
             curve.current, f"{head}: {rest}; the ceiling at this budget (Belady) is {belady_at:.0%}"
         )
@@ -286,12 +334,53 @@ def advise(curve: Curve, free_bytes: int | None = None, gain: float = 0.9) -> Ad
         delta = curve.bytes[pick] - curve.bytes[cur]
         sign = "+" if delta > 0 else "-"
         head = f"{sign}{human_bytes(abs(delta))} of expert memory ({head})"
-    line = f"{head}: hit rate {curve.at(curve.current):.0%} → {curve.at(s):.0%}"
+    line = f"{head}: replayed hit rate {curve.at(curve.current):.0%} → {curve.at(s):.0%}"
     if curve.tps:
         change = curve.tps[pick] / curve.tps[cur] - 1.0
-        line += f", about {change:+.0%} tokens/s"
+        if abs(change) <= TPS_NOISE:
+            line += f", tokens/s the same within the estimate's noise ({TPS_NOISE:.0%})"
+        else:
+            line += f", about {change:+.0%} tokens/s"
     line += f"; the ceiling at this budget (Belady) is {belady_at:.0%}"
     return Advice(s, line)
+
+
+def _worth_freeing(curve: Curve, pick: int, free_bytes: int | None) -> bool:
+    """Whether budget `pick`, below the current, gives back enough memory to be worth a
+    rebuild (see `advise`)."""
+    cur = curve.slots.index(curve.current)
+    if curve.bytes is None:
+        return curve.slots[pick] <= (1 - WORTH_FREEING_OF_POOL) * curve.current
+    freed = curve.bytes[cur] - curve.bytes[pick]
+    if free_bytes is None:
+        return freed >= WORTH_FREEING_OF_POOL * curve.bytes[cur]
+    return freed >= WORTH_FREEING * (free_bytes + curve.bytes[cur])
+
+
+def advice_for(
+    trace: Trace,
+    config: StreamConfig,
+    current: int,
+    budget: Budget | None = None,
+    measured: Measured | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> tuple[Curve, Advice]:
+    """One advice session: `trace` replayed at a sweep of budgets around `current` (real
+    slots per layer) under `config`'s eviction settings (`policy_of`), LRU and Belady's
+    MIN (`sweep`, its store in the store cache); with a `budget`, each budget's bytes
+    and, with `measured`, its estimated decode tokens/s (`estimate_tps`); then the advice
+    for the memory available now (`advise`).
+
+    Raises:
+        As `sweep` (ValueError; engine.replay.ReplayStopped when `stop()` returns True).
+    """
+    policy = policy_of(config.policy, config.decay_every, config.autopin_frac)
+    curve = sweep(
+        trace, store_cache_dir() / "replay", policy, current, None, config.autopin_frac, stop
+    )
+    if budget is not None:
+        estimate_tps(curve, budget, measured)
+    return curve, advise(curve, available_bytes())
 
 
 def table(curve: Curve) -> str:
@@ -314,6 +403,19 @@ def table(curve: Curve) -> str:
     return "\n".join(lines)
 
 
+NO_MATPLOTLIB = "--png needs matplotlib: pip install matplotlib (or the 'bench' extra)"
+
+
+def check_png() -> None:
+    """Refuses a plot before any work where `save_png` could not draw it.
+
+    Raises:
+        ValueError: matplotlib is not installed (`NO_MATPLOTLIB`).
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(NO_MATPLOTLIB)
+
+
 def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
     """Plots hit rate (and the estimated tokens/s, when there is one) vs budget, the
     current and suggested budgets marked and the advice as the title, into the PNG
@@ -330,9 +432,7 @@ def save_png(curve: Curve, advice: Advice, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError(
-            "--png needs matplotlib: pip install matplotlib (or the 'bench' extra)"
-        ) from None
+        raise ValueError(NO_MATPLOTLIB) from None
     rows = 2 if curve.tps else 1
     fig, axes = plt.subplots(rows, 1, figsize=(8, 3 + 2.4 * rows), sharex=True, squeeze=False)
     hits = axes[0][0]

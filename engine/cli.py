@@ -5,15 +5,16 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from engine.config import ConfigError, PoolMemoryError
 from engine.flags import (
     Parser,
     add_cache_flags,
-    check_real_slots,
     config_error_message,
     flag_names,
     positive_int,
@@ -23,7 +24,8 @@ from engine.flags import (
     temperature,
     top_p,
 )
-from engine.memory import available_bytes, human_bytes
+from engine.memory import human_bytes
+from engine.safe_io import os_error_text
 from engine.serve.flags import add_serve_flags
 
 
@@ -88,32 +90,35 @@ def _convert(args) -> int:
 
 
 def _load(model: str | Path | None, config):
-    """`engine.model.load` for one process: a model directory's first-use convert says
-    so on stderr (`_convert_progress`), real regions below top-k are refused
-    (`check_real_slots`), and without --expert-slots or --expert-memory (every expert), a
-    model whose experts and dense weights exceed the memory available is streamed with
-    --expert-memory auto instead, said on stderr, rather than refused."""
-    from engine.model import auto_if_too_large, load, resolve_store
+    """`engine.open_model.open_model` for one process: a model directory's first-use
+    convert says so on stderr (`_convert_progress`), and without --expert-slots or
+    --expert-memory (every expert), a model whose experts and dense weights exceed the
+    memory available is streamed with --expert-memory auto instead, said on stderr."""
+    from engine.open_model import open_model
     from engine.resources import default_model_path
+
+    def say_auto(t) -> None:
+        print(
+            f"note: every expert ({human_bytes(t.pools)}) and the dense weights "
+            f"({human_bytes(t.dense)}) exceed the {human_bytes(t.available)} of memory "
+            "available: streaming with --expert-memory auto (--expert-slots or "
+            "--expert-memory sets it)",
+            file=sys.stderr,
+        )
 
     model = model or default_model_path()
     line = f"converting {model} to an expert store, once per model"
     with _convert_progress(line) as progress:
-        store = resolve_store(model, progress)
-    m = store.manifest
-    check_real_slots(config, m.top_k, [spec.record_bytes for spec in m.layers])
-    if config.expert_slots is None and config.expert_memory is None:
-        config, sizes = auto_if_too_large(store, config)
-        if sizes is not None:
-            pools, dense, available = sizes
-            print(
-                f"note: every expert ({human_bytes(pools)}) and the dense weights "
-                f"({human_bytes(dense)}) exceed the {human_bytes(available)} of memory "
-                "available: streaming with --expert-memory auto (--expert-slots or "
-                "--expert-memory sets it)",
-                file=sys.stderr,
-            )
-    return load(store.path, config)
+        sm = open_model(
+            model,
+            config,
+            auto_when_too_large=config.expert_slots is None and config.expert_memory is None,
+            on_auto=say_auto,
+            progress=progress,
+        )
+    if config.expert_memory is not None:
+        print(_pool_line(sm), file=sys.stderr)
+    return sm
 
 
 def _copy_stage(args) -> int:
@@ -144,9 +149,24 @@ def _check_output(flag: str, path: str | None) -> None:
 def _check_generate_flags(args) -> None:
     """Refuses flag combinations that cannot work, before anything is loaded or printed
     (single values are refused by their argparse types)."""
-    if args.system is not None and not args.chat:
-        raise ValueError("--system is the system prompt of --chat: add --chat")
+    if args.system is not None and args.chat is False:
+        raise ValueError("--system is the system prompt of the chat template: not with --no-chat")
     _check_output("--record-trace", args.record_trace)
+
+
+def _read_prompt(args) -> None:
+    """`--prompt -`: the prompt is what comes on stdin (as mlx-lm reads it), without the
+    newline that ends it (`echo ... |`).
+
+    Raises:
+        ValueError: nothing but whitespace came.
+    """
+    if args.prompt != "-":
+        return
+    text = sys.stdin.read().removesuffix("\n")
+    if not text.strip():
+        raise ValueError("--prompt -: stdin held no text: pipe the prompt in, or give it")
+    args.prompt = text
 
 
 def _figure(value: float | None, spec: str = ".1f") -> str:
@@ -157,11 +177,10 @@ def _figure(value: float | None, spec: str = ".1f") -> str:
 
 def _echoes(sm, args) -> bool:
     """Whether the prompt is printed before the reply: where the reply continues it as
-    text (without --chat, or --chat on a model without a chat template), not where it
-    answers it."""
+    text (--no-chat, or a model without a chat template), not where it answers it."""
     from engine.chat import has_chat_template
 
-    return not args.json and not (args.chat and has_chat_template(sm.tokenizer))
+    return not args.json and not (args.chat is not False and has_chat_template(sm.tokenizer))
 
 
 def _generate(args) -> int:
@@ -175,15 +194,16 @@ def _generate(args) -> int:
         if args.record_trace:
             raise ValueError("--record-trace records one process's layers: not with --pipeline")
         return _generate_pipeline(args)
+    _read_prompt(args)
     sm = _load(args.model, stream_config(args))
-    if args.chat and sm.tokenizer is not None and not has_chat_template(sm.tokenizer):
+    asked = args.chat or args.system is not None
+    if asked and sm.tokenizer is not None and not has_chat_template(sm.tokenizer):
         dropped = " (without --system)" if args.system is not None else ""
         print(
-            "note: the model has no chat template: --chat continues the prompt as plain "
-            f"text{dropped}",
+            f"note: the model has no chat template: the prompt is continued as plain text{dropped}",
             file=sys.stderr,
         )
-    prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
+    prompt = prompt_tokens(sm, args.prompt, args.chat is not False, args.system)
     _check_context(sm, len(prompt), args.max_tokens)  # before the prompt is echoed
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -214,25 +234,102 @@ def _check_context(sm, prompt_tokens: int, max_tokens: int) -> None:
         ) from None
 
 
-def _reply(sm, prompt: list[int], args, show: bool):
+def _reply(sm, prompt: list[int], args, show: bool, stop=None):
     """`engine.generate.generate` of `prompt` under the flags; with `show`, the reply's
     text goes to stdout as it comes and its line is ended, Ctrl+C included (the shell's
-    prompt then starts on a line of its own)."""
+    prompt then starts on a line of its own). `stop`: the reply's stop hook."""
     from engine.generate import generate
 
     on_response = (lambda r: print(r.text, end="", flush=True)) if show else None
     try:
-        return generate(sm, prompt, args.max_tokens, args.temp, args.top_p, on_response=on_response)
+        return generate(
+            sm, prompt, args.max_tokens, args.temp, args.top_p, on_response=on_response, stop=stop
+        )
     finally:
         if show:
             print(flush=True)
 
 
+@contextlib.contextmanager
+def _ctrl_c_stops():
+    """Within: the first Ctrl+C (SIGINT) sets the event it yields, which the reply polls
+    as its stop hook (it ends at the next MoE layer, its figures whole); a second one
+    interrupts as Ctrl+C does anywhere else."""
+    stopped = threading.Event()
+
+    def on_sigint(signum, frame) -> None:
+        if stopped.is_set():
+            raise KeyboardInterrupt
+        stopped.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _pool(sm) -> dict:
+    """What the budget bought, for --json and the --expert-memory line: the real slots
+    per MoE layer, the bytes they hold, and the bytes of every pool (with side and
+    scratch rows)."""
+    from engine.cache import pool_bytes
+
+    records = [spec.record_bytes for spec in sm.store.manifest.layers]
+    if sm.stage is not None:  # a pipeline stage's layers only
+        records = [r.record_bytes for r in sm.store.manifest.layers if sm.stage.holds(r.layer)]
+    memory = sm.config.expert_memory
+    return {
+        "expert_memory": None if memory is None else str(memory),
+        "experts": sm.store.manifest.num_experts,
+        "slots_per_layer": list(sm.real_slots),
+        "slot_bytes": sum(n * r for n, r in zip(sm.real_slots, records, strict=True)),
+        "pool_bytes": pool_bytes(sm.cache),
+    }
+
+
+def _pool_line(sm) -> str:
+    """One line on what --expert-memory bought, with the unit its size was read in."""
+    from engine.config import AUTO_MEMORY_FRACTION, size_words
+
+    pool = _pool(sm)
+    memory = sm.config.expert_memory
+    asked = (
+        f"auto ({AUTO_MEMORY_FRACTION:.0%} of the memory available)"
+        if memory == "auto"
+        else size_words(memory)
+    )
+    lo, hi = min(pool["slots_per_layer"]), max(pool["slots_per_layer"])
+    slots = str(lo) if lo == hi else f"{lo}-{hi}"
+    return (
+        f"--expert-memory {asked}: {slots} slots per MoE layer of {pool['experts']} experts, "
+        f"{human_bytes(pool['slot_bytes'])} of expert slots ({human_bytes(pool['pool_bytes'])} "
+        "of pools with the side and scratch rows)"
+    )
+
+
+def _everything_fits(sm) -> bool:
+    """Whether every MoE layer's real region holds every expert (read whole at load:
+    nothing streams)."""
+    return min(sm.real_slots) >= sm.store.manifest.num_experts
+
+
 def _generate_with(sm, prompt, args) -> int:
     if args.json:
-        result = _reply(sm, prompt, args, show=False)
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats()}))
-        return 0
+        with _ctrl_c_stops() as interrupted:
+            result = _reply(sm, prompt, args, show=False, stop=interrupted.is_set)
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "finish_reason": "interrupted" if result.stopped else result.finish_reason,
+                    "stats": result.stats(),
+                    "pool": _pool(sm),
+                }
+            )
+        )
+        return 130 if result.stopped else 0  # 128 + SIGINT, as a shell reports Ctrl+C
     if _echoes(sm, args):
         print(args.prompt, end="", flush=True)
     result = _reply(sm, prompt, args, show=True)  # its line ends before the figures
@@ -246,6 +343,13 @@ def _generate_with(sm, prompt, args) -> int:
         f"peak memory {human_bytes(s['peak_memory_bytes'])}",
         file=sys.stderr,
     )
+    if _everything_fits(sm):
+        print(
+            f"every expert is in memory ({sm.store.manifest.num_experts} slots per MoE layer, "
+            "read at load): nothing streams from disk; --expert-slots or --expert-memory "
+            "gives them less",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -257,6 +361,7 @@ def _generate_pipeline(args) -> int:
     from engine import pipeline
     from engine.generate import prompt_tokens
     from engine.model import load_stage
+    from engine.open_model import check_real_slots
     from engine.store import layer_range
 
     group = pipeline.init_group()
@@ -268,7 +373,8 @@ def _generate_pipeline(args) -> int:
     prompt, error = None, None
     if rank == 0:  # rank 0 tokenizes; the others take its ids
         try:
-            prompt = prompt_tokens(sm, args.prompt, args.chat, args.system)
+            _read_prompt(args)
+            prompt = prompt_tokens(sm, args.prompt, args.chat is not False, args.system)
             _check_context(sm, len(prompt), args.max_tokens)
         except ValueError as e:
             error = str(e)
@@ -428,20 +534,15 @@ def _bench(argv: list[str]) -> int:
 
 
 def _advise(args) -> int:
-    from engine.advisor import (
-        Budget,
-        advise,
-        estimate_tps,
-        policy_of,
-        save_png,
-        sweep,
-        table,
-    )
-    from engine.model import resolve_store, store_cache_dir
+    from engine.advisor import Budget, advice_for, check_png, policy_of, save_png, table
+    from engine.model import resolve_store
+    from engine.open_model import check_real_slots
     from engine.trace import load_trace
 
     _check_output("--save-trace", args.save_trace)
     _check_output("--png", args.png)
+    if args.png:
+        check_png()  # before the replay, not after the table is printed
     if args.trace is None and args.prompt_file is None:
         raise ValueError("give --trace FILE.npz, or --prompt-file FILE to record a fresh trace")
     if args.trace is not None and args.prompt_file is not None:
@@ -486,12 +587,8 @@ def _advise(args) -> int:
         f"MIN; now: {current} slots per layer ({source})",
         file=sys.stderr,
     )
-    curve = sweep(
-        trace, store_cache_dir() / "replay", policy, current, autopin_frac=config.autopin_frac
-    )
-    if store is not None:
-        estimate_tps(curve, Budget.of(store.manifest, config), measured)
-    advice = advise(curve, available_bytes())
+    budget = Budget.of(store.manifest, config) if store is not None else None
+    curve, advice = advice_for(trace, config, current, budget, measured)
     if args.json:
         print(
             json.dumps(
@@ -552,16 +649,9 @@ def _record_for_advice(args, config):
     trace = recorder.trace(Path(args.prompt_file).stem)
     if args.save_trace:
         print(f"wrote routing trace {trace.save(args.save_trace)}", file=sys.stderr)
-    c = result.cache
-    measured = None  # nothing measured without a decode step (--max-tokens 1)
-    if result.decode_tps is not None:
-        measured = Measured(
-            decode_tps=result.decode_tps,
-            read_Bps=c["bytes_read"] / c["read_seconds"] if c["read_seconds"] > 0 else 0.0,
-            hit_rate=c["hit_rate"],
-            decode_tokens=len(result.tokens),
-            decode_hit_rate=decode["hit_rate"],
-        )
+    measured = Measured.of(
+        result.decode_tps, len(result.tokens), result.cache, decode_hit_rate=decode["hit_rate"]
+    )
     return trace, measured, sm.store, sm.real_slots
 
 
@@ -629,10 +719,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_flag(p)
     p.add_argument(
-        "--prompt", type=prompt_text, default="Once upon a time", help="the text to continue"
+        "--prompt",
+        "-p",
+        type=prompt_text,
+        default="Once upon a time",
+        help="the message (the text to continue, without a chat template); '-' reads it "
+        "from stdin, without its last newline",
     )
     p.add_argument(
-        "--max-tokens", type=positive_int, default=64, help="longest reply, tokens (>= 1)"
+        "--max-tokens", "-m", type=positive_int, default=64, help="longest reply, tokens (>= 1)"
     )
     p.add_argument(
         "--temp", type=temperature, default=0.0, help="sampling temperature (>= 0; 0: greedy)"
@@ -651,12 +746,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--chat",
-        action="store_true",
-        help="apply the model's chat template: the reply answers the prompt, which is not "
-        "printed before it (without a template the prompt is continued and printed, as "
-        "without --chat)",
+        action=argparse.BooleanOptionalAction,
+        help="apply the model's chat template, as mlx-lm does by default: the reply answers "
+        "the prompt, which is not printed before it (default: where the tokenizer has a "
+        "template; without one the prompt is continued as text and printed, said on stderr "
+        "when --chat or --system is given); --no-chat continues the raw prompt",
     )
-    p.add_argument("--system", help="system prompt of --chat (models with a chat template)")
+    p.add_argument(
+        "--ignore-chat-template",
+        dest="chat",
+        action="store_false",
+        help="mlx-lm's spelling of --no-chat",
+    )
+    p.add_argument(
+        "--system", help="system prompt of the chat template (models with one; not with --no-chat)"
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -779,10 +883,8 @@ def _error_text(e: Exception, args: argparse.Namespace) -> str:
         return config_error_message(e, args)
     if isinstance(e, PoolMemoryError):
         return e.in_words(flag_names())
-    if isinstance(e, OSError) and e.strerror and e.filename2 is None:
-        if e.filename is None or str(e.filename) in e.strerror:
-            return e.strerror
-        return f"{e.filename}: {e.strerror}"
+    if isinstance(e, OSError):
+        return os_error_text(e)
     return str(e)
 
 

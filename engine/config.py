@@ -15,6 +15,7 @@ from engine.memory import human_bytes
 # Real-region eviction policies of the native cache (ext/real_region.h says what each
 # does); the first is the default.
 EVICTION_POLICIES = ("predictive", "lfu", "lru", "lfu-da", "s3-fifo")
+EXPERT_MAJOR = ("auto", "on", "off")
 
 # The longest read timeout, seconds (a day; the native cache refuses longer ones too).
 MAX_READ_TIMEOUT_S = 86400
@@ -27,6 +28,9 @@ AUTO_MEMORY_FRACTION = 0.5
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# A bare K, M, G or T is binary, as dd, docker, systemd and ulimit read it: 10G is 10 GiB.
+BARE_UNITS = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}
+_UNITS.update({bare: _UNITS[unit.lower()] for bare, unit in BARE_UNITS.items()})
 
 
 class MemorySize(int):
@@ -47,12 +51,12 @@ class MemorySize(int):
 
 def parse_memory(text: str) -> MemorySize | str:
     """A memory size as users write it: "6GiB", "512 MiB", "8GB" (powers of 1000),
-    "1073741824" (bytes), or "auto". Returns bytes (a `MemorySize`: an int whose str
-    is `text`), or "auto".
+    "10G" (a bare K, M, G, T: powers of 1024, `BARE_UNITS`), "1073741824" (bytes), or
+    "auto". Returns bytes (a `MemorySize`: an int whose str is `text`), or "auto".
 
     Raises:
         ValueError: not a size with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB,
-            TiB, or a size that is not > 0 (the message quotes the text).
+            TiB, K, M, G, T, or a size that is not > 0 (the message quotes the text).
     """
     t = str(text).strip().lower()
     if t == "auto":
@@ -64,7 +68,9 @@ def parse_memory(text: str) -> MemorySize | str:
     except ValueError:
         value = math.nan
     if unit not in _UNITS or not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a memory size (e.g. 6GiB, 512MiB, 8GB, or auto)")
+        raise ValueError(
+            f"{text!r} is not a memory size (e.g. 6GiB, 512MiB, 8GB, 10G for 10 GiB, or auto)"
+        )
     if int(value * _UNITS[unit]) < 1:
         raise ValueError(f"must be > 0, got {str(text).strip()!r}")
     return MemorySize(int(value * _UNITS[unit]), str(text).strip())
@@ -72,6 +78,17 @@ def parse_memory(text: str) -> MemorySize | str:
 
 # Prompt tokens per forward of a prefill (mlx-lm's default `prefill_step_size`).
 PREFILL_STEP_SIZE = 2048
+
+
+def size_words(size: MemorySize) -> str:
+    """How a parsed size was read, for the line that reports it: "10G (read as 10 GiB:
+    10.7 GB)" for a bare unit, "6GiB (6.4 GB)" otherwise, "1000000 (1.0 MB)" for bytes."""
+    text = str(size)
+    unit = text.lower().rstrip().lstrip("0123456789. ")
+    if unit in BARE_UNITS:
+        number = text.strip()[: -len(unit)].strip()
+        return f"{text} (read as {number} {BARE_UNITS[unit]}: {human_bytes(size)})"
+    return f"{text} ({human_bytes(size)})"
 
 
 class ConfigError(ValueError):
@@ -186,6 +203,11 @@ class StreamConfig:
         max_batch: the most sequences one forward carries (`expertstream serve
             --max-batch`): with device_acquire, one acquire kernel's request holds up to
             max_batch x top_k ids, its mailbox and staging slots sized at load.
+        expert_major: how calls of many tokens (a prompt's chunks) compute their
+            experts: "auto" expert-major where the backend and quantization make it
+            faster (MLX CUDA, affine), "on" wherever a call has enough tokens, "off"
+            always mlx-lm's form; either way bit for bit mlx-lm's outputs
+            (`engine.expert_compute.ExpertMajor`).
     """
 
     expert_slots: int | None = None
@@ -209,6 +231,7 @@ class StreamConfig:
     device_acquire: bool = True
     host_memory: int | str | None = "auto"
     max_batch: int = 1
+    expert_major: str = "auto"
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
@@ -236,6 +259,12 @@ class StreamConfig:
             "host_memory",
             self.host_memory,
             'must be a number of bytes >= 0, "auto" or None',
+        )
+        need(
+            self.expert_major in EXPERT_MAJOR,
+            "expert_major",
+            self.expert_major,
+            f"must be one of {', '.join(EXPERT_MAJOR)}",
         )
         if self.expert_memory is not None and self.expert_slots is not None:
             raise ConfigError("expert_slots", None, "give one of them", also="expert_memory")

@@ -103,15 +103,15 @@ def convert(
     Raises:
         FileNotFoundError: `model_dir`, its `config.json` or its weights are
             missing.
-        ValueError: `model_dir` is an expert store already, invalid `config.json`, a
+        ValueError: `model_dir` is an expert store already, `store_dir` exists and is
+            neither a store nor empty (with `force` or not), invalid `config.json`, a
             config with `model_file` (custom model code is never run), or weights that
             do not match the model.
         UnsupportedModelError: mlx-lm has no such model, or its experts are not a
             stacked SwitchGLU / SwitchMLP (`engine.experts`).
         NotMoEError: no layer of the model has routed experts, or the config has no
             experts-per-token entry.
-        FileExistsError: `store_dir` exists and `force` is False, or it is not a
-            store.
+        FileExistsError: `store_dir` is a store (or empty) and `force` is False.
         OSError: writing failed (e.g. ENOSPC); the message names `store_dir`.
             Nothing is left behind: neither `store_dir` nor the temporary
             directory.
@@ -187,16 +187,17 @@ def _check_destination(model_dir: Path, store_dir: Path, force: bool) -> None:
         raise ValueError(f"the store {store_dir} cannot be the model directory")
     if not (store_dir.exists() or store_dir.is_symlink()):
         return
+    # What --force cannot replace is said first: offering --force for it only leads to
+    # a second refusal.
+    replaceable = store_dir.is_dir() and not store_dir.is_symlink()
+    if not (replaceable and (is_store(store_dir) or not any(store_dir.iterdir()))):
+        raise ValueError(
+            f"{store_dir} exists and is not an expert store: convert never replaces it, "
+            "--force or not; give a new directory"
+        )
     if not force:
         raise FileExistsError(
             errno.EEXIST, "already exists (--force, or force=True, replaces it)", str(store_dir)
-        )
-    replaceable = store_dir.is_dir() and not store_dir.is_symlink()
-    if not (replaceable and (is_store(store_dir) or not any(store_dir.iterdir()))):
-        raise FileExistsError(
-            errno.EEXIST,
-            "exists and is not an expert store; refusing to replace it",
-            str(store_dir),
         )
 
 

@@ -7,15 +7,15 @@ flags `--spec-slots` and `--prefill-chunk` still parse (hidden, with a warning).
 `describe` words a `ConfigError` in a front end's names (`config_error_message`: the
 flag's or the environment variable's). The argparse types of the flags front ends share
 (`positive_int` for --max-tokens, `prompt_text`, `temperature`, `top_p`, `port`, `seed`)
-refuse bad values while parsing, and `Parser` says so in one line. `check_real_slots` is
-the one rule for a real region below top-k, whichever flag sized it.
+refuse bad values while parsing, and `Parser` says so in one line.
 """
 
 import argparse
 import dataclasses
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.config import (
@@ -23,7 +23,6 @@ from engine.config import (
     EVICTION_POLICIES,
     ConfigError,
     StreamConfig,
-    check_budget,
     check_sampling,
     parse_memory,
 )
@@ -40,9 +39,17 @@ ENV_FIELDS = {
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the flag and the value, with
-    where to look (the usage of a command with every cache flag runs to 16 lines)."""
+    where to look (the usage of a command with every cache flag runs to 16 lines). A
+    value such as "-5GiB" is a value, as "-5" is: its flag's own check refuses it by
+    name, not argparse's "expected one argument"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)\s*[A-Za-z]*$")
 
     def error(self, message: str):
+        # a flag by its long name only, where argparse joins its spellings ("--max-tokens/-m")
+        message = re.sub(r"^argument (--[\w-]+)(/-\w+)+:", r"argument \1:", message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -150,7 +157,7 @@ FLAGS = (
         "--expert-memory",
         "expert_memory",
         _memory,
-        "memory for the real regions of all layers (6GiB, 512MiB, 8GB or auto: "
+        "memory for the real regions of all layers (6GiB, 512MiB, 8GB, 10G for 10 GiB, or auto: "
         f"{AUTO_MEMORY_FRACTION * 100:.0f}%% of the memory available at start), slots per "
         "layer by its record size; instead of --expert-slots",
     ),
@@ -357,30 +364,6 @@ def _refuse_idle_prefetch(values: Mapping, args: argparse.Namespace) -> None:
         raise ValueError(_PREFETCH_WITHOUT_SIDE_SLOTS)
     if getattr(args, "sync", None) is True and values.get("prefetch") is False:
         raise ValueError(_SYNC_WITHOUT_PREFETCH)
-
-
-def check_real_slots(config: StreamConfig, top_k: int, records: Sequence[int]) -> None:
-    """Refuses real regions below `top_k` experts per MoE layer, however they are sized:
-    a token's `top_k` experts of a layer must fit its real region together, or every
-    call reads some of them again. `records`: the record bytes of each MoE layer the
-    budget covers. An "auto" budget is checked where it is resolved
-    (`engine.cache.real_slots`).
-
-    Raises:
-        ConfigError: expert_slots < top_k, or an expert_memory in bytes below `top_k`
-            records of every layer (the message gives both sizes).
-    """
-    if config.expert_slots is not None and config.expert_slots < top_k:
-        raise ConfigError(
-            "expert_slots",
-            config.expert_slots,
-            f"must be >= {top_k}, the experts each token is routed to per MoE layer (top-k)",
-        )
-    if isinstance(config.expert_memory, int):
-        try:
-            check_budget(config.expert_memory, records, top_k)
-        except ValueError as e:
-            raise ConfigError("expert_memory", config.expert_memory, str(e)) from None
 
 
 def with_defaults(defaults: Mapping, given: Mapping) -> dict:

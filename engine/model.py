@@ -22,6 +22,7 @@ from engine import autopin, pipeline
 from engine import cache as cache_mod
 from engine.config import StreamConfig
 from engine.convert import convert, quantize_dense
+from engine.expert_compute import ExpertMajor
 from engine.experts import (
     ExpertModule,
     find_experts,
@@ -113,6 +114,8 @@ class StreamedModel:
             (`engine.cache.real_slots`, expert_memory "auto" as it was at load): the
             cache's layer_slots without the side rows a layer no layer prefetches for
             holds as slots (`engine.cache.layer_rows`).
+        compute: the form each call's expert math takes (mlx-lm's or expert-major), and
+            what its checks found (`ExpertMajor.same_bits`).
         stage: this process's pipeline stage (engine.pipeline), or None when it runs
             every layer.
     """
@@ -124,6 +127,7 @@ class StreamedModel:
     cache: cache_mod.ExpertCache
     predictor: Predictor
     real_slots: list[int]
+    compute: ExpertMajor
     stage: Stage | None = None
 
     @property
@@ -331,8 +335,11 @@ def load(
     real = cache_mod.real_slots(store, config, specs)  # "auto" read once, kept
     cache = cache_mod.open_cache(store, config, specs, targets, real)
     predictor = Predictor(cache, routers, config)
+    compute = ExpertMajor(config.expert_major, cache_mod.cuda_pools(), store.manifest.num_experts)
     for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
-        replace(model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math))
+        replace(
+            model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math, compute)
+        )
 
     weights = store.dense_weights()
     if hasattr(model, "sanitize"):
@@ -353,7 +360,9 @@ def load(
     cache_mod.fill_whole_layers(cache)  # the last step: every check above is cheaper
     # A decode step's request: top_k ids of each token of the batch.
     predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k * config.max_batch)
-    model_obj = StreamedModel(model, tokenizer, store, config, cache, predictor, real, stage)
+    model_obj = StreamedModel(
+        model, tokenizer, store, config, cache, predictor, real, compute, stage
+    )
     remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
         n = store.manifest.num_experts

@@ -83,8 +83,9 @@ class Predictor:
         # while a graph runs, a CUDA runtime call that can wait behind a spinning kernel
         # (MLX's wait for a CPU-stream op, or an acquire kernel), and chunk by chunk.
         self.layer_scratch = cache.pool_writes == "cuda"
-        # Sized now, so that a budget the machine cannot hold is refused at load.
-        self._tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
+        # Host-tier slots per MoE layer (0: none, off MLX CUDA or with host memory off);
+        # sized now, so that a budget the machine cannot hold is refused at load.
+        self.tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
@@ -222,7 +223,7 @@ class Predictor:
     def _make_device(self, hidden: int, n: int) -> None:
         max_ids = min(AcquireMailbox.MAX_IDS, max(2 * n, 16))
         self._device = DeviceAcquire(
-            self.cache, hidden, max_ids, max(16, 2 * self.budget), self._tier_slots
+            self.cache, hidden, max_ids, max(16, 2 * self.budget), self.tier_slots
         )
 
     @property

@@ -15,7 +15,8 @@ Every file the product writes (stores, traces, pin sets, plots, screenshots) is 
 beside its target and renamed over it once complete and flushed (`atomic_write`; the
 store writer does the same for whole directories), so a reader, or a run killed at any
 instant, finds the old file or the new one, never a part of one; what a killed writer
-leaves (`.NAME.tmp-PID`) is removed by the next writer of that name (`remove_leftovers`).
+leaves (`.NAME.tmp-PID`) is removed by the next writer in that directory
+(`remove_leftovers`).
 """
 
 import json
@@ -41,6 +42,16 @@ class ModelFileError(ValueError):
     """A file of a model directory or expert store cannot be used: it is not a regular
     file, is larger than its kind allows, is not valid JSON, or a field has the wrong type
     or value. The message names the file and the field or value at fault."""
+
+
+def os_error_text(e: OSError) -> str:
+    """An OSError as a user reads it: the file and the reason, without Python's
+    "[Errno N]" ("x.json: Permission denied"); its own text where it has no reason."""
+    if not e.strerror or e.filename2 is not None:
+        return str(e)
+    if e.filename is None or str(e.filename) in e.strerror:
+        return e.strerror
+    return f"{e.filename}: {e.strerror}"
 
 
 def _kind(mode: int) -> str:
@@ -291,15 +302,17 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     """A binary file to write the whole new content of `path` into: it is a temporary
     sibling (`.NAME.tmp-PID`), flushed to the disk and renamed over `path` when the `with`
     block ends without an error, and removed when it raises. A reader, or a run killed at
-    any instant, finds the old `path` or the new one; leftovers of killed writers of
-    `path` are removed first (`remove_leftovers`).
+    any instant, finds the old `path` or the new one; leftovers of killed writers in
+    its directory are removed first, whatever file they were writing
+    (`remove_leftovers`): a trace saved under one name cleans up after a save of
+    another that was killed.
 
     Raises:
         OSError: the temporary file cannot be created, written or renamed (the error of
             the write, e.g. ENOSPC; `path` is then untouched).
     """
     path = Path(path)
-    remove_leftovers(path.parent, path.name)
+    remove_leftovers(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

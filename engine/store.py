@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from engine import _ext
 from engine.safe_io import MAX_TOKENIZER_BYTES, ModelFileError, read_json_object, stat_regular
@@ -677,7 +678,9 @@ class ExpertStore:
         return data
 
     def verify(self, layers: list[int] | None = None) -> int:
-        """Check every record's crc32 and that its padding is zero.
+        """Check every record's crc32, that its padding is zero and that its float
+        segments are finite (`non_finite_segment`: a record damaged and its checksum
+        written to match).
 
         Args:
             layers: decoder layer indices to check; all MoE layers if None.
@@ -760,6 +763,29 @@ def _check_entries(store_dir: Path) -> None:
             )
 
 
+# The float dtypes a segment may have, as (the unsigned integer of their width, their
+# exponent's bits): a value whose exponent bits are all set is NaN or infinity.
+_EXPONENT_BITS = {
+    "float16": (np.uint16, 0x7C00),
+    "bfloat16": (np.uint16, 0x7F80),
+    "float32": (np.uint32, 0x7F800000),
+}
+
+
+def non_finite_segment(segments: tuple[Segment, ...], record) -> str | None:
+    """The key of the first float segment (scales, biases, unquantized weights) of the
+    record bytes `record` (bytes-like, at least the segments' extent) holding NaN or
+    infinity, which make every reply empty; None when there is none. The uint8 scales
+    of the mx and nv modes are not checked."""
+    for s in segments:
+        if s.dtype in _EXPONENT_BITS:
+            kind, mask = _EXPONENT_BITS[s.dtype]
+            values = np.frombuffer(record, kind, s.nbytes // np.dtype(kind).itemsize, s.offset)
+            if np.any((values & kind(mask)) == mask):
+                return s.key
+    return None
+
+
 def _check_record(path: Path, spec: LayerSpec, e: int, data: bytes) -> None:
     where = f"{path}: layer {spec.layer} expert {e}"
     _expect(
@@ -779,3 +805,5 @@ def _check_record(path: Path, spec: LayerSpec, e: int, data: bytes) -> None:
         where,
         "padding is not zero",
     )
+    key = non_finite_segment(spec.segments, data)
+    _expect(key is None, where, f"{key} holds NaN or infinity (a damaged store)")

@@ -29,6 +29,7 @@ from engine.store import (
     Segment,
     blob_name,
     file_crc32,
+    non_finite_segment,
     stride_for,
 )
 
@@ -121,13 +122,15 @@ class StoreWriter:
 
         Raises:
             OSError: a write failed.
-            ValueError: a record's size is not the segments' total, or the count of
-                records is not `num_experts`.
+            ValueError: a record's size is not the segments' total, a float segment
+                holds NaN or infinity (`engine.store.non_finite_segment`), or the count
+                of records is not `num_experts`.
         """
         record_bytes = sum(s.nbytes for s in segments)
         stride = stride_for(record_bytes)
         file = blob_name(layer)
-        checksums = write_blob(self.path / file, records, record_bytes, stride)
+        where = f"{self.store_dir}: layer {layer}"
+        checksums = write_blob(self.path / file, records, record_bytes, stride, segments, where)
         if len(checksums) != self.num_experts:
             raise ValueError(
                 f"layer {layer}: {len(checksums)} records, expected {self.num_experts}"
@@ -183,31 +186,39 @@ class StoreWriter:
         return self.store_dir
 
 
-def write_blob(path: Path, records: Iterable[Sequence], record_bytes: int, stride: int) -> list:
+def write_blob(
+    path: Path,
+    records: Iterable[Sequence],
+    record_bytes: int,
+    stride: int,
+    segments: tuple[Segment, ...] = (),
+    where: str = "",
+) -> list:
     """Writes each record of `records` (a sequence of buffers) padded with zeros to
-    `stride` bytes into a new file, and fsyncs it.
+    `stride` bytes into a new file, and fsyncs it; a record whose float `segments` hold
+    NaN or infinity is refused (`where` names its layer in the message).
 
     Returns:
         crc32 of each record's unpadded bytes.
 
     Raises:
         OSError: on any write failure (e.g. ENOSPC).
-        ValueError: a record is not `record_bytes` long.
+        ValueError: a record is not `record_bytes` long, or holds NaN or infinity.
     """
     padding = bytes(stride - record_bytes)
     checksums = []
     with open(path, "wb") as f:
         for e, parts in enumerate(records):
-            crc = size = 0
-            for part in parts:
-                view = memoryview(part).cast("B")
-                crc = zlib.crc32(view, crc)
-                size += len(view)
-                f.write(view)
-            if size != record_bytes:
-                raise ValueError(f"{path}: record {e} has {size} bytes, expected {record_bytes}")
+            record = b"".join(memoryview(part).cast("B") for part in parts)
+            if len(record) != record_bytes:
+                raise ValueError(
+                    f"{path}: record {e} has {len(record)} bytes, expected {record_bytes}"
+                )
+            if (key := non_finite_segment(segments, record)) is not None:
+                raise ValueError(f"{where} expert {e}: {key} holds NaN or infinity")
+            f.write(record)
             f.write(padding)
-            checksums.append(crc)
+            checksums.append(zlib.crc32(record))
         f.flush()
         os.fsync(f.fileno())
     return checksums

@@ -38,7 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.cache import PLAN_STREAM, PLAN_SYNC, PLAN_TABLE
-from engine.expert_compute import expert_outputs
+from engine.expert_compute import ExpertMajor
 from engine.experts import ExpertMath
 from engine.predictor import Predictor
 from engine.store import LayerSpec
@@ -52,11 +52,21 @@ class StreamedExperts(nn.Module):
         moe_index: this layer's position among MoE layers.
         spec: the store's `LayerSpec` of this layer (segments, quantization).
         math: the replaced module's kind and activation (`ExpertModule.math`).
+        compute: the model's choice of form for each call's expert math (mlx-lm's or
+            expert-major), shared by its layers.
     """
 
-    def __init__(self, predictor: Predictor, moe_index: int, spec: LayerSpec, math: ExpertMath):
+    def __init__(
+        self,
+        predictor: Predictor,
+        moe_index: int,
+        spec: LayerSpec,
+        math: ExpertMath,
+        compute: ExpertMajor,
+    ):
         super().__init__()
         self._math = math
+        self._compute = compute
         self._predictor = predictor
         self._cache = predictor.cache
         self._index = moe_index
@@ -65,8 +75,11 @@ class StreamedExperts(nn.Module):
         self._pool = dict(zip(keys, self._cache.pool(moe_index), strict=True))
         self._table = self._cache.table(moe_index)
 
-    def _experts(self, x: mx.array, rows: mx.array) -> mx.array:
-        return expert_outputs(x, self._pool, rows, self._quant, self._math)
+    def _experts(self, x: mx.array, rows: mx.array, pool: dict | None = None) -> mx.array:
+        """(..., k, D) expert outputs of x on `rows` of `pool` (this layer's pools when
+        None), in the form `ExpertMajor` takes for the call."""
+        pool = self._pool if pool is None else pool
+        return self._compute.outputs(x, pool, rows, self._quant, self._math)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x: (..., D) hidden states; indices: (..., k) routed expert ids.
@@ -154,7 +167,7 @@ class StreamedExperts(nn.Module):
         if self._index + 1 < self._cache.num_layers:
             self._cache.read_layer(self._index + 1, 1 - bank)
         scratch = dict(zip(self._pool, self._cache.layer_scratch(self._index, bank), strict=True))
-        return expert_outputs(x, scratch, indices, self._quant, self._math)
+        return self._experts(x, indices, scratch)
 
     def _on_layer_scratch(self, x, ids, rows, missing):
         """More distinct misses than evictable slots, where the predictor keeps a layer
@@ -170,7 +183,7 @@ class StreamedExperts(nn.Module):
         table = np.zeros(self._cache.num_experts, np.int32)
         table[missing + resident.tolist()] = at
         scratch = dict(zip(self._pool, self._cache.layer_scratch(self._index), strict=True))
-        return expert_outputs(x, scratch, mx.array(table[ids]), self._quant, self._math)
+        return self._experts(x, mx.array(table[ids]), scratch)
 
     def _over_capacity(self, x, ids, rows, missing):
         """More distinct misses than evictable slots: resident pairs run on their rows,

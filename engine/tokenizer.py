@@ -30,18 +30,20 @@ def load_dir_tokenizer(
 
     Raises:
         error: one line naming `where` (and the file at fault where known): the files
-            cannot be loaded, `eos_token_id` is not a token id or a list of them, or the
-            tokenizer holds no vocabulary.
+            cannot be loaded, `eos_token_id` is not a token id or a list of them, the
+            tokenizer holds no vocabulary, or its ids run past the model's (`vocab_size`
+            of config.json: generation would fail on the first such id).
     """
     where = path if where is None else where
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         return None
     try:
-        eos = load_config(path).get("eos_token_id")  # generation_config.json merged in
+        config = load_config(path)  # generation_config.json merged in
     except Exception as e:  # a JSONDecodeError, or a file that is not an object
         raise error(
             f"{where}: cannot read config.json / generation_config.json ({brief(e)})"
         ) from None
+    eos = config.get("eos_token_id")
     if not is_token_ids(eos):
         raise error(
             f"{where / 'generation_config.json'}: eos_token_id is {show(eos)}, expected a "
@@ -57,4 +59,14 @@ def load_dir_tokenizer(
             f"{where}: the tokenizer has no vocabulary (tokenizer_config.json without "
             "tokenizer.json or its vocabulary files?)"
         )
+    vocab_size = config.get("vocab_size")
+    if type(vocab_size) is int and vocab_size > 0:  # config.json's own check names others
+        top = max(tokenizer.get_vocab().values(), default=-1)
+        if top >= vocab_size:
+            files = "tokenizer.json" if (path / "tokenizer.json").exists() else "tokenizer files"
+            raise error(
+                f"{where / files}: token ids run to {top}, past the model's vocabulary of "
+                f"{vocab_size} (vocab_size in config.json): this tokenizer is not the "
+                "model's"
+            )
     return tokenizer

@@ -57,14 +57,37 @@ AlignedBuffer::AlignedBuffer(size_t bytes) : size_(bytes) {
 
 AlignedBuffer::~AlignedBuffer() { std::free(data_); }
 
+namespace {
+
+// Whether any of `count` values of type T from `p` has every bit of `exponent` set.
+template <typename T>
+bool any_non_finite(const uint8_t* p, int64_t count, uint32_t exponent) {
+  const auto mask = static_cast<T>(exponent);
+  bool bad = false;
+  for (int64_t i = 0; i < count; ++i) {
+    T v;
+    std::memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+    bad |= (v & mask) == mask;
+  }
+  return bad;
+}
+
+}  // namespace
+
 BlobFile::BlobFile(std::string path, int layer, int64_t num_records, int64_t stride,
-                   int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached)
+                   int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached,
+                   std::vector<FloatSpan> floats)
     : path_(std::move(path)),
       layer_(layer),
       num_records_(num_records),
       stride_(stride),
       record_bytes_(record_bytes),
-      checksums_(std::move(checksums)) {
+      checksums_(std::move(checksums)),
+      floats_(std::move(floats)) {
+  for (const auto& f : floats_)
+    if ((f.width != 2 && f.width != 4) || f.offset < 0 || f.count < 0 ||
+        f.offset + f.count * f.width > record_bytes_)
+      throw ReadError(path_ + ": float segment " + f.key + " lies outside the record");
   if (stride_ <= 0 || stride_ % static_cast<int64_t>(kAlign) != 0 || record_bytes_ > stride_)
     throw ReadError(path_ + ": stride " + std::to_string(stride_) +
                     " must be a positive multiple of 4096 and >= record_bytes " +
@@ -179,6 +202,13 @@ void BlobFile::finish_record(int expert, uint8_t* buf, size_t got, Fault fault,
   if (crc != checksums_[expert])
     throw ChecksumError(where(expert) + ": checksum mismatch: crc32 " + std::to_string(crc) +
                         ", the manifest says " + std::to_string(checksums_[expert]));
+  for (const auto& f : floats_) {
+    const uint8_t* p = buf + f.offset;
+    if (f.width == 2 ? any_non_finite<uint16_t>(p, f.count, f.exponent)
+                     : any_non_finite<uint32_t>(p, f.count, f.exponent))
+      throw ChecksumError(where(expert) + ": " + f.key +
+                          " holds NaN or infinity (a damaged store)");
+  }
 }
 
 void BlobFile::read_record(int expert, uint8_t* dst, bool verify, int attempts) const {

@@ -25,13 +25,27 @@ enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kCorrupt = 3, kDel
 // naming the choices otherwise.
 Fault fault_from_name(const std::string& name);
 
+// A float segment of a record (scales, biases, unquantized weights): `count` values of
+// `width` bytes (2 or 4) from byte `offset`, whose exponent bits are `exponent`. A value
+// with every exponent bit set is NaN or infinity, which a checksum written to match does
+// not reveal and which turns every reply empty.
+struct FloatSpan {
+  std::string key;
+  int64_t offset;
+  int64_t count;
+  int width;
+  uint32_t exponent;
+};
+
 class BlobFile {
  public:
   // Opens `path` and checks that it holds exactly num_records * stride bytes.
   // Throws ReadError naming the file when it cannot be opened or its size differs
-  // ("truncated" when shorter).
+  // ("truncated" when shorter). `floats`: the record's float segments, checked with the
+  // crc32.
   BlobFile(std::string path, int layer, int64_t num_records, int64_t stride,
-           int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached);
+           int64_t record_bytes, std::vector<uint32_t> checksums, bool uncached,
+           std::vector<FloatSpan> floats = {});
   ~BlobFile();
   BlobFile(const BlobFile&) = delete;
   BlobFile& operator=(const BlobFile&) = delete;
@@ -70,7 +84,8 @@ class BlobFile {
   // One attempt's checks on `got` bytes read into `buf` (stride bytes, 4096-aligned):
   // a short read (got < stride) throws ReadError; then the page-cache hint where
   // O_DIRECT was refused, the injected corruption (kCorrupt flips buf[0]) and, when
-  // `verify`, the crc32 of the first record_bytes bytes (ChecksumError on a mismatch).
+  // `verify`, the crc32 of the first record_bytes bytes (ChecksumError on a mismatch)
+  // and the float segments (ChecksumError naming the first holding NaN or infinity).
   void finish_record(int expert, uint8_t* buf, size_t got, Fault fault, bool verify) const;
 
   const std::string& path() const { return path_; }
@@ -97,6 +112,7 @@ class BlobFile {
   int64_t stride_;
   int64_t record_bytes_;
   std::vector<uint32_t> checksums_;
+  std::vector<FloatSpan> floats_;
   int fd_ = -1;
   bool direct_ = false;
   bool fadvise_ = false;

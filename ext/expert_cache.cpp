@@ -11,40 +11,32 @@
 #include <utility>
 
 #include "errors.h"
+#include "read_batch.h"
 #include "slot_state.h"
-#include "mlx/allocator.h"
 
 namespace es {
 
 namespace {
 
-// One reusable O_DIRECT bounce buffer per reader thread, page-locked where `writer` copies
-// through CUDA (PoolWriter::pin). A reader thread serves one cache, so one writer.
-// A buffer pinned before the cache staged its writes stays (retired, not unpinned) when
-// it is outgrown while they are staged: unpinning is a runtime call, which a reader
-// thread must not make while an acquire kernel may spin (mailbox.h).
-uint8_t* bounce_buffer(size_t bytes, const PoolWriter& writer) {
-  struct Bounce {
-    std::unique_ptr<AlignedBuffer> buf;
-    bool pinned = false;
-    std::vector<std::unique_ptr<AlignedBuffer>> retired;  // pinned, outgrown while staged
-    ~Bounce() {
-      if (pinned) PoolWriter::unpin(buf->data());
-      for (auto& r : retired) PoolWriter::unpin(r->data());
+// The float segments of a record, which BlobFile checks for NaN and infinity with each
+// record's crc32 (exponent bits of float16, bfloat16, float32).
+std::vector<FloatSpan> float_spans(const std::vector<Segment>& segments) {
+  std::vector<FloatSpan> spans;
+  for (const auto& seg : segments) {
+    int width = 0;
+    uint32_t exponent = 0;
+    if (seg.dtype == mx::float16) {
+      width = 2, exponent = 0x7C00;
+    } else if (seg.dtype == mx::bfloat16) {
+      width = 2, exponent = 0x7F80;
+    } else if (seg.dtype == mx::float32) {
+      width = 4, exponent = 0x7F800000;
+    } else {
+      continue;
     }
-  };
-  thread_local Bounce b;
-  if (!b.buf || b.buf->size() < bytes) {
-    const bool staged = std::strcmp(writer.kind(), "memcpy") == 0;
-    if (b.pinned && staged) {
-      b.retired.push_back(std::move(b.buf));
-    } else if (b.pinned) {
-      PoolWriter::unpin(b.buf->data());
-    }
-    b.buf = std::make_unique<AlignedBuffer>(bytes);
-    b.pinned = writer.pin(b.buf->data(), b.buf->size());
+    spans.push_back({seg.key, seg.offset, seg.nbytes / width, width, exponent});
   }
-  return b.buf->data();
+  return spans;
 }
 
 // demand_read's landed[i] for a record staged from the host tier (1: read).
@@ -55,40 +47,6 @@ void check_layer(int li, int n) {
     throw std::out_of_range("MoE layer index " + std::to_string(li) + " out of range [0, " +
                             std::to_string(n) + ")");
 }
-
-// A failed allocation, with what was asked for and why (Python: MemoryError). MLX's
-// allocator returns a null buffer instead of throwing, so every allocation is checked
-// (checked_malloc) rather than written through.
-struct PoolAllocError : std::bad_alloc {
-  explicit PoolAllocError(std::string m) : msg(std::move(m)) {}
-  const char* what() const noexcept override { return msg.c_str(); }
-  std::string msg;
-};
-
-mx::allocator::Data checked_malloc(size_t bytes, const std::string& what) {
-  auto data = mx::allocator::malloc(bytes);
-  if (bytes > 0 && data.buffer().ptr() == nullptr)
-    throw PoolAllocError("cannot allocate " + std::to_string(bytes) + " bytes for " + what);
-  return data;
-}
-
-// Microseconds from t0 to now.
-uint64_t micros_since(std::chrono::steady_clock::time_point t0) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::steady_clock::now() - t0)
-                                   .count());
-}
-
-std::string duration_text(int ms) {
-  return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s" : std::to_string(ms) + " ms";
-}
-
-// Life of one record read. A read is Pending while queued or reading; its reader moves it
-// to Copying only after the bytes and checksum are good, copies into the pool row, then
-// settles it Done; a failed read settles Failed. Whoever waits for it may instead settle
-// a Pending read Abandoned (timeout), after which that read never touches its row.
-enum ReadState : int { kPending = 0, kCopying, kDone, kFailed, kAbandoned };
-
 
 // `given` (one value per MoE layer), or `uniform` for each of `layers` when it is empty.
 std::vector<int> per_layer(const std::vector<int>& given, int uniform, size_t layers,
@@ -101,16 +59,6 @@ std::vector<int> per_layer(const std::vector<int>& given, int uniform, size_t la
 }
 
 }  // namespace
-
-// All fields are guarded by mu.
-struct ReadBatch {
-  explicit ReadBatch(size_t n) : state(n, kPending), error(n) {}
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int> state;
-  std::vector<std::exception_ptr> error;
-  size_t settled = 0;  // reads Done, Failed or Abandoned
-};
 
 // A prefetch fill's state: Pending -> Copying by its reader (compare-exchange, so the copy
 // runs without the cache mutex); Pending -> Failed by its reader or Pending -> Abandoned
@@ -183,7 +131,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     const int rows = this->rows(static_cast<int>(li));
     const auto& L = layers_[li];
     files_.push_back(std::make_unique<BlobFile>(L.path, L.layer, num_experts_, L.stride,
-                                                L.record_bytes, L.checksums, config_.uncached_io));
+                                                L.record_bytes, L.checksums, config_.uncached_io,
+                                                float_spans(L.segments)));
     std::vector<mx::array> arrays;
     std::vector<uint8_t*> ptrs;
     int64_t end = 0;
@@ -191,17 +140,9 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       if (seg.offset != end || seg.nbytes <= 0)
         throw std::invalid_argument(L.path + ": segment " + seg.key + " offset/size mismatch");
       end += seg.nbytes;
-      mx::Shape shape{rows};
-      shape.insert(shape.end(), seg.shape.begin(), seg.shape.end());
-      size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(seg.nbytes);
-      mx::array a(checked_malloc(bytes, L.path + " segment " + seg.key + " (" +
-                                        std::to_string(rows) + " pool rows)"),
-                  shape, seg.dtype);
-      if (a.nbytes() != bytes)
-        throw std::invalid_argument(L.path + ": segment " + seg.key +
-                                    " shape and dtype disagree with nbytes");
+      mx::array a = segment_rows(L, seg, rows, std::to_string(rows) + " pool rows");
       if (li == 0 && arrays.empty()) writer_ = PoolWriter(a.data<uint8_t>());
-      writer_.zero(a.data<uint8_t>(), bytes);
+      writer_.zero(a.data<uint8_t>(), a.nbytes());
       ptrs.push_back(a.data<uint8_t>());
       arrays.push_back(std::move(a));
     }
@@ -217,29 +158,12 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     real_.emplace_back(slots_[li], num_experts_, config_.policy, config_.decay_every);
     side_.push_back(side_ledgers(static_cast<int>(li), side_lfu_));
     loading_.emplace_back(slots_[li], 0);
-    mx::array table(checked_malloc(sizeof(int32_t) * num_experts_, L.path + " expert table"),
-                    {num_experts_}, mx::int32);
+    mx::array table = int32_values(num_experts_, L.path + " expert table");
     std::fill_n(table.data<int32_t>(), num_experts_, -1);
     tables_.push_back(std::move(table));
     complete_.push_back(0);
     fill_tickets_.emplace_back(2 * static_cast<size_t>(side_slots_[li]));
   }
-  // Layers whose segments agree in key, dtype, shape and place share a layer scratch.
-  std::vector<std::string> layouts;
-  for (const auto& L : layers_) {
-    std::string sig;
-    for (const auto& seg : L.segments) {
-      sig += seg.key + ":" + std::to_string(static_cast<int>(seg.dtype.val())) + ":" +
-             std::to_string(seg.offset) + ":" + std::to_string(seg.nbytes);
-      for (auto d : seg.shape) sig += "," + std::to_string(d);
-      sig += ";";
-    }
-    auto at = std::find(layouts.begin(), layouts.end(), sig);
-    layout_.push_back(static_cast<int>(at - layouts.begin()));
-    if (at == layouts.end()) layouts.push_back(sig);
-  }
-  layer_scratch_.resize(2 * layouts.size());
-  read_ahead_.resize(2 * layouts.size());
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
   last_forward_.assign(layers_.size(), 0);
@@ -254,6 +178,16 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     ring_ = RingReader::create(static_cast<unsigned>(depth), static_cast<size_t>(stride),
                                &writer_);
   }
+  auto unused = [this](int li, uint64_t records) {
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_[static_cast<size_t>(li)].bytes_read +=
+        records * static_cast<uint64_t>(layers_[static_cast<size_t>(li)].stride);
+  };
+  scratch_ = std::make_unique<LayerScratch>(
+      LayerScratch::Io{layers_, files_, *readers_, read_clock_, writer_, host_writer_,
+                       num_experts_, config_.reader_threads, config_.verify_checksums,
+                       read_timeout_ms_},
+      unused);
 }
 
 std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve,
@@ -263,6 +197,7 @@ std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve
   staged_ = std::make_shared<StagedCopies>(writer_, staging_slot_bytes(), slots, reserve,
                                            num_layers(), tier_slots, num_experts_,
                                            config_.policy);
+  scratch_->set_tier(staged_);
   return staged_;
 }
 
@@ -319,12 +254,7 @@ bool ExpertCache::stage_from_tier(int li, int expert, int row) {
 }
 
 bool ExpertCache::copy_from_tier(int li, int expert, const std::vector<Span>& to) {
-  if (!staged_ || staged_->tier_slots() == 0) return false;
-  try {
-    return staged_->copy_cached(li, expert, to, writer_);
-  } catch (const std::exception&) {
-    return false;  // the row is read from disk instead
-  }
+  return staged_ && staged_->copy_cached(li, expert, to, writer_);
 }
 
 void ExpertCache::copy_record(int li, int expert, const uint8_t* buf, int row, Write how) {
@@ -396,7 +326,7 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
   for (size_t j = 0; j < rest.size(); ++j) landed[at[j]] = got[j];
   for (size_t j = 0; j < rest.size() && !first; ++j) {
     if (got[j]) continue;
-    first = errors[j] ? errors[j] : timed_out(li, rest[j].first);
+    first = errors[j] ? errors[j] : read_timeout(*files_[li], rest[j].first, read_timeout_ms_);
   }
   if (tally) {
     tally->micros += micros_since(t0);
@@ -404,13 +334,6 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
       tally->io_uring_reads += static_cast<uint64_t>(std::count(got.begin(), got.end(), 1));
   }
   return first;
-}
-
-std::exception_ptr ExpertCache::timed_out(int li, int expert) const {
-  return std::make_exception_ptr(ReadTimeout(files_[li]->where(expert) +
-                                             ": read timed out (no read finished within " +
-                                             duration_text(read_timeout_ms_) +
-                                             "; is the storage responding?)"));
 }
 
 bool ExpertCache::ring_read(int li, const std::vector<std::pair<int, int>>& loads,
@@ -482,36 +405,13 @@ std::exception_ptr ExpertCache::pool_read(int li, const std::vector<std::pair<in
     submit_error = std::current_exception();
   }
 
-  settle(*batch, submit_error != nullptr);
+  batch->settle(read_timeout_ms_, submit_error != nullptr);
   std::lock_guard<std::mutex> lk(batch->mu);
   for (size_t i = 0; i < n; ++i) {
     landed[i] = batch->state[i] == kDone;
     if (batch->state[i] == kFailed) errors[i] = batch->error[i];
   }
   return submit_error;
-}
-
-void ExpertCache::settle(ReadBatch& b, bool give_up) {
-  std::unique_lock<std::mutex> lk(b.mu);
-  const size_t n = b.state.size();
-  auto abandon_pending = [&] {
-    for (size_t i = 0; i < n; ++i) {
-      if (b.state[i] != kPending) continue;
-      b.state[i] = kAbandoned;
-      ++b.settled;
-    }
-  };
-  if (give_up) abandon_pending();
-  const auto timeout = std::chrono::milliseconds(read_timeout_ms_);
-  while (b.settled < n) {
-    const size_t before = b.settled;
-    auto progressed = [&] { return b.settled != before; };
-    if (read_timeout_ms_ <= 0) {
-      b.cv.wait(lk, progressed);
-    } else if (!b.cv.wait_for(lk, timeout, progressed)) {
-      abandon_pending();  // no read finished for a whole timeout; copies in progress end soon
-    }
-  }
 }
 
 void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
@@ -896,243 +796,9 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
   return rows;
 }
 
-size_t ExpertCache::scratch_index(int li, int bank) const {
-  if (bank < 0 || bank > 1)
-    throw std::out_of_range("layer scratch bank " + std::to_string(bank) + " is not 0 or 1");
-  return static_cast<size_t>(2 * layout_.at(static_cast<size_t>(li)) + bank);
-}
-
-std::shared_ptr<LayerScratch> ExpertCache::layer_scratch_locked(int li, int bank) {
-  auto& ls = layer_scratch_.at(scratch_index(li, bank));
-  if (ls) return ls;
-  const auto& L = layers_[li];
-  std::vector<mx::array> arrays;
-  std::vector<int64_t> offsets, nbytes;
-  for (const auto& seg : L.segments) {
-    mx::Shape shape{num_experts_};
-    shape.insert(shape.end(), seg.shape.begin(), seg.shape.end());
-    const size_t bytes = static_cast<size_t>(num_experts_) * static_cast<size_t>(seg.nbytes);
-    mx::array a(checked_malloc(bytes, L.path + " segment " + seg.key + " (layer scratch of " +
-                                          std::to_string(num_experts_) + " rows)"),
-                shape, seg.dtype);
-    writer_.zero(a.data<uint8_t>(), bytes);
-    arrays.push_back(std::move(a));
-    offsets.push_back(seg.offset);
-    nbytes.push_back(seg.nbytes);
-  }
-  ls = std::make_shared<LayerScratch>(std::move(arrays), std::move(offsets), std::move(nbytes),
-                                      L.record_bytes, num_experts_, writer_);
-  return ls;
-}
-
 std::vector<mx::array> ExpertCache::layer_scratch(int li, int bank) {
   check_layer(li, num_layers());
-  std::lock_guard<std::mutex> lk(mu_);
-  return layer_scratch_locked(li, bank)->arrays;
-}
-
-std::shared_ptr<ReadBatch> ExpertCache::stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
-                                                    const std::vector<int>& experts,
-                                                    const std::vector<int>& rows, bool ahead) {
-  auto batch = std::make_shared<ReadBatch>(experts.size());
-  const auto stride = static_cast<size_t>(layers_[li].stride);
-  // Under b.mu: read i of b settles as `state`.
-  auto settle_as = [](ReadBatch& b, size_t i, int state, std::exception_ptr err) {
-    b.state[i] = state;
-    b.error[i] = std::move(err);
-    ++b.settled;
-    b.cv.notify_all();
-  };
-  // Whether read i is still pending (not given up); a `state` other than kPending
-  // settles it so if it is.
-  auto pending = [batch, settle_as](size_t i, int state, std::exception_ptr err) {
-    std::lock_guard<std::mutex> lk(batch->mu);
-    if (batch->state[i] != kPending) return false;
-    if (state != kPending) settle_as(*batch, i, state, std::move(err));
-    return state == kPending;
-  };
-  // The record of read i (stride bytes at buf) goes into staging row rows[i], and into
-  // the host tier, unless the read was given up meanwhile (its bytes are dropped).
-  auto land = [this, li, ls, batch, settle_as, e = experts, r = rows](size_t i,
-                                                                      const uint8_t* buf) {
-    auto& b = *batch;
-    {
-      std::lock_guard<std::mutex> lk(b.mu);
-      if (b.state[i] != kPending) return;
-      b.state[i] = kCopying;
-    }
-    ls->stage(r[i], buf);
-    if (staged_ && staged_->tier_slots() > 0) {
-      // Kept in the host tier too, so that a later miss of it is not read again; the
-      // record is staged whether or not that succeeds.
-      try {
-        std::vector<Span> spans = ls->staged(r[i]);
-        for (size_t s = 0; s < spans.size(); ++s)
-          spans[s].src = buf + layers_[li].segments[s].offset;
-        staged_->keep(spans, li, e[i]);
-      } catch (const std::exception&) {
-      }
-    }
-    std::lock_guard<std::mutex> lk(b.mu);
-    settle_as(b, i, kDone, nullptr);
-  };
-  // Read i on this thread (`attempts` as BlobFile::read_record).
-  auto read_one = [this, li, stride, pending, land, e = experts](size_t i, int attempts) {
-    if (!pending(i, kPending, nullptr)) return;  // given up before it started
-    uint8_t* buf = nullptr;
-    try {
-      // Host memory only: the staging is copied to the device by its load.
-      buf = bounce_buffer(stride, host_writer_);
-      ReadClock::Span reading(&read_clock_);
-      files_[li]->read_record(e[i], buf, config_.verify_checksums, attempts);
-    } catch (...) {
-      pending(i, kFailed, std::current_exception());
-      return;
-    }
-    land(i, buf);
-  };
-  // Reads `run` (reads of adjacent records, in file order) on this thread: one read of
-  // them all, then any it did not deliver on its own.
-  auto read_run = [this, li, stride, batch, pending, land, read_one,
-                   e = experts](std::vector<size_t> run, bool cancelled) {
-    if (cancelled) {
-      for (size_t i : run) pending(i, kAbandoned, nullptr);
-      return;
-    }
-    {
-      // Only the span from its first to its last read still pending (a given-up
-      // read-ahead reads nothing more).
-      std::lock_guard<std::mutex> lk(batch->mu);
-      auto wanted = [&](size_t i) { return batch->state[i] == kPending; };
-      run.erase(run.begin(), std::find_if(run.begin(), run.end(), wanted));
-      run.erase(std::find_if(run.rbegin(), run.rend(), wanted).base(), run.end());
-    }
-    if (run.size() <= 1) {
-      if (!run.empty()) read_one(run[0], 2);
-      return;
-    }
-    // A buffer of its own, unpinned: the thread's bounce buffer stays the size (and
-    // page-locking) its other reads need.
-    thread_local std::unique_ptr<AlignedBuffer> run_buffer;
-    std::vector<uint8_t> ok;
-    try {
-      const size_t bytes = run.size() * stride;
-      if (!run_buffer || run_buffer->size() < bytes)
-        run_buffer = std::make_unique<AlignedBuffer>(bytes);
-      {
-        ReadClock::Span reading(&read_clock_);
-        files_[li]->read_run(e[run[0]], static_cast<int>(run.size()), run_buffer->data(),
-                             config_.verify_checksums, ok);
-      }
-      for (size_t j = 0; j < run.size(); ++j)
-        if (ok[j]) land(run[j], run_buffer->data() + j * stride);
-    } catch (const std::exception&) {
-      ok.clear();  // no attempt made: each read on its own, which words any error
-    }
-    for (size_t j = 0; j < run.size(); ++j)
-      if (ok.empty() || !ok[j]) read_one(run[j], ok.empty() ? 2 : 1);
-  };
-  // Runs of adjacent records: the reads shared evenly among the reader threads (each
-  // checks and copies its own records), up to kReadRunBytes each (one record where it is
-  // larger).
-  std::vector<size_t> order(experts.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return experts[a] < experts[b]; });
-  const size_t threads = static_cast<size_t>(std::max(config_.reader_threads, 1));
-  const size_t per_run = std::clamp<size_t>((order.size() + threads - 1) / threads, 1,
-                                            std::max<size_t>(1, kReadRunBytes / stride));
-  std::vector<std::vector<size_t>> runs;
-  for (size_t i : order) {
-    if (!runs.empty() && runs.back().size() < per_run &&
-        experts[i] == experts[runs.back().back()] + 1) {
-      runs.back().push_back(i);
-    } else {
-      runs.push_back({i});
-    }
-  }
-  try {
-    if (ahead) {
-      for (auto& run : runs)
-        readers_->submit_prefetch(
-            [read_run, run = std::move(run)](bool cancelled) { read_run(run, cancelled); });
-    } else {
-      std::vector<std::function<void()>> tasks;
-      for (auto& run : runs)
-        tasks.emplace_back([read_run, run = std::move(run)] { read_run(run, false); });
-      readers_->submit_demand(std::move(tasks));
-    }
-  } catch (...) {
-    settle(*batch, true);  // what was queued never writes the rows
-    throw;
-  }
-  return batch;
-}
-
-void ExpertCache::retire(ReadAhead& ra) {
-  if (!ra.batch) return;
-  settle(*ra.batch, true);
-  uint64_t landed = 0;
-  {
-    std::lock_guard<std::mutex> lk(ra.batch->mu);
-    for (int state : ra.batch->state) landed += state == kDone;
-  }
-  std::lock_guard<std::mutex> lk(mu_);
-  stats_[static_cast<size_t>(ra.layer)].bytes_read +=
-      landed * static_cast<uint64_t>(layers_[static_cast<size_t>(ra.layer)].stride);
-  ra = ReadAhead{};
-}
-
-std::exception_ptr ExpertCache::read_staged(int li, const std::shared_ptr<LayerScratch>& ls,
-                                            const std::vector<int>& experts,
-                                            const std::vector<int>& rows,
-                                            std::vector<uint8_t>& landed, uint64_t& micros) {
-  landed.assign(experts.size(), 0);
-  if (experts.empty()) return nullptr;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto batch = stage_reads(li, ls, experts, rows, false);
-  settle(*batch, false);
-  micros = micros_since(t0);
-  std::exception_ptr first;
-  std::lock_guard<std::mutex> lk(batch->mu);
-  for (size_t j = 0; j < experts.size(); ++j) {
-    landed[j] = batch->state[j] == kDone;
-    if (!landed[j] && !first) first = batch->error[j] ? batch->error[j] : timed_out(li, experts[j]);
-  }
-  return first;
-}
-
-std::exception_ptr ExpertCache::copy_to_scratch(int li, const std::vector<Span>& copies) {
-  try {
-    writer_.copy(copies);
-    return nullptr;
-  } catch (const std::exception& e) {
-    const auto& L = layers_[li];
-    return std::make_exception_ptr(ReadError(L.path + " (layer " + std::to_string(L.layer) +
-                                             ", layer scratch): " + e.what()));
-  }
-}
-
-void ExpertCache::fill_empty_slots(int li, const LayerScratch& ls,
-                                   const std::vector<std::pair<int, int>>& from) {
-  auto& R = real_[li];
-  std::vector<Span> copies;
-  std::vector<std::pair<int, int>> assigned;  // (slot, expert)
-  int slot = 0;
-  for (auto [e, row] : from) {
-    if (R.slot_of(e) >= 0) continue;
-    while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
-    if (slot == slots_[li]) break;
-    std::vector<Span> to = row_spans(li, slot), src = ls.row(row);
-    for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, src[s].dst, to[s].bytes});
-    assigned.emplace_back(slot++, e);
-  }
-  try {
-    if (!copies.empty()) writer_.copy(copies);
-    for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
-  } catch (const std::exception&) {
-    // the slots stay empty: no partial row is ever mapped
-  }
+  return scratch_->arrays(li, bank);
 }
 
 int ExpertCache::read_ahead(int li, const std::vector<int>& experts) {
@@ -1153,13 +819,9 @@ int ExpertCache::read_layer(int li, int bank) {
 }
 
 int ExpertCache::start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id) {
-  std::shared_ptr<LayerScratch> ls;
-  ReadAhead old;
   std::vector<int> todo;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li, bank);
-    std::swap(old, read_ahead_[scratch_index(li, bank)]);
     std::vector<uint8_t> seen(static_cast<size_t>(num_experts_), 0);
     for (int e : experts) {
       if (seen[static_cast<size_t>(e)]++ || real_[li].slot_of(e) >= 0) continue;
@@ -1167,92 +829,23 @@ int ExpertCache::start_read_ahead(int li, int bank, const std::vector<int>& expe
       todo.push_back(e);
     }
   }
-  retire(old);  // its rows are about to be read into
-  std::vector<int> rows = todo;  // by id
-  if (!by_id)
-    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int>(i);
-  auto batch = todo.empty() ? nullptr : stage_reads(li, ls, todo, rows, true);
-  std::lock_guard<std::mutex> lk(mu_);
-  read_ahead_[scratch_index(li, bank)] = ReadAhead{li, todo, batch, by_id};
-  return static_cast<int>(todo.size());
+  return scratch_->read_ahead(li, bank, todo, by_id);
 }
 
 void ExpertCache::load_whole(int li, int bank) {
   check_layer(li, num_layers());
   const auto t0 = std::chrono::steady_clock::now();
-  std::shared_ptr<LayerScratch> ls;
-  ReadAhead ahead;
-  std::vector<int> slot_of(static_cast<size_t>(num_experts_), -1);
+  LayerScratch::Sources resident;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li, bank);
-    std::swap(ahead, read_ahead_[scratch_index(li, bank)]);
-    for (int e = 0; e < num_experts_; ++e) slot_of[static_cast<size_t>(e)] = real_[li].slot_of(e);
+    for (int e = 0; e < num_experts_; ++e)
+      if (const int slot = real_[li].slot_of(e); slot >= 0)
+        resident.emplace_back(e, as_sources(row_spans(li, slot)));
   }
-  const auto& L = layers_[li];
-  std::vector<uint8_t> staged(static_cast<size_t>(num_experts_), 0);
-  uint64_t ahead_read = 0;
-  if (ahead.batch && !(ahead.layer == li && ahead.by_id)) retire(ahead);
-  if (ahead.batch) {
-    settle(*ahead.batch, false);
-    std::lock_guard<std::mutex> lk(ahead.batch->mu);
-    for (size_t i = 0; i < ahead.experts.size(); ++i) {
-      if (ahead.batch->state[i] != kDone) continue;
-      ++ahead_read;
-      // One that has a real slot since (the cache was used between) is copied from it.
-      const auto e = static_cast<size_t>(ahead.experts[i]);
-      staged[e] = slot_of[e] < 0;
-    }
-  }
-  // Every expert in the row of its id: staged (read ahead, or read now) and uploaded
-  // in runs of consecutive rows, copied from the host tier, or, resident, from its slot.
-  uint64_t tier = 0, read_now = 0;
-  std::vector<int> reads;
-  for (int e = 0; e < num_experts_; ++e) {
-    if (slot_of[static_cast<size_t>(e)] >= 0 || staged[static_cast<size_t>(e)]) continue;
-    if (staged_ && staged_->holds(li, e) && copy_from_tier(li, e, ls->row(e))) {
-      ++tier;
-    } else {
-      reads.push_back(e);
-    }
-  }
-  std::vector<uint8_t> landed;
-  uint64_t read_us = 0;
-  std::exception_ptr first = read_staged(li, ls, reads, reads, landed, read_us);
-  for (size_t j = 0; j < reads.size(); ++j)
-    if (landed[j]) {
-      staged[static_cast<size_t>(reads[j])] = 1;
-      ++read_now;
-    }
-  if (!first) {
-    std::vector<Span> copies = ls->upload(staged);
-    for (int e = 0; e < num_experts_; ++e) {
-      const int slot = slot_of[static_cast<size_t>(e)];
-      if (slot < 0) continue;
-      std::vector<Span> to = ls->row(e), from = row_spans(li, slot);
-      for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
-    }
-    first = copy_to_scratch(li, copies);
-  }
+  const LayerScratch::Load load = scratch_->load_whole(li, bank, resident);
   std::lock_guard<std::mutex> lk(mu_);
-  uint64_t loaded = tier;
-  for (int e = 0; e < num_experts_; ++e) loaded += staged[static_cast<size_t>(e)];
-  if (!first) {
-    // Empty real slots take experts in id order: the routing is not read here.
-    std::vector<std::pair<int, int>> from;
-    for (int e = 0; e < num_experts_; ++e) from.emplace_back(e, e);
-    fill_empty_slots(li, *ls, from);
-  }
-  auto& st = stats_[li];
-  ++st.overcap_calls;
-  st.loads += first ? 0 : loaded;
-  st.read_errors += first ? reads.size() - read_now : 0;
-  st.bytes_read += (ahead_read + read_now) * static_cast<uint64_t>(L.stride);
-  st.host_hits += tier;
-  st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
-  st.read_seconds_us += read_us;
-  st.acquire_seconds_us += micros_since(t0);
-  if (first) std::rethrow_exception(first);
+  ++stats_[li].overcap_calls;
+  finish_load(li, load, t0);
 }
 
 std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing,
@@ -1278,111 +871,50 @@ std::vector<int> ExpertCache::load_layer(int li, const std::vector<int>& missing
     throw std::invalid_argument("load_layer: " + std::to_string(missing.size() + resident.size()) +
                                 " experts for a layer scratch of " +
                                 std::to_string(num_experts_) + " rows");
-  std::shared_ptr<LayerScratch> ls;
-  ReadAhead ahead;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    ls = layer_scratch_locked(li, 0);
-    std::swap(ahead, read_ahead_[scratch_index(li, 0)]);
-  }
-  const auto& L = layers_[li];
-  const auto E = static_cast<size_t>(num_experts_);
-  // Each row holds one expert: a record the read-ahead landed (staging row i: experts[i];
-  // used by this call or not) or one that a free row takes now (read into staging, copied
-  // from the host tier, or copied from its slot). Only rows holding a staged record are
-  // uploaded, in runs, so a row filled from the tier or a slot is never overwritten; the
-  // experts are distinct, so num_experts rows always suffice.
-  std::vector<int> row_of(E, -1);
-  std::vector<uint8_t> staged(E, 0);  // per row: holds a staged record to upload
-  uint64_t ahead_read = 0;            // records the read-ahead landed (used or not)
-  if (ahead.batch && !(ahead.layer == li && !ahead.by_id)) retire(ahead);
-  if (ahead.batch) {
-    settle(*ahead.batch, false);
-    {
-      std::lock_guard<std::mutex> lk(ahead.batch->mu);
-      for (size_t i = 0; i < ahead.experts.size(); ++i)
-        if (ahead.batch->state[i] == kDone) {
-          row_of[static_cast<size_t>(ahead.experts[i])] = static_cast<int>(i);
-          staged[i] = 1;
-          ++ahead_read;
-        }
-    }
-  }
-  std::vector<int> free_rows;  // lowest last
-  for (int r = num_experts_ - 1; r >= 0; --r)
-    if (!staged[static_cast<size_t>(r)]) free_rows.push_back(r);
-  auto take_row = [&] {
-    if (free_rows.empty()) throw std::logic_error("load_layer: no layer-scratch row left");
-    const int r = free_rows.back();
-    free_rows.pop_back();
-    return r;
-  };
-  uint64_t tier = 0;
-  std::vector<int> reads, read_rows;
-  for (int e : missing) {
-    if (row_of[static_cast<size_t>(e)] >= 0) continue;
-    const int r = take_row();
-    if (copy_from_tier(li, e, ls->row(r))) {
-      row_of[static_cast<size_t>(e)] = r;
-      ++tier;
-    } else {
-      reads.push_back(e);
-      read_rows.push_back(r);
-    }
-  }
-  std::vector<int> resident_at;
-  uint64_t read_now = 0;
-  std::vector<uint8_t> landed;
-  uint64_t read_us = 0;
-  std::exception_ptr first = read_staged(li, ls, reads, read_rows, landed, read_us);
-  for (size_t j = 0; j < reads.size(); ++j)
-    if (landed[j]) {
-      row_of[static_cast<size_t>(reads[j])] = read_rows[j];
-      staged[static_cast<size_t>(read_rows[j])] = 1;
-      ++read_now;
-    }
-  if (!first) {
-    // The staged records, and the resident experts from their pool rows (a hit that was
-    // read ahead too keeps its staged row): the call then computes from the layer
-    // scratch alone.
-    std::vector<Span> copies = ls->upload(staged);
-    for (size_t i = 0; i < resident.size(); ++i) {
-      int r = row_of[static_cast<size_t>(resident[i])];
-      if (r < 0) {
-        r = take_row();
-        std::vector<Span> to = ls->row(r), from = row_spans(li, resident_rows[i]);
-        for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].dst, to[s].bytes});
-      }
-      resident_at.push_back(r);
-    }
-    first = copy_to_scratch(li, copies);
-  }
-  std::vector<int> rows;
-  for (int e : missing) rows.push_back(row_of[static_cast<size_t>(e)]);
-  rows.insert(rows.end(), resident_at.begin(), resident_at.end());
+  LayerScratch::Sources from;
+  for (size_t i = 0; i < resident.size(); ++i)
+    from.emplace_back(resident[i], as_sources(row_spans(li, resident_rows[i])));
+  const LayerScratch::Load load = scratch_->load_layer(li, missing, from);
   std::lock_guard<std::mutex> lk(mu_);
-  const uint64_t ok = first ? 0 : static_cast<uint64_t>(missing.size());
-  const uint64_t failed = first ? reads.size() - read_now : 0;
-  if (!first) {
-    // As load_scratch: the call's experts also fill the real region's empty slots, most
-    // routed first (acquire's order).
-    std::vector<std::pair<int, int>> from;
-    for (size_t i = 0; i < missing.size(); ++i) from.emplace_back(missing[i], rows[i]);
-    fill_empty_slots(li, *ls, from);
-  }
-  auto& st = stats_[li];
-  st.misses += missing.size();
-  st.loads += ok;
-  st.read_errors += failed;
-  st.bytes_read += (ahead_read + read_now) * static_cast<uint64_t>(L.stride);
-  st.host_hits += tier;
-  st.host_bytes += tier * static_cast<uint64_t>(L.record_bytes);
-  st.read_seconds_us += read_us;
-  st.acquire_seconds_us += micros_since(t0);
-  if (first) std::rethrow_exception(first);
-  return rows;
+  stats_[li].misses += missing.size();
+  finish_load(li, load, t0);
+  return load.rows;
 }
 
+void ExpertCache::finish_load(int li, const LayerScratch::Load& load,
+                              std::chrono::steady_clock::time_point t0) {
+  fill_empty_slots(li, load.fill);
+  const auto& L = layers_[li];
+  auto& st = stats_[li];
+  st.loads += load.loads;
+  st.read_errors += load.read_errors;
+  st.bytes_read += load.records_read * static_cast<uint64_t>(L.stride);
+  st.host_hits += load.host_hits;
+  st.host_bytes += load.host_hits * static_cast<uint64_t>(L.record_bytes);
+  st.read_seconds_us += load.read_micros;
+  st.acquire_seconds_us += micros_since(t0);
+  if (load.error) std::rethrow_exception(load.error);
+}
+
+void ExpertCache::fill_empty_slots(int li, const LayerScratch::Sources& from) {
+  auto& R = real_[li];
+  std::vector<Span> copies;
+  std::vector<std::pair<int, int>> assigned;  // (slot, expert)
+  int slot = 0;
+  for (const auto& [e, src] : from) {
+    if (R.slot_of(e) >= 0) continue;
+    while (slot < slots_[li] && (R.expert_at(slot) >= 0 || loading_[li][slot])) ++slot;
+    if (slot == slots_[li]) break;
+    add_copies(copies, row_spans(li, slot), src);
+    assigned.emplace_back(slot++, e);
+  }
+  try {
+    if (!copies.empty()) writer_.copy(copies);
+    for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
+  } catch (const std::exception&) {
+    // the slots stay empty: no partial row is ever mapped
+  }
+}
 void ExpertCache::fill_task(int li, int gen, int expert, int row,
                             const std::shared_ptr<FillTicket>& t, bool cancelled) {
   bool landed = false, from_tier = false;
@@ -1553,13 +1085,7 @@ bool ExpertCache::sync() const {
 }
 
 void ExpertCache::reset() {
-  std::vector<ReadAhead> aheads;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto& ra : read_ahead_) aheads.push_back(std::exchange(ra, ReadAhead{}));
-  }
-  // Before the tier is emptied: a read that is copying keeps its record there first.
-  for (auto& ra : aheads) retire(ra);
+  scratch_->reset();  // before the tier is emptied
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
   for (size_t li = 0; li < real_.size(); ++li) {

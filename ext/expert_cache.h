@@ -24,6 +24,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -33,6 +34,7 @@
 
 #include "blob_file.h"
 #include "layer_scratch.h"
+#include "layer_spec.h"
 #include "pool_writer.h"
 #include "mlx/array.h"
 #include "reader_pool.h"
@@ -45,27 +47,6 @@
 namespace es {
 
 namespace mx = mlx::core;
-
-struct Segment {
-  std::string key;
-  mx::Dtype dtype = mx::uint8;
-  mx::Shape shape;  // per expert
-  int64_t offset;   // in the record, bytes
-  int64_t nbytes;
-};
-
-struct LayerSpec {
-  int layer;  // decoder layer index, for messages
-  std::string path;
-  int64_t stride;
-  int64_t record_bytes;
-  std::vector<Segment> segments;
-  std::vector<uint32_t> checksums;
-};
-
-// The reads of one batch of records, shared by whoever waits for them and the reader
-// threads (expert_cache.cpp).
-struct ReadBatch;
 
 // The settings of one cache, named as engine.config.StreamConfig names them; the
 // ExpertCache constructor checks them (std::invalid_argument).
@@ -97,11 +78,6 @@ inline constexpr int kMaxIoUringDepth = 4096;
 // Bytes of read buffers the ring may hold in all where io_uring_depth raises its depth
 // past reader_threads + 1 (a bound on the total, not on what is added).
 inline constexpr int64_t kIoUringExtraBytes = int64_t{64} << 20;
-// Bytes of adjacent records the layer scratch reads in one read at most
-// (BlobFile::read_run): its whole-layer and read-ahead reads are mostly runs of adjacent
-// experts, and records far under a megabyte are read at the disk's latency one by one,
-// at its rate in runs.
-inline constexpr size_t kReadRunBytes = size_t{1} << 20;
 
 // Demand reads in flight through io_uring, one buffer of `stride` bytes (a record) each:
 // reader_threads + 1, raised to max(top_k, 8) while those buffers stay within
@@ -370,8 +346,8 @@ class ExpertCache {
   enum class Write { kDemand, kFill, kDirect };
   void copy_record(int li, int expert, const uint8_t* buf, int row, Write how);
   // Expert `expert` of layer li from the host tier, when it holds it: staged into pool
-  // row `row` (staging on), or copied now into `to` (a pool row's or the layer scratch's
-  // spans). False: not held, the caller reads it.
+  // row `row` (staging on), or copied now into `to` (a pool row's spans). False: not
+  // held, the caller reads it.
   bool stage_from_tier(int li, int expert, int row);
   bool copy_from_tier(int li, int expert, const std::vector<Span>& to);
   // The spans of `row`'s segments in layer li's pool (sources unset).
@@ -447,56 +423,19 @@ class ExpertCache {
   bool side_lfu_;
   bool sync_;
 
-  // The layer scratch of each segment layout's two banks (made on first use, under
-  // mu_), which layout each MoE layer has, and the read-ahead not yet taken per bank: its
-  // layer, experts (staging row i holds experts[i], or row e expert e for read_layer) and
-  // reads. Each of load_layer and load_whole takes only its own kind, for its layer.
-  struct ReadAhead {
-    int layer = -1;
-    std::vector<int> experts;
-    std::shared_ptr<ReadBatch> batch;
-    bool by_id = false;  // read_layer's: expert e in staging row e
-  };
-  std::vector<std::shared_ptr<LayerScratch>> layer_scratch_;
-  std::vector<ReadAhead> read_ahead_;
-  std::vector<int> layout_;  // [li]: its layout's index
-  // Index into layer_scratch_ and read_ahead_ of li's layout's bank `bank`; throws
-  // std::out_of_range for a bank other than 0 and 1.
-  size_t scratch_index(int li, int bank) const;
-  std::shared_ptr<LayerScratch> layer_scratch_locked(int li, int bank);
-  // read_ahead and read_layer: gives bank `bank`'s earlier read-ahead up and starts
-  // reading `experts` of layer li (duplicates, real slots and the host tier left out)
-  // into its staging, in order or (by_id) each in the row of its id; returns how many.
+  // read_ahead and read_layer: starts reading `experts` of layer li (duplicates, real
+  // slots and the host tier left out) into bank `bank` of its layer scratch, in order or
+  // (by_id) each in the row of its id; returns how many.
   int start_read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id);
-  // Reads experts[i] of layer li into staging row rows[i] on the reader threads
-  // (prefetch lane when `ahead`, else demand), adjacent records in runs, one per task:
-  // as many runs as reader threads where the records allow, of up to kReadRunBytes
-  // each; returns the batch to wait on.
-  std::shared_ptr<ReadBatch> stage_reads(int li, const std::shared_ptr<LayerScratch>& ls,
-                                         const std::vector<int>& experts,
-                                         const std::vector<int>& rows, bool ahead);
-  // Reads experts[i] of layer li into staging row rows[i] of `ls` now and waits;
-  // landed[i] tells which landed, `micros` how long it waited (unchanged with nothing to
-  // read). Returns the first error (a failed read, or a timeout).
-  std::exception_ptr read_staged(int li, const std::shared_ptr<LayerScratch>& ls,
-                                 const std::vector<int>& experts, const std::vector<int>& rows,
-                                 std::vector<uint8_t>& landed, uint64_t& micros);
-  // Makes the copies into (and within) layer li's layer scratch; returns their failure as
-  // a ReadError naming the layer's file, or null.
-  std::exception_ptr copy_to_scratch(int li, const std::vector<Span>& copies);
-  // Under mu_: each (expert, row of `ls`) of `from`, in order, without a real slot fills
-  // an empty one of layer li by a device copy, while one is left (an empty slot is mapped
-  // by no computation, so nothing reads it while it is written).
-  void fill_empty_slots(int li, const LayerScratch& ls,
-                        const std::vector<std::pair<int, int>>& from);
-  // The ReadTimeout of a read of `expert` of layer li given up after read_timeout_s.
-  std::exception_ptr timed_out(int li, int expert) const;
-  // Gives `ra` up (settle) and counts the records it landed in its layer's bytes_read
-  // (they were read, if never used); leaves it empty. Takes mu_: call without it.
-  void retire(ReadAhead& ra);
-  // Waits for `batch` as demand reads are waited for (read_timeout_s without progress
-  // gives the rest up); `give_up`: gives every read not yet copying up at once.
-  void settle(ReadBatch& batch, bool give_up);
+  // Under mu_: finishes a load of layer li's layer scratch started at t0: fills empty
+  // real slots from it, counts it, and throws its error.
+  void finish_load(int li, const LayerScratch::Load& load,
+                   std::chrono::steady_clock::time_point t0);
+  // Under mu_: each expert of `from` (with its row's segments as sources), in order,
+  // without a real slot fills an empty one of layer li by a device copy, while one is
+  // left (an empty slot is mapped by no computation, so nothing reads it while it is
+  // written).
+  void fill_empty_slots(int li, const LayerScratch::Sources& from);
 
   PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
   PoolWriter host_writer_{nullptr};
@@ -505,6 +444,7 @@ class ExpertCache {
   ReadClock read_clock_;  // before the readers: outlives their threads
   std::unique_ptr<ReaderPool> readers_;
   std::unique_ptr<RingReader> ring_;  // null: demand reads use readers_
+  std::unique_ptr<LayerScratch> scratch_;  // reads with files_, readers_ and the writers
 };
 
 }  // namespace es

@@ -24,6 +24,18 @@ struct Span {
   size_t bytes;
 };
 
+// `spans` with their destinations as sources (destinations unset): rows to copy from.
+inline std::vector<Span> as_sources(std::vector<Span> spans) {
+  for (auto& s : spans) s = {nullptr, s.dst, s.bytes};
+  return spans;
+}
+// Appends the copies from `from`'s sources into `to`'s destinations, span by span (one
+// row's segments into another's).
+inline void add_copies(std::vector<Span>& copies, const std::vector<Span>& to,
+                       const std::vector<Span>& from) {
+  for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].src, to[s].bytes});
+}
+
 class PoolWriter {
  public:
   // Chooses how to write memory allocated like `probe` (any pool pointer): through the

@@ -10,6 +10,13 @@
 
 namespace es {
 
+// Microseconds of wall time from t0 to now.
+inline uint64_t micros_since(std::chrono::steady_clock::time_point t0) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now() - t0)
+                                   .count());
+}
+
 class ReadClock {
  public:
   // One read (or batch of reads) in flight from begin() to its end(); calls pair up.

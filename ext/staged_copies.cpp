@@ -133,16 +133,15 @@ bool StagedCopies::copy_cached(int layer, int expert, const std::vector<Span>& s
     from.push_back({s.dst, slot_memory(slot) + off, s.bytes});
     off += (s.bytes + 15) / 16 * 16;
   }
-  std::exception_ptr err;
+  bool copied = true;
   try {
     writer.copy(from);
-  } catch (...) {
-    err = std::current_exception();
+  } catch (const std::exception&) {
+    copied = false;  // the caller reads the record instead
   }
   std::lock_guard<std::mutex> lk(mu_);
   release(slot);
-  if (err) std::rethrow_exception(err);
-  return true;
+  return copied;
 }
 
 bool StagedCopies::stage_cached(int layer, int expert, const std::vector<Span>& spans) {

@@ -115,7 +115,7 @@ class StagedCopies {
   bool stage_cached(int layer, int expert, const std::vector<Span>& spans);
   // Host paths (staging off): copies expert `expert` of `layer` from the tier slot that
   // holds it into `spans`' destinations with `writer` now, counting a use; false when
-  // none holds it. Throws as PoolWriter::copy does.
+  // none holds it or the copy failed (the caller then reads the record).
   bool copy_cached(int layer, int expert, const std::vector<Span>& spans,
                    const PoolWriter& writer);
   // Whether a tier slot of `layer` holds expert `expert` now (filled, not filling).

@@ -389,6 +389,11 @@ def test_a_read_error_is_shown_and_the_app_goes_on(window, qtbot, tmp_path):
         (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
         (["--max-tokens", "-5"], "argument --max-tokens: must be an integer >= 1, got '-5'"),
         (["--shot-at", "0"], "argument --shot-at: must be an integer >= 1, got '0'"),
+        (
+            ["--size", "1366x0"],
+            "argument --size: '1366x0' is not a window size: give WIDTHxHEIGHT in pixels",
+        ),
+        (["--size", "big"], "argument --size: 'big' is not a window size"),
         (["--expert-slots", "0"], "error: --expert-slots 0: must be >= 1"),
         (
             ["--expert-slots", "8", "--expert-memory", "50MiB"],
@@ -597,6 +602,42 @@ def test_screenshot_is_taken_mid_reply(tmp_path):
     assert saved == [f"saved {png} at reply token 18 of at most 24"]
     image = QImage(str(png))
     assert image.width() >= 1200 and image.height() >= 800
+
+
+def test_the_screenshot_is_grabbed_before_the_reply_is_stopped(window, tmp_path, monkeypatch):
+    """A token delivered while the window is being grabbed (by the grab's own event
+    processing) does not stop the reply before the picture is saved: the picture never
+    shows "Stopping…"; the reply is stopped once it is saved."""
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    status = window.statusBar().currentMessage
+    saved = []
+    monkeypatch.setattr(app.main, "_save_png", lambda pixmap, path: saved.append(status()))
+    png = tmp_path / "shot.png"
+    args = app.main.build_parser().parse_args(["--screenshot", str(png), "--max-tokens", "24"])
+    app.main._screenshot(window, args, QApplication.instance())
+    window.busy = "generating"  # as while a reply streams: Stop then says "Stopping…"
+    QTimer.singleShot(0, lambda: window.tokenShown.emit(19))  # delivered inside the grab
+    window.tokenShown.emit(18)
+    assert len(saved) == 1 and "Stopping" not in saved[0], saved
+    assert status() == "Stopping…"
+
+
+def test_a_model_that_cannot_be_opened_is_named_in_plain_words(tmp_path):
+    """The window's message names the path and the reason, not Python's exception."""
+    from app.worker import Worker, error_text
+
+    worker = Worker(threading.Event(), threading.Event())
+    failed = []
+    worker.loadFailed.connect(failed.append)
+    missing = tmp_path / "missing"
+    worker.load(str(missing), {})
+    assert failed == [f"could not open {missing}: model path {missing} does not exist"]
+    assert error_text(PermissionError(13, "Permission denied", "config.json")) == (
+        "config.json: Permission denied"
+    )
+    assert error_text(KeyError()) == "an internal error (KeyError, no message)"
 
 
 def test_side_rows_turn_prefetch_on_and_off_at_the_rebuild(qtbot):

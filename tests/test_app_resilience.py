@@ -61,7 +61,9 @@ def test_worker_raising_mid_reply_keeps_the_partial_reply(window, qtbot, monkeyp
     assert partial and window.conversation.turns == turns + [(USER, " Then"), (ASSISTANT, partial)]
     shown = window.chat.transcript.toPlainText()
     assert "simulated engine fault after 5 tokens" in shown and "partial reply is kept" in shown
-    assert "Reply failed: RuntimeError" in window.statusBar().currentMessage()
+    assert window.statusBar().currentMessage() == (
+        "Reply failed: simulated engine fault after 5 tokens"
+    )
     assert window.busy is None and window.chat.send_button.isEnabled()
     assert not window.chat.stop_button.isEnabled()
     turns = list(window.conversation.turns)

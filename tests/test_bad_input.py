@@ -222,6 +222,30 @@ def test_corrupt_tokenizer_json(store_dir):
         load(store_dir)
 
 
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_by_convert(capsys, model_dirs, tmp_path):
+    """A tokenizer whose ids run past vocab_size (here 128) would fail every generate:
+    convert refuses it naming tokenizer.json and writes nothing; a store holding one
+    (copied in after the convert) is refused at load the same way."""
+    model_dir = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "model"))
+    write_tokenizer(model_dir)
+    good = json.loads((model_dir / "tokenizer.json").read_text())
+    wide = json.loads(json.dumps(good))
+    wide["model"]["vocab"]["The"] = 500
+    (model_dir / "tokenizer.json").write_text(json.dumps(wide))
+    message = (
+        f"{model_dir / 'tokenizer.json'}: token ids run to 500, past the model's vocabulary "
+        "of 128 (vocab_size in config.json): this tokenizer is not the model's"
+    )
+    code, err = cli(capsys, "convert", str(model_dir), str(tmp_path / "store"))
+    assert code == 2 and err.count("\n") == 1 and err.endswith(f"nothing was written: {message}\n")
+    assert not (tmp_path / "store").exists()
+    (model_dir / "tokenizer.json").write_text(json.dumps(good))
+    convert(model_dir, tmp_path / "store")
+    (tmp_path / "store" / "tokenizer.json").write_text(json.dumps(wide))
+    with pytest.raises(StoreError, match=r"store/tokenizer\.json: token ids run to 500"):
+        load(tmp_path / "store")
+
+
 def test_working_tokenizer_cli(capsys, store_dir):
     write_tokenizer(store_dir)
     argv = ["generate", "--model", str(store_dir), "--prompt", "The cat sat"]

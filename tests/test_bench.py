@@ -292,24 +292,43 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
 
 def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
     """`bench.device --prefill --no-decode` on a store: only the time to first token, at
-    100% (the baseline, every expert cached) and 25%, buffered and O_DIRECT, each 25% row
-    with what it read and the rate while reading."""
+    each --prefill-tokens length: every expert cached in mlx-lm's form (the reference)
+    and expert-major, 25% with the host tier and O_DIRECT, each row's first token and
+    logits equal to the reference's, each 25% row with what it read and the rate while
+    reading; then the split of one forward's time, in both forms."""
     import json
 
     import bench.device as device
 
     argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
-    assert device.main([*argv, "--prefill", "--no-decode", "--rounds", "1"]) == 0
+    argv += ["--prefill", "--no-decode", "--rounds", "1", "--prefill-tokens", "24,40"]
+    assert device.main(argv) == 0
     results = json.loads((tmp_path / "device.json").read_text())
     assert list(results) == ["prefill_synthetic"]
     out = results["prefill_synthetic"]
-    for reads in ("buffered", "O_DIRECT"):
-        base, part = out[reads]["rows"]
-        assert (base["name"], part["name"]) == ("streamed 100.0%", "streamed 25.0%")
+    assert list(out) == ["24", "40", "split"]
+    for n in ("24", "40"):
+        names = [r["name"] for r in out[n]["rows"]]
+        assert names == [
+            "100%, mlx-lm's form",
+            "100%",
+            "25%, host tier",
+            "25%, host tier warm",
+            "25%, O_DIRECT",
+        ]
+        assert out[n]["prompt_tokens"] == int(n)
+        for r in out[n]["rows"]:
+            assert r["same_tokens"] and r["same_logits"], r["name"]
+        base, *_, part = out[n]["rows"]
         assert base["bytes_read"] == 0 and part["overcap_calls"] > 0
         assert part["MBps_while_reading"] == pytest.approx(
             part["bytes_read"] / part["reading_s"] / 1e6
         )
+    for form in ("off", "auto"):
+        split = out["split"][form]
+        assert split["tokens"] == 24
+        parts = split["experts_ms"] + split["attention_ms"] + split["rest_ms"]
+        assert parts == pytest.approx(split["forward_ms"]) and split["rest_ms"] > 0
 
 
 def test_the_device_bench_drives_clients_at_once_through_serve(qwen_store, tmp_path):
@@ -348,6 +367,7 @@ def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys)
         (["--synthetic", str(tmp_path)], f"--synthetic {tmp_path}: not a store"),
         (["--no-decode"], "--no-decode leaves nothing to run without --prefill"),
         (["--tokens", "1"], "--tokens: must be an integer >= 2, got '1'"),
+        (["--prefill-tokens", "2048,0"], "--prefill-tokens: '2048,0': every length"),
     ):
         with pytest.raises(SystemExit) as e:
             device.main(out + argv)

@@ -90,7 +90,13 @@ def test_echoed_prompt_and_reply_keep_their_space(capfd):
         (["--expert-slots", "33"], "--expert-slots 33: must be <= 32, the model's experts"),
         (["--side-slots", "1000"], "--side-slots 1000: must be <= 32, the model's experts"),
         (["--scratch-slots", "1000"], "--scratch-slots 1000: must be <= 32, the model's experts"),
-        (["--system", "Be brief."], "--system is the system prompt of --chat: add --chat"),
+        (
+            ["--no-chat", "--system", "Be brief."],
+            "--system is the system prompt of the chat template: not with --no-chat",
+        ),
+        # a negative size is a value refused by its flag, not argparse's "expected one
+        # argument"
+        (["--expert-memory", "-5GiB"], "argument --expert-memory: must be > 0, got '-5GiB'"),
         (
             ["--record-trace", "/nonexistent/x.npz"],
             "--record-trace /nonexistent/x.npz: the folder /nonexistent does not exist",
@@ -240,36 +246,124 @@ def test_error_from_the_environment_names_the_variable(capfd, monkeypatch):
 
 
 def test_the_prompt_is_printed_where_the_reply_continues_it(capfd, model_dirs, tmp_path):
-    # the embedded model has no chat template: --chat continues the text, as plain mode
-    for chat in ([], ["--chat"]):
+    # the embedded model has no chat template: the text is continued, --chat or not,
+    # without a note unless --chat is asked for
+    for chat in ([], ["--chat"], ["--no-chat"]):
         code, out, err = run(
             capfd, "generate", *chat, "--prompt", "Once upon a", "--max-tokens", "2"
         )
         assert code == 0 and out.startswith("Once upon a time"), (chat, out)
-    # a chat template: the reply answers the prompt, which is not printed
+        assert ("no chat template" in err) == (chat == ["--chat"]), (chat, err)
+    # a chat template is applied by default, as mlx-lm does: the reply answers the
+    # prompt, which is not printed; --no-chat (mlx-lm: --ignore-chat-template) continues
+    # the raw prompt
     model = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "chat"))
     write_tokenizer(model, CHAT_TEMPLATE)
-    code, out, err = run(
-        capfd,
-        "generate",
-        "--model",
-        str(model),
-        "--chat",
-        "--prompt",
-        "The cat",
-        "--max-tokens",
-        "2",
-    )
-    assert code == 0 and not out.startswith("The cat") and "no chat template" not in err, out
+    argv = ["generate", "--model", str(model), "-p", "The cat", "-m", "2"]
+    replies = {}
+    for chat in ([], ["--chat"], ["--no-chat"], ["--ignore-chat-template"]):
+        code, out, err = run(capfd, *argv, *chat, "--json")
+        assert code == 0 and "no chat template" not in err, err
+        replies[" ".join(chat)] = json.loads(out)["tokens"]
+        code, out, err = run(capfd, *argv, *chat)
+        assert out.startswith("The cat") == (chat in (["--no-chat"], ["--ignore-chat-template"]))
+    from engine.generate import generate, prompt_tokens
+    from engine.model import load
+
+    sm = load(model)
+    templated = generate(sm, prompt_tokens(sm, "The cat", True), 2).tokens
+    raw = generate(sm, prompt_tokens(sm, "The cat", False), 2).tokens
+    assert replies == {"": templated, "--chat": templated, "--no-chat": raw,
+                       "--ignore-chat-template": raw}  # fmt: skip
 
 
 def test_chat_without_a_template_says_it_drops_the_system_prompt(capfd):
     argv = ["generate", "--chat", "--max-tokens", "1", "--system", "Be brief."]
-    note = "note: the model has no chat template: --chat continues the prompt as plain text"
+    note = "note: the model has no chat template: the prompt is continued as plain text"
     code, _, err = run(capfd, *argv)
     assert code == 0 and f"{note} (without --system)\n" in err, err
     code, _, err = run(capfd, *argv[:-2])
     assert code == 0 and f"{note}\n" in err, err
+    # --system alone asks for the template as --chat does
+    code, _, err = run(capfd, "generate", "--max-tokens", "1", "--system", "Be brief.")
+    assert code == 0 and f"{note} (without --system)\n" in err, err
+
+
+def test_the_prompt_comes_from_stdin_with_dash_and_short_flags(capfd, monkeypatch):
+    """`-p -` reads the prompt from stdin (its last newline dropped), `-m` is
+    --max-tokens: as mlx-lm's generate takes them."""
+    import io
+
+    code, out, _ = run(capfd, "generate", "--prompt", "Once upon a time", "--max-tokens", "6",
+                       "--json")  # fmt: skip
+    want = json.loads(out)["tokens"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time\n"))
+    code, out, _ = run(capfd, "generate", "-p", "-", "-m", "6", "--json")
+    assert code == 0 and json.loads(out)["tokens"] == want and len(want) == 6
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" \n"))
+    assert_refused(*run(capfd, "generate", "-p", "-"), "--prompt -: stdin held no text")
+
+
+def test_expert_memory_says_what_it_bought(capfd):
+    """--expert-memory says the slots per layer and the bytes it bought, with the unit
+    it read a bare G or M in (binary, as dd and docker); --json holds the same."""
+    from engine.cache import layer_slots
+    from engine.store import ExpertStore
+
+    m = ExpertStore(resolve_store(default_model_path()).path).manifest
+    records = [spec.record_bytes for spec in m.layers]
+    want = layer_slots(records, m.num_experts, m.top_k, 10 * 2**20)
+    assert (min(want), max(want)) == (21, 22)
+    code, out, err = run(capfd, "generate", "--expert-memory", "10M", "-m", "2", "--json")
+    pool = json.loads(out)["pool"]
+    slot_bytes = sum(n * r for n, r in zip(want, records, strict=True))
+    assert code == 0 and pool["slots_per_layer"] == want and pool["slot_bytes"] == slot_bytes
+    assert pool["expert_memory"] == "10M" and pool["pool_bytes"] > slot_bytes
+    assert err.startswith(
+        "--expert-memory 10M (read as 10 MiB: 10.5 MB): 21-22 slots per MoE layer of 32 "
+        "experts, 10.4 MB of expert slots ("
+    ), err
+    code, out, err = run(capfd, "generate", "--expert-memory", "10GB", "-m", "2", "--json")
+    assert err.startswith("--expert-memory 10GB (10.0 GB): 32 slots per MoE layer"), err
+    assert json.loads(out)["pool"]["slots_per_layer"] == [32] * 8
+
+
+def test_a_model_that_fits_says_nothing_streams(capfd):
+    """Every expert in memory (the default): the figures say why the hit rate is 100%
+    and nothing was read; with fewer slots they do not."""
+    code, _, err = run(capfd, "generate", "-m", "4")
+    note = "every expert is in memory (32 slots per MoE layer, read at load): nothing streams"
+    assert code == 0 and "read 0 B" in err and note in err, err
+    code, _, err = run(capfd, "generate", "-m", "4", "--expert-slots", "8")
+    assert code == 0 and "every expert is in memory" not in err
+
+
+def test_ctrl_c_in_generate_json_prints_the_partial_reply(capfd, monkeypatch):
+    """Ctrl+C during `generate --json`: the reply ends at the next MoE layer and its
+    object is printed, finish_reason "interrupted", with its figures; exit 130."""
+    import engine.generate
+
+    real = engine.generate.stream_generate
+
+    def interrupted_after_three(*args, **kwargs):
+        for i, response in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl+C in the terminal
+            yield response
+
+    monkeypatch.setattr(engine.generate, "stream_generate", interrupted_after_three)
+    code, out, err = run(capfd, "generate", "--json", "-m", "40", "--expert-slots", "8")
+    reply = json.loads(out)
+    assert code == 130 and reply["finish_reason"] == "interrupted", (code, err)
+    assert 4 <= len(reply["tokens"]) <= 5 and reply["stats"]["generated_tokens"] == len(
+        reply["tokens"]
+    )
+    monkeypatch.undo()
+    code, out, _ = run(capfd, "generate", "--json", "-m", "4", "--expert-slots", "8")
+    full = json.loads(out)
+    assert code == 0 and full["finish_reason"] == "length"
+    assert full["tokens"] == reply["tokens"][:4]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 def test_a_seed_repeats_a_sampled_reply(capfd):
@@ -297,7 +391,8 @@ def test_refusals_name_the_subcommand_and_its_help(capfd):
 @pytest.mark.parametrize("terminal", [False, True])
 def test_first_use_conversion_says_so(capfd, monkeypatch, model_dirs, tmp_path, terminal):
     model = Path(shutil.copytree(model_dirs("qwen3_moe"), tmp_path / "model"))
-    write_tokenizer(model, f"{{# {tmp_path} #}}")  # content of its own: a store of its own
+    # content of its own: a store of its own
+    write_tokenizer(model, f"{{# {tmp_path} #}}{CHAT_TEMPLATE}")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     code, _, err = run(capfd, "generate", "--model", str(model), "--max-tokens", "1")
     line = f"converting {model} to an expert store, once per model ("
@@ -308,12 +403,48 @@ def test_first_use_conversion_says_so(capfd, monkeypatch, model_dirs, tmp_path, 
     assert code == 0 and "converting" not in err  # converted once
 
 
+@pytest.mark.parametrize(
+    ("script", "module"), [("expertstream", "engine.cli"), ("expertstream-gui", "app.main")]
+)
+def test_without_an_mlx_backend_every_command_says_what_to_install(tmp_path, script, module):
+    """`pip install -e '.[app]'` on Linux leaves MLX without its backend library: its
+    import fails. Each console script, --help included, says so in one line with the
+    extra to install, not a traceback through the imports first."""
+    fake = tmp_path / "site" / "mlx"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "core.py").write_text(
+        'raise ImportError("libmlx.so: cannot open shared object file: No such file or '
+        'directory")\n'
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(fake.parent), str(root)])}
+    for argv in (["--help"], ["generate"] if script == "expertstream" else []):
+        # what the console script pip writes runs
+        code = (
+            f"import sys; from {module} import main; sys.argv = {[script, *argv]!r}; "
+            "sys.exit(main())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 1 and out.stdout == "", out
+        assert out.stderr == (
+            "expertstream: error: MLX cannot load (libmlx.so: cannot open shared object file: "
+            "No such file or directory). On Linux MLX's backend is an extra: install "
+            "expertstream[cpu] (CPU) or expertstream[cuda] (NVIDIA GPU, CUDA 13), e.g. pip "
+            "install -e '.[cpu,app]'\n"
+        ), out.stderr
+
+
 def test_help_shows_defaults_and_explains_every_argument():
     parser = build_parser()
     sub = parser._subparsers._group_actions[0].choices
     generate = sub["generate"].format_help()
     for text in (
-        "the text to continue (default: Once upon a time)",
+        "without its last newline (default: Once upon a time)",
+        "--prompt PROMPT, -p PROMPT",
+        "--max-tokens MAX_TOKENS, -m MAX_TOKENS",
         "longest reply, tokens (>= 1) (default: 64)",
         "(1: all) (default: 1.0)",
         "real-region slots per MoE layer (default: all experts)",
@@ -340,6 +471,17 @@ def test_convert_errors_are_one_line_naming_the_flag(capfd, tmp_path, qwen_store
     code, _, err = run(capfd, "convert", str(model_dirs("qwen3_moe")), str(dest))
     want = f"{dest} already exists: --force replaces it"
     assert code == 2 and err == f"expertstream convert: error: {want}\n"
+    # A folder holding a file: what --force cannot replace is said first, not "--force
+    # replaces it" and then, with --force, a refusal.
+    (dest / "notes.txt").write_text("mine")
+    want = (
+        f"{dest} exists and is not an expert store: convert never replaces it, --force or "
+        "not; give a new directory"
+    )
+    for force in ([], ["--force"]):
+        code, _, err = run(capfd, "convert", str(model_dirs("qwen3_moe")), str(dest), *force)
+        assert code == 2 and err == f"expertstream convert: error: {want}\n", force
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"]
 
     # A store is no model directory, though it has a config.json: said before the rest.
     code, _, err = run(capfd, "convert", str(qwen_store.path), str(dest))
@@ -455,7 +597,7 @@ def test_ctrl_c_in_generate_ends_the_reply_line(capfd, monkeypatch):
     newline, so that the shell's prompt starts on a line of its own."""
     import engine.generate
 
-    def cut(sm, prompt, max_tokens, temp, top_p, on_response):
+    def cut(sm, prompt, max_tokens, temp, top_p, on_response, stop=None):
         on_response(type("Response", (), {"text": " there was"}))
         raise KeyboardInterrupt
 

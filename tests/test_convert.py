@@ -390,8 +390,9 @@ def test_existing_store_needs_force(tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not an expert store"):
-        convert(second, precious, force=True)
+    for force in (False, True):
+        with pytest.raises(ValueError, match="not an expert store: convert never replaces it"):
+            convert(second, precious, force=force)
     assert (precious / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
@@ -399,11 +400,11 @@ def test_existing_store_needs_force(tmp_path):
 def enospc_on(layer_file):
     real = store_writer.write_blob
 
-    def write_blob(path, records, record_bytes, stride):
+    def write_blob(path, records, record_bytes, stride, *args):
         if path.name == layer_file:
             path.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, records, record_bytes, stride)
+        return real(path, records, record_bytes, stride, *args)
 
     return write_blob
 

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from engine.cache import layer_slots, open_cache, snapshot
-from engine.config import StreamConfig, parse_memory
+from engine.config import StreamConfig, parse_memory, size_words
 from engine.flags import add_cache_flags, stream_config
 
 
@@ -18,6 +18,11 @@ def test_sizes_parse_as_users_write_them():
     assert parse_memory("4096") == 4096
     assert parse_memory("auto") == "auto"
     assert str(parse_memory(" 50MiB")) == "50MiB"  # messages quote it as typed
+    # a bare K, M, G, T is binary, as dd and docker read it, and the report says so
+    assert parse_memory("10G") == 10 * 2**30 and parse_memory("512m") == 512 * 2**20
+    assert parse_memory("1.5 T") == int(1.5 * 2**40) and parse_memory("64k") == 64 * 2**10
+    assert size_words(parse_memory("10G")) == "10G (read as 10 GiB: 10.7 GB)"
+    assert size_words(parse_memory("8GB")) == "8GB (8.0 GB)"
     for bad in ("", "6 parsecs", "GiB", "inf GiB"):
         with pytest.raises(ValueError, match="is not a memory size"):
             parse_memory(bad)

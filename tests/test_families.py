@@ -3,7 +3,8 @@
 One test per model_type of `moe_families.FAMILIES`: a tiny random model of that family is
 written by mlx-lm's own save functions, converted and loaded through the real path, and
 compared step by step (np.array_equal) with mlx-lm's resident model: 4-bit and float32,
-expert_slots 1, top-k, half and all, then once more with prefetch on. The prompt is long
+expert_slots 1, top-k, half and all, every expert with the prompt computed expert-major,
+then once more with prefetch on. The prompt is long
 enough (64 routed pairs) for SwitchGLU's sorted gather and the over-capacity path.
 """
 
@@ -51,6 +52,10 @@ def test_family_streams_bit_exact(tmp_path, model_type):
             sm = load(model_dir, StreamConfig(expert_slots=slots))
             assert_same(resident[name], greedy(sm.model))
             assert sm.cache.check() == ""
+        # The prompt's calls computed expert-major (the table path, every expert cached).
+        sm = load(model_dir, StreamConfig(expert_major="on"))
+        assert_same(resident[name], greedy(sm.model))
+        assert set(sm.compute.same_bits.values()) == {True}
     cfg = StreamConfig(expert_slots=1, side_slots=2, prefetch=True, ahead_lo=1, ahead_hi=1)
     sm = load(tmp_path / "q4", cfg)
     assert_same(resident["q4"], greedy(sm.model))

@@ -317,7 +317,52 @@ HUGE_TEMPLATES = [
     "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
     "{% endfor %}",
     "{% set big = 'x' * 16000000 %}{% for i in range(200) %}{{ big }}{% endfor %}",
+    # string operations that build more than their operands hold: 2 to 4.8 GB each, the
+    # second stopped only by the time bound, before their result was bounded
+    "{{ ('x' * 16000000).replace('x', 'x' * 300) }}",
+    "{{ '%2000000000s' % 'x' }}",
+    "{{ '{:>2000000000}'.format('x') }}",
+    "{{ ('x' * 16000000)|replace('x', 'x' * 300) }}",
+    "{{ '%2000000000s'|format('x') }}",
+    "{{ '%(a)s%(a)s' % {'a': 'x' * 16000000} }}",
+    "{{ ('{0}' * 4000000).format('x' * 1000) }}",
+    "{{ ('x' * 100000).join(['y'] * 1000) }}",
+    "{{ ('x' * 16000)|join('x' * 16000) }}",
+    "{{ ('x' * 16000000).translate({120: 'y' * 300}) }}",
+    "{{ ('\t' * 16000000).expandtabs(1000) }}",
+    "{{ ('x\n' * 8000000)|indent(1000) }}",
+    "{{ messages|tojson(indent='x' * 16000000) }}",
 ]
+# Templates that use the same operations within the bounds render as before.
+BOUNDED_TEMPLATES = {
+    "{{ '%-6s|%5.2f' % ('ab', 3.14159) }}|{{ '%(k)s' % {'k': 'v'} }}": "ab    | 3.14|v",
+    "{{ '{:>6}|{:.3f}|{}'.format('ab', 2.5, messages[0].content) }}": "    ab|2.500|The cat",
+    "{{ 'a-b-c'.replace('-', '+') }}|{{ 'a-b'|replace('-', '~~') }}": "a+b+c|a~~b",
+    "{{ ', '.join(['x', 'y']) }}|{{ [1, 2]|join('/') }}|{{ '%s=%d'|format('k', 3) }}": (
+        "x, y|1/2|k=3"
+    ),
+    "{{ 'ab'.translate({97: 'AA'}) }}|{{ 'a\tb'.expandtabs(4) }}|{{ 'a\nb'|indent(2) }}": (
+        "AAb|a   b|a\n  b"
+    ),
+    "{{ messages|tojson(indent=2) }}": (
+        '[\n  {\n    "role": "user",\n    "content": "The cat"\n  }\n]'
+    ),
+}
+
+
+def test_string_operations_within_the_bounds_render_as_before(tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    import engine.chat  # noqa: F401  (installs the bounded sandbox, as every render has it)
+
+    write_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path, {"trust_remote_code": False})
+    messages = [{"role": "user", "content": "The cat"}]
+    for template, want in BOUNDED_TEMPLATES.items():
+        tok._tokenizer.chat_template = template
+        assert tok.apply_chat_template(messages, tokenize=False) == want, template
+
+
 TEMPLATE_HEADROOM = 512 << 20  # what the child may still map past its start (RLIMIT_AS)
 
 

@@ -218,6 +218,24 @@ def test_trace_save_killed_at_any_instant(tmp_path, seed):
 # ---- files the product writes: atomically ----------------------------
 
 
+def test_a_save_removes_what_killed_saves_of_other_names_left(tmp_path):
+    """`.t3.npz.tmp-PID` of a killed save of t3.npz is removed by the next save in the
+    directory, of any name; a live writer's temporary and the user's files are kept."""
+    from engine.trace import random_trace
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".t3.npz.tmp-{dead.pid}"
+    stale.write_bytes(b"half a trace")
+    live = tmp_path / f".t4.npz.tmp-{os.getpid()}"
+    live.write_bytes(b"being written")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / ".hidden").write_text("mine too")
+    random_trace(8, 2, 8, 2, seed=0).save(tmp_path / "t5.npz")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".hidden", live.name, "notes.txt", "t5.npz"]
+
+
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):
     from engine.safe_io import atomic_write
 

@@ -1,9 +1,10 @@
 """Expert stores in every MLX quantization mode, and dtypes the CPU backend cannot multiply.
 
 mxfp4 (what gpt-oss ships), mxfp8 and nvfp4 pack the experts with uint8 scales and no
-biases; their stores load and stream bit-exact. Unquantized bfloat16 experts and nvfp4
-global scales have no CPU kernel (mlx-lm's own model fails inside the first MoE layer):
-load refuses them first, with a message that says what to do.
+biases; their stores load and stream bit-exact, a long prompt's calls expert-major too.
+Unquantized bfloat16 experts and nvfp4 global scales have no CPU kernel (mlx-lm's own
+model fails inside the first MoE layer): load refuses them first, with a message that
+says what to do.
 """
 
 import mlx.core as mx
@@ -45,6 +46,11 @@ def test_fp_modes_load_and_stream_bit_exact(tmp_path, mode, group_size, bits):
     for slots in (1, 2, 8):
         sm = load(store.path, StreamConfig(expert_slots=slots))
         assert_same(resident, greedy_logits(sm.model, PROMPT, 4))
+    # A prompt long enough to be computed expert-major (4 pairs per expert).
+    long = PROMPT * 2
+    sm = load(store.path, StreamConfig(expert_major="on"))
+    assert_same(greedy_logits(load_model(model_dir)[0], long, 2), greedy_logits(sm.model, long, 2))
+    assert set(sm.compute.same_bits.values()) == {True}
 
 
 def test_nvfp4_global_scales_are_streamed(tmp_path):

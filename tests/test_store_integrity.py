@@ -304,6 +304,54 @@ def test_flipped_dense_byte_is_caught(store_dir, where):
         load(store_dir, StreamConfig(expert_slots=2))
 
 
+def nan_scales(store_dir: Path, layer_index: int, expert: int) -> tuple[Path, str]:
+    """Writes NaN into one record's first float segment (a scales of the quantized
+    store) and its crc32 into the manifest, as a forger would; returns the blob and the
+    segment's key."""
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    raw = manifest["layers"][layer_index]
+    seg = next(s for s in raw["segments"] if s["dtype"] in ("bfloat16", "float16", "float32"))
+    path = store_dir / raw["file"]
+    data = bytearray(path.read_bytes())
+    at = expert * raw["stride"] + seg["offset"]
+    nan = {"bfloat16": b"\xc0\x7f", "float16": b"\x00\x7e", "float32": b"\x00\x00\xc0\x7f"}
+    data[at : at + len(nan[seg["dtype"]])] = nan[seg["dtype"]]
+    path.write_bytes(bytes(data))
+    record = data[expert * raw["stride"] : expert * raw["stride"] + raw["record_bytes"]]
+    raw["checksums"][expert] = zlib.crc32(record)
+    (store_dir / "manifest.json").write_text(json.dumps(manifest))
+    return path, seg["key"]
+
+
+def test_nan_scales_with_a_matching_checksum_are_refused(store_dir, capsys):
+    """NaN in an expert's scales, its crc32 written to match: the reader refuses the
+    record naming the blob, layer, expert and segment (it gave empty replies, exit 0),
+    and so does `ExpertStore.verify`."""
+    path, key = nan_scales(store_dir, 1, 5)
+    layer = ExpertStore(store_dir).manifest.layers[1].layer
+    with pytest.raises(StoreError, match=rf"layer {layer} expert 5: {key} holds NaN or infinity"):
+        ExpertStore(store_dir).verify()
+    # every expert resident: read at load
+    code = main(["generate", "--model", str(store_dir), "--prompt", "The", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{path} (layer {layer}, expert 5): {key} holds NaN or infinity (a damaged store)" in err
+
+
+def test_the_writer_refuses_a_record_holding_nan(tmp_path):
+    """The one writer refuses NaN or infinity in a float segment of a record (synthetic
+    stores and copies go through it as converted ones do)."""
+    from engine.store_writer import StoreWriter
+
+    segments = layout_segments([("fc1.weight", "uint32", (4,)), ("fc1.scales", "float16", (2,))])
+    good = [bytes(16) + bytes(4)] * 2
+    bad = [bytes(16) + bytes.fromhex("0000007c")]  # 0, +inf
+    with StoreWriter(tmp_path / "s", 2) as writer:
+        writer.write_layer(0, "m.layers.0.experts", segments, {}, [[r] for r in good])
+        with pytest.raises(ValueError, match=r"s: layer 1 expert 1: fc1\.scales holds NaN"):
+            writer.write_layer(1, "m.layers.1.experts", segments, {}, [[good[0]], bad])
+
+
 def test_store_of_the_old_format_is_converted_again(model_dirs, tmp_path, monkeypatch):
     """A version-1 store in the store cache (no dense checksum) is replaced by a new
     conversion at the next load; given by path it is refused with what to do."""
