@@ -331,6 +331,29 @@ def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
         assert parts == pytest.approx(split["forward_ms"]) and split["rest_ms"] > 0
 
 
+def test_the_device_bench_drives_clients_at_once_through_serve(qwen_store, tmp_path):
+    """`bench.device --batch --no-decode` on a store (served with a tokenizer of its
+    own): 1, 2, 4 and 8 streamed clients at once at 100% and at 25% of the experts, their
+    tokens all counted, and a client joining each running batch."""
+    import json
+
+    import bench.device as device
+
+    argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
+    assert device.main([*argv, "--batch", "--no-decode", "--tokens", "4"]) == 0
+    results = json.loads((tmp_path / "device.json").read_text())
+    assert list(results) == ["batch_synthetic"]
+    for fraction in ("100%", "25%"):
+        out = results["batch_synthetic"][fraction]
+        assert list(out["rows"]) == ["1", "2", "4", "8"] and list(out["join"]) == ["2", "4", "8"]
+        for clients, row in out["rows"].items():
+            # every client's 4 tokens (the random model never says its end of sequence)
+            assert row["tokens"] == 4 * int(clients) and row["total_tps"] > 0, row
+            assert 0 < row["ttft_median_s"] <= row["ttft_max_s"]
+        assert all(j["join_ttft_s"] > 0 and j["prefill_s"] > 0 for j in out["join"].values())
+    assert "| 8 |" in (tmp_path / "device.md").read_text()
+
+
 def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys):
     """`bench.device` checks its arguments before it measures anything: each mistake is
     one line naming the flag, exit status 2."""
@@ -410,3 +433,28 @@ def test_dd_rate_is_dds_bytes_over_its_seconds(monkeypatch, tmp_path):
     assert device.dd_rate(tmp_path) == pytest.approx(4096 / 2.3074e-05 / 1e6)
     monkeypatch.setattr(device.subprocess, "run", fake("dd: failed to open: Invalid argument", 1))
     assert device.dd_rate(tmp_path) == 0.0
+
+
+def test_prefetch_bench_compares_the_adaptive_degree_with_fixed_side_rows(qwen_store):
+    """`--suite prefetch`'s comparison on a tiny store: prefetch off, each fixed number of
+    side rows (top-k 2: 1, 2, 4) and the adaptive degree up to 4, all giving the same
+    tokens; a fixed run fills its side rows, the adaptive run at most as many."""
+    from bench.prefetch import compare
+
+    r = compare(qwen_store.path, [3, 1, 4, 1, 5, 9, 2, 6], 0.25, 1, 6, log=lambda *_: None)
+    rows = {row["name"]: row for row in r["rows"]}
+    assert list(rows) == [
+        "prefetch off",
+        "1 side rows, fixed",
+        "2 side rows, fixed",
+        "4 side rows, fixed",
+        "adaptive (up to 4)",
+    ]
+    tokens = [row["tokens"] for row in rows.values()]
+    assert len(tokens[0]) == 6 and all(t == tokens[0] for t in tokens)
+    assert rows["prefetch off"]["fills_per_token"] == 0
+    assert [rows[f"{n} side rows, fixed"]["degree"] for n in (1, 2, 4)] == [1, 2, 4]
+    adaptive = rows["adaptive (up to 4)"]
+    assert 0 <= adaptive["degree"] <= 4 and adaptive["threshold"] in (0.0, 0.1, 0.2)
+    for row in rows.values():
+        assert row["decode_tps"] > 0 and 0 <= row["hit_rate"] <= 1 and row["reps"] == 1

@@ -111,30 +111,32 @@ def test_refused_before_anything_is_printed(capfd, argv, message):
 
 
 def test_a_model_larger_than_memory_streams_by_default(capfd, monkeypatch):
-    # the embedded model: 20 MB of expert pools (every expert, read buffers included) and
-    # 1.7 MB of dense weights
-    from engine import cache, memory
+    # the embedded model: 20 MB of expert pools (every expert, read buffers included: a
+    # record's read each, larger in place) and 1.7 MB of dense weights
+    from engine import memory_plan
     from engine.config import StreamConfig
-    from engine.model import load_bytes
 
-    pools, dense = load_bytes(resolve_store(default_model_path()), StreamConfig())
-    assert 15_000_000 < pools < 21_000_000 and 1_650_000 < dense < 1_750_000
-    monkeypatch.setattr(memory, "available_bytes", lambda: 15_000_000)
-    monkeypatch.setattr(cache, "available_bytes", lambda: 15_000_000)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 15_000_000)
+    store = resolve_store(default_model_path())
+    plan = memory_plan.plan_memory(store, StreamConfig(), fit_default=True)
+    asked = plan.asked
+    assert 19_500_000 < asked.expert_bytes < 21_000_000 and plan.fell_back
+    assert 1_650_000 < asked.dense_bytes < 1_750_000 and 14 <= min(plan.real_slots) <= 16
     code, out, err = run(capfd, "generate", "--max-tokens", "4", "--json")
     assert code == 0, err
     note = (
-        f"\nnote: every expert ({human_bytes(pools)}) and the dense weights "
-        f"({human_bytes(dense)}) exceed the 15.0 MB"
+        f"\nnote: every expert ({human_bytes(asked.expert_bytes)}) and the dense weights "
+        f"({human_bytes(asked.dense_bytes)}) exceed the 15.0 MB"
     )
     assert note in "\n" + err, err
-    assert "streaming with --expert-memory auto" in err
+    bought = f"{plan.slots_text()} slots per MoE layer, pools {human_bytes(plan.pool_bytes)}"
+    assert f"streaming with --expert-memory auto: {bought}" in err, err
     stats = json.loads(out)["stats"]
     assert stats["misses"] > 0  # streamed: 7.5 MB of real slots
     assert stats["prefetch_issued"] == 0 and stats["prefetch_accuracy"] is None  # not 0.0
     # every expert asked for is refused, not streamed
     code, out, err = run(capfd, "generate", "--expert-slots", "32")
-    assert_refused(code, out, err, f"the expert pools need {human_bytes(pools)}")
+    assert_refused(code, out, err, f"the expert pools need {human_bytes(asked.pool_bytes)}")
 
 
 def test_a_store_setting_from_the_environment_names_the_variable(capfd, monkeypatch):
@@ -315,7 +317,7 @@ def test_the_prompt_comes_from_stdin_with_dash_and_short_flags(capfd, monkeypatc
 def test_expert_memory_says_what_it_bought(capfd):
     """--expert-memory says the slots per layer and the bytes it bought, with the unit
     it read a bare G or M in (binary, as dd and docker); --json holds the same."""
-    from engine.cache import layer_slots
+    from engine.memory_plan import layer_slots
     from engine.store import ExpertStore
 
     m = ExpertStore(resolve_store(default_model_path()).path).manifest
