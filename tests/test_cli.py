@@ -306,7 +306,7 @@ def test_the_prompt_comes_from_stdin_with_dash_and_short_flags(capfd, monkeypatc
 def test_expert_memory_says_what_it_bought(capfd):
     """--expert-memory says the slots per layer and the bytes it bought, with the unit
     it read a bare G or M in (binary, as dd and docker); --json holds the same."""
-    from engine.cache import layer_slots
+    from engine.memory_plan import layer_slots
     from engine.store import ExpertStore
 
     m = ExpertStore(resolve_store(default_model_path()).path).manifest
