@@ -3,6 +3,7 @@
 Run where MLX has a GPU (MLX CUDA on Linux, Metal on a Mac):
 
     python -m bench.device --out DIR [--synthetic STORE] [--tokens N] [--side-slots N]
+        [--prefill] [--batch] [--no-decode]
 
 For the embedded model: mlx-lm resident, then the engine at 100/50/25/12.5% of the
 experts, prefetch off and on, below 100% also with the CPU-stream acquire
@@ -32,6 +33,11 @@ and O_DIRECT; each run from a fresh load, in alternated rounds
 the first row's, each engine row with the MB/s while reading (`reading_seconds`) beside
 `dd`'s; then where one forward's time goes (`prefill_split`). --no-decode leaves the
 decode rows out.
+
+With --batch, many conversations at once (`bench.batch`): 1, 2, 4 and 8 clients
+streaming replies through `expertstream serve` side by side, total and per-client tokens/s
+and times to first token, and a client joining a running batch: the embedded model, and
+a synthetic store at 100% and at 25% of the experts with the host tier.
 
 Figures go to stdout, DIR/device.json and DIR/device.md, each section's as it ends.
 """
@@ -399,7 +405,8 @@ def synthetic(
 
 def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
     """Time to first token (module docstring): the embedded model, or `store` at each
-    prompt length of `lengths`."""
+    prompt length of `lengths` (past 8,192 tokens the 100% row alone), and where one
+    forward of the first length's time goes (`prefill_split`, up to 8,192 tokens)."""
     from bench.common import prompt_ids
     from bench.decode import long_prompt, prefill_suite
     from engine.model import load_store_tokenizer, resolve_store
@@ -419,12 +426,13 @@ def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
         # enough, else expert-major at 100% (whose own check compares the first chunk
         # of every layer kind with mlx-lm's form).
         configs = {"100%, mlx-lm's form": (1.0, {"expert_major": "off"})} if n <= 8192 else {}
-        configs |= {
-            "100%": (1.0, {}),
-            "25%, host tier": (0.25, {"uncached_io": False}),
-            "25%, host tier warm": (0.25, {"uncached_io": False, "warm": True}),
-            "25%, O_DIRECT": (0.25, {"uncached_io": True, "host_memory": None}),
-        }
+        configs["100%"] = (1.0, {})
+        if n <= 8192:  # past it the device's time goes to the 100% row
+            configs |= {
+                "25%, host tier": (0.25, {"uncached_io": False}),
+                "25%, host tier warm": (0.25, {"uncached_io": False, "warm": True}),
+                "25%, O_DIRECT": (0.25, {"uncached_io": True, "host_memory": None}),
+            }
         log(f"\n### Time to first token, synthetic store, {n} tokens\n")
         before = dd_beside(store)
         # Past 2,048 tokens: one round, no warm-up (the shorter prompt's compiled the
@@ -436,8 +444,32 @@ def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
         after = dd_beside(store)
         out[str(n)]["dd_MBps"] = (before + after) / 2 if before and after else 0.0
         log(f"\ndd O_DIRECT beside these rows: {out[str(n)]['dd_MBps']:.0f} MB/s")
-    log("\n### Where a prefill's time goes, synthetic store, 100%, one forward\n")
-    out["split"] = {form: prefill_split(store, min(lengths), form, log) for form in ("off", "auto")}
+    if lengths[0] <= 8192:  # mlx-lm's form of longer prompts takes minutes
+        log("\n### Where a prefill's time goes, synthetic store, 100%, one forward\n")
+        out["split"] = {
+            form: prefill_split(store, lengths[0], form, log) for form in ("off", "auto")
+        }
+    return out
+
+
+def batch(store: Path | None, tokens: int, log) -> dict:
+    """Many conversations at once (`bench.batch.suite`): the embedded model with every
+    expert, or `store` at 100% and at 25% of the experts with the host tier."""
+    from bench.batch import suite
+    from engine.model import resolve_store
+
+    if store is None:
+        log("\n### Many conversations at once, embedded model, every expert\n")
+        return {"100%": suite(None, StreamConfig(), tokens=tokens, log=log)}
+    manifest = resolve_store(store).manifest
+    out = {}
+    for frac, config in (
+        (1.0, StreamConfig()),
+        (0.25, StreamConfig(expert_slots=max(manifest.top_k, manifest.num_experts // 4))),
+    ):
+        tier = "" if frac == 1.0 else ", host tier"
+        log(f"\n### Many conversations at once, {store}, {frac:.0%} of the experts{tier}\n")
+        out[f"{frac:.0%}"] = suite(store, config, tokens=tokens, log=log)
     return out
 
 
@@ -538,6 +570,12 @@ def main(argv=None) -> int:
         "resident; synthetic: 2,048 tokens against 100%%), in --rounds rounds (default 3)",
     )
     p.add_argument(
+        "--batch",
+        action="store_true",
+        help="also drive 1, 2, 4 and 8 clients at once through serve (bench.batch): the "
+        "embedded model; a synthetic store at 100%% and at 25%% with the host tier",
+    )
+    p.add_argument(
         "--prefill-tokens",
         type=lengths,
         default=(2048,),
@@ -547,7 +585,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-decode",
         action="store_true",
-        help="leave out the decode rows (with --prefill: only the time to first token)",
+        help="leave out the decode rows (with --prefill or --batch: only those)",
     )
     args = p.parse_args(argv)
     sections = {
@@ -555,9 +593,11 @@ def main(argv=None) -> int:
         "synthetic": args.synthetic and not args.no_decode,
         "prefill_embedded": args.prefill and not args.skip_embedded,
         "prefill_synthetic": args.prefill and args.synthetic,
+        "batch_embedded": args.batch and not args.skip_embedded,
+        "batch_synthetic": args.batch and args.synthetic,
     }
-    if args.no_decode and not args.prefill:
-        p.error("--no-decode leaves nothing to run without --prefill")
+    if args.no_decode and not (args.prefill or args.batch):
+        p.error("--no-decode leaves nothing to run without --prefill or --batch")
     if not any(sections.values()):
         p.error("nothing to run: give --synthetic STORE, or leave out --skip-embedded")
     if args.synthetic and not list(args.synthetic.glob("layer*.blob")):
@@ -594,6 +634,8 @@ def main(argv=None) -> int:
             return embedded(args.tokens, log, args.fractions, rounds, side, res)
         if section == "synthetic":
             return synthetic(store, args.tokens, log, args.fractions, rounds, side, res)
+        if section.startswith("batch"):
+            return batch(None if section == "batch_embedded" else store, args.tokens, log)
         if section == "prefill_embedded":
             return prefill(None, log, rounds or 3)
         return prefill(store, log, rounds or 3, args.prefill_tokens)

@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -447,11 +448,15 @@ def _serve(args) -> int:
         if args.pipeline:
             engine = PipelineGenerationThread(model, config, group, args.max_queue)
         else:
+            # The acquire kernels' requests are sized for a step of the whole batch.
+            config = dataclasses.replace(config, max_batch=args.max_batch)
             engine = GenerationThread(
                 lambda: _load(model, config),
                 args.max_queue,
                 args.record_trace,
                 args.prompt_cache,
+                args.max_batch,
+                args.prefill_step_size,
             )
         engine.start()
         if args.host not in ("127.0.0.1", "localhost", "::1"):

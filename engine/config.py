@@ -77,6 +77,10 @@ def parse_memory(text: str) -> MemorySize | str:
     return MemorySize(int(value * _UNITS[unit]), str(text).strip())
 
 
+# Prompt tokens per forward of a prefill (mlx-lm's default `prefill_step_size`).
+PREFILL_STEP_SIZE = 2048
+
+
 def size_words(size: MemorySize) -> str:
     """How a parsed size was read, for the line that reports it: "10G (read as 10 GiB:
     10.7 GB)" for a bare unit, "6GiB (6.4 GB)" otherwise, "1000000 (1.0 MB)" for bytes."""
@@ -190,6 +194,9 @@ class StreamConfig:
             (`engine.memory_plan.auto_bytes`); a budget that the plan cannot hold with
             the rest is refused at load; 0 or None: no tier. Where the pools are host
             memory (CPU, Metal) the pools are the tier: no other is made.
+        max_batch: the most sequences one forward carries (`expertstream serve
+            --max-batch`): with device_acquire, one acquire kernel's request holds up to
+            max_batch x top_k ids, its mailbox and staging slots sized at load.
         expert_major: how calls of many tokens (a prompt's chunks) compute their
             experts: "auto" expert-major where the backend and quantization make it
             faster (MLX CUDA, affine), "on" wherever a call has enough tokens, "off"
@@ -218,6 +225,7 @@ class StreamConfig:
     io_uring: bool = True
     device_acquire: bool = True
     host_memory: int | str | None = "auto"
+    max_batch: int = 1
     expert_major: str = "auto"
 
     def __post_init__(self):
@@ -256,6 +264,7 @@ class StreamConfig:
         if self.expert_memory is not None and self.expert_slots is not None:
             raise ConfigError("expert_slots", None, "give one of them", also="expert_memory")
         need(self.side_slots >= 0, "side_slots", self.side_slots, "must be >= 0")
+        need(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
         need(self.ahead_lo >= 1, "ahead_lo", self.ahead_lo, "must be >= 1")
         need(self.ahead_hi >= 1, "ahead_hi", self.ahead_hi, "must be >= 1")
         need(self.cutoff is None or self.cutoff >= 0, "cutoff", self.cutoff, "must be >= 0")

@@ -6,6 +6,7 @@ whole reply into a `GenerationResult` with the stats the CLI and the app report.
 """
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,12 +16,12 @@ import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from engine import autopin
 from engine.cache import REPORTED_STATS, STAT_KEYS, rates
 from engine.chat import SYSTEM, USER, chat_ids, checked_ids, encode
-from engine.config import check_sampling
+from engine.config import PREFILL_STEP_SIZE, check_sampling
 from engine.model import StreamedModel
 from engine.predictor import GenerationStopped
 
@@ -52,6 +53,47 @@ def sampler(temperature: float, top_p: float = 1.0) -> Callable[[mx.array], mx.a
         return sample(x - x.max(axis=-1, keepdims=True))
 
     return shifted
+
+
+def keyed_sampler(
+    temperature: float, top_p: float = 1.0, seed: int | None = None
+) -> Callable[[mx.array], mx.array]:
+    """`sampler` with a random key of its own instead of MLX's global one, for one of
+    several sequences sampled side by side (a batch): its tokens depend on its own `seed`
+    only, not on what else is sampled, and equal what `sampler` gives after
+    `mx.random.seed(seed)` (each call splits the key as MLX splits its global key).
+
+    Args:
+        temperature, top_p: as for `sampler`.
+        seed: the key's seed (0 to 2**64 - 1); None: a random one.
+
+    Returns:
+        A function of log-probabilities (1, vocab) returning the sampled token id (1,).
+    """
+    if temperature == 0 or 1.0 / temperature > _F32_MAX:
+        return make_sampler(temp=0.0)
+    key = mx.random.key(int.from_bytes(os.urandom(8)) if seed is None else seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        x = logprobs.astype(mx.float32)
+        x = x - x.max(axis=-1, keepdims=True)
+        if 0 < top_p < 1.0:  # mlx-lm's chain for these settings: top_p, then categorical
+            x = apply_top_p(x, top_p)
+        key, sub = mx.random.split(key)
+        return mx.random.categorical(x * (1.0 / temperature), key=sub)
+
+    return sample
+
+
+def restore_space(tokenizer, seen: list[int], text: str) -> str:
+    """The first text piece of a reply (`text`, after its tokens `seen`) with the leading
+    whitespace that mlx-lm's streaming detokenizer drops put back: it drops the first
+    segment's leading space (right for a fresh chat reply, wrong for a continuation:
+    "Once upon a" + "time"), where the tokenizer decodes one."""
+    full = tokenizer.decode(seen)
+    lost = full[: len(full) - len(text)]
+    return full if full.endswith(text) and lost.isspace() else text
 
 
 def prompt_tokens(
@@ -106,19 +148,18 @@ def stream_generate(
     top_p: float = 1.0,
     prompt_cache=None,
     cached_tokens: int = 0,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
 ) -> Iterator[GenerationResponse]:
     """Yields one mlx-lm GenerationResponse per token (greedy at temperature 0).
 
-    The reply's text is what the tokenizer decodes: mlx-lm's streaming detokenizer drops
-    the first segment's leading space (right for a fresh chat reply, wrong for a
-    continuation: "Once upon a" + "time"), so the whitespace the tokenizer decodes
-    there is put back.
+    The reply's text is what the tokenizer decodes (`restore_space`).
 
     Args:
         prompt: token ids (after the `cached_tokens` already in `prompt_cache`).
         max_tokens: reply length limit, tokens (>= 1).
         prompt_cache: an mlx-lm KV cache to continue a conversation, or None.
         cached_tokens: tokens `prompt_cache` already holds (counted against the context).
+        prefill_step_size: prompt tokens per forward of the prefill.
 
     Raises:
         ValueError: max_tokens < 1, the context is exceeded (`check_context`), or a
@@ -139,6 +180,7 @@ def stream_generate(
         max_tokens=max_tokens,
         sampler=sampler(temperature, top_p),
         prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
     ):
         # A read that failed inside a stream-ordered acquire left row 0 in its place: the
         # token is wrong, so its error is raised before the token is handed out.
@@ -147,10 +189,7 @@ def stream_generate(
             seen.append(r.token)
             if r.text:
                 restored = True
-                full = sm.tokenizer.decode(seen)
-                lost = full[: len(full) - len(r.text)]
-                if full.endswith(r.text) and lost.isspace():
-                    r = dataclasses.replace(r, text=full)
+                r = dataclasses.replace(r, text=restore_space(sm.tokenizer, seen, r.text))
         yield r
 
 
@@ -226,6 +265,7 @@ def generate(
     prompt_cache=None,
     cached_tokens: int = 0,
     stop_mid_forward: bool = True,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
 ) -> GenerationResult:
     """Generates a whole reply and updates autopin afterwards (when enabled); a trace
     recorder of `sm` (`engine.trace.record`) gets the reply as one segment.
@@ -236,7 +276,7 @@ def generate(
             call (so also during a long prefill); the reply ends early when it returns
             True (`GenerationResult.stopped`). A pipeline stage polls it between tokens
             only (engine.serve.pipeline): every rank must end at the same token.
-        prompt_cache, cached_tokens: as for `stream_generate`.
+        prompt_cache, cached_tokens, prefill_step_size: as for `stream_generate`.
 
     Raises:
         ValueError: from `stream_generate`, before any forward.
@@ -251,7 +291,14 @@ def generate(
         recorder.begin_segment()
     try:
         responses = stream_generate(
-            sm, prompt, max_tokens, temperature, top_p, prompt_cache, cached_tokens
+            sm,
+            prompt,
+            max_tokens,
+            temperature,
+            top_p,
+            prompt_cache,
+            cached_tokens,
+            prefill_step_size,
         )
         for r in responses:
             tokens.append(r.token)

@@ -341,8 +341,8 @@ def load(
 
     tokenizer = load_store_tokenizer(store)
     cache_mod.fill_whole_layers(cache)  # the last step: every check above is cheaper
-    # A decode step's request: top_k ids of one token.
-    predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k)
+    # A decode step's request: top_k ids of each token of the batch.
+    predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k * config.max_batch)
     model_obj = StreamedModel(
         model, tokenizer, store, config, cache, predictor, plan, compute, stage
     )

@@ -331,6 +331,29 @@ def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
         assert parts == pytest.approx(split["forward_ms"]) and split["rest_ms"] > 0
 
 
+def test_the_device_bench_drives_clients_at_once_through_serve(qwen_store, tmp_path):
+    """`bench.device --batch --no-decode` on a store (served with a tokenizer of its
+    own): 1, 2, 4 and 8 streamed clients at once at 100% and at 25% of the experts, their
+    tokens all counted, and a client joining each running batch."""
+    import json
+
+    import bench.device as device
+
+    argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
+    assert device.main([*argv, "--batch", "--no-decode", "--tokens", "4"]) == 0
+    results = json.loads((tmp_path / "device.json").read_text())
+    assert list(results) == ["batch_synthetic"]
+    for fraction in ("100%", "25%"):
+        out = results["batch_synthetic"][fraction]
+        assert list(out["rows"]) == ["1", "2", "4", "8"] and list(out["join"]) == ["2", "4", "8"]
+        for clients, row in out["rows"].items():
+            # every client's 4 tokens (the random model never says its end of sequence)
+            assert row["tokens"] == 4 * int(clients) and row["total_tps"] > 0, row
+            assert 0 < row["ttft_median_s"] <= row["ttft_max_s"]
+        assert all(j["join_ttft_s"] > 0 and j["prefill_s"] > 0 for j in out["join"].values())
+    assert "| 8 |" in (tmp_path / "device.md").read_text()
+
+
 def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys):
     """`bench.device` checks its arguments before it measures anything: each mistake is
     one line naming the flag, exit status 2."""

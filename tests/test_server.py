@@ -20,7 +20,8 @@ from starlette.applications import Starlette
 
 from engine.config import StreamConfig
 from engine.model import load
-from engine.serve.server import GenerationThread, StopMatcher, bind, build_app, uvicorn_server
+from engine.serve.reply import Reply, StopMatcher
+from engine.serve.server import GenerationThread, bind, build_app, uvicorn_server
 
 PROMPT = "Once upon a"
 
@@ -64,13 +65,20 @@ class Served:
     127.0.0.1 port; `url` is its base URL."""
 
     def __init__(
-        self, max_queue: int = 32, trace_tokens: int = 0, model=None, prompt_cache_bytes=0
+        self,
+        max_queue: int = 32,
+        trace_tokens: int = 0,
+        model=None,
+        prompt_cache_bytes=0,
+        max_batch: int = 8,
+        **config,
     ):
         self.engine = GenerationThread(
-            lambda: load(model, StreamConfig(expert_slots=8)),
+            lambda: load(model, StreamConfig(**{"expert_slots": 8} | config)),
             max_queue,
             trace_tokens,
             prompt_cache_bytes,
+            max_batch,
         )
         self.engine.start()
         sock = socket.socket()
@@ -244,14 +252,14 @@ def test_refusals_name_the_field_and_value_as_the_cli_does(served):
 
 
 def test_health_reports_the_last_failure_until_a_reply_succeeds(served, monkeypatch):
-    import engine.generate
+    from mlx_lm.generate import BatchGenerator
 
     def failing(*args, **kwargs):
         raise ValueError("layer01.blob (layer 1, expert 3): checksum mismatch")
 
     url = f"{served.url}/v1/completions"
     with monkeypatch.context() as m:
-        m.setattr(engine.generate, "generate", failing)
+        m.setattr(BatchGenerator, "next", failing)
         assert http("POST", url, {"prompt": PROMPT, "max_tokens": 2})[0] == 500
         status, health = http("GET", f"{served.url}/health")
     assert status == 200 and health == {
@@ -353,14 +361,21 @@ def test_load_16_clients_4_requests_each(served):
     assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
 
 
-def test_full_queue_answers_503_with_retry_after():
+def hold_replies(monkeypatch) -> threading.Event:
+    """An event that every reply's start waits for (the generation thread is held, its
+    first job generating and the next ones queued), until it is set."""
+    gate = threading.Event()
+    start = Reply.start
+    monkeypatch.setattr(Reply, "start", lambda self, cached: (gate.wait(), start(self, cached)))
+    return gate
+
+
+def test_full_queue_answers_503_with_retry_after(monkeypatch):
     """A second server whose queue holds one job: with one reply generating (held at a
     gate) and one waiting, the third request is refused and told when to retry; the two
     accepted ones are answered once the gate opens."""
     small = Served(max_queue=1)
-    gate = threading.Event()
-    serve = small.engine._serve
-    small.engine._serve = lambda job: (gate.wait(), serve(job))
+    gate = hold_replies(monkeypatch)
     try:
         client = small.client(max_retries=0)
         with ThreadPoolExecutor(2) as pool:

@@ -139,9 +139,9 @@ def test_the_client_raises_on_a_bad_request(served):
             model="m",
             max_tokens=4,
             messages=[{"role": "user", "content": "hi"}],
-            extra_body={"top_k": 5},
+            extra_body={"stop_sequences": [""]},
         )
-    assert e.value.status_code == 400 and "top_k" in str(e.value)
+    assert e.value.status_code == 400 and "stop_sequences" in str(e.value)
 
 
 def test_count_tokens(served):

@@ -21,7 +21,7 @@ from engine.model import load
 from engine.serve.bodies import Job
 from engine.serve.server import GenerationThread, uvicorn_server
 
-from test_server import PROMPT, Served, http, raw_post
+from test_server import PROMPT, Served, hold_replies, http, raw_post
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, 1e-38])
@@ -207,14 +207,12 @@ def test_access_log_lines_go_to_stderr(capfd):
     assert "/ping" not in out
 
 
-def test_every_protocol_shares_the_queue_and_refuses_in_its_own_format():
+def test_every_protocol_shares_the_queue_and_refuses_in_its_own_format(monkeypatch):
     """One generation queue behind every route: with one reply generating (held at a
     gate) and one waiting, each protocol's next request gets 503, a Retry-After, and its
     own error body."""
     small = Served(max_queue=1)
-    gate = threading.Event()
-    serve = small.engine._serve
-    small.engine._serve = lambda job: (gate.wait(), serve(job))
+    gate = hold_replies(monkeypatch)
     url = small.url
     try:
         with ThreadPoolExecutor(2) as pool:

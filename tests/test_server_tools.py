@@ -302,9 +302,14 @@ def test_replies_over_the_prompt_cache_equal_replies_without_it():
 def test_the_prompt_cache_stays_within_its_budget():
     """Different prompts each leave an entry; the least recently used go once their KV
     passes the budget."""
+    from engine.resources import default_model_path
     from engine.serve.server import PROMPT_CACHE_ENTRIES
 
-    budget = 5 << 20  # bytes: two entries (the KV is allocated 256 tokens at a time)
+    config = json.loads((default_model_path() / "config.json").read_text())
+    # An entry holds the KV of its prompt (5 tokens) and reply (2): float32 keys and
+    # values of every layer, as the batch's KV gives them (`BatchKVCache.extract`).
+    token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    budget = int(2.5 * 7 * token)  # bytes: two entries
     served = Served(prompt_cache_bytes=budget)
     try:
         client = served.client(max_retries=0)

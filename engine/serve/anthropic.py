@@ -21,6 +21,7 @@ from engine.serve.bodies import (
     events,
     make_job,
     read_json,
+    streamed,
     submit,
     text,
     tool_choice,
@@ -57,10 +58,7 @@ def routes(served: Served) -> list[Route]:
 
     async def messages(request: Request):
         data = await read_json(request)
-        if not isinstance(data.get("stream", False), bool):
-            raise RequestError("stream", "stream must be true or false")
-        if data.get("top_k") is not None:
-            raise RequestError("top_k", "top_k is not supported (use top_p)")
+        stream = streamed(data)
         if data.get("max_tokens") is None:
             raise RequestError("max_tokens", "max_tokens is required")
         ids, tools = prompt(data)
@@ -77,7 +75,7 @@ def routes(served: Served) -> list[Route]:
         )
         submit(served.engine, job)
         reply = MessageReply(served, job, tools)
-        if data.get("stream"):
+        if stream:
             return event_stream(reply.events())
         return JSONResponse(reply.whole(await collect(request, job)))
 
@@ -253,11 +251,18 @@ class MessageReply:
         def event(kind: str, **body) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
 
-        prompt = len(self.job.prompt)
-        start = {"prompt_tokens": prompt, "cached_tokens": 0, "completion_tokens": 0}
-        yield event("message_start", message=self._message([], start))
         index, open_text = 0, False
-        async for e in events(self.job):
+        # message_start waits for the reply's start, which says how much of the prompt the
+        # prompt cache gave: its usage then agrees with message_delta's.
+        async for e in events(self.job, start=True):
+            if e[0] == "start":
+                usage = {
+                    "prompt_tokens": len(self.job.prompt),
+                    "cached_tokens": e[1]["cached_tokens"],
+                    "completion_tokens": 0,
+                }
+                yield event("message_start", message=self._message([], usage))
+                continue
             if e[0] == "error":
                 yield event("error", error={"type": "api_error", "message": e[1]})
                 return

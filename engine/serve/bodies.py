@@ -3,6 +3,11 @@ its fields (sampling, limits, stop strings, `tool_choice`) and the job it become
 waiting for the job's events. Each protocol module (engine.serve.openai,
 engine.serve.anthropic, engine.serve.responses, engine.serve.ollama) maps its own field
 names onto these and writes `RequestError` in its own error format.
+
+One rule for sampling fields the engine does not apply (penalties, `top_k`, `min_p`,
+`logit_bias`, ...): every protocol leaves them unread, so a client that sends its
+defaults is answered; replies are sampled with temperature, top_p and seed only. A null
+optional field is an absent one.
 """
 
 import asyncio
@@ -253,6 +258,21 @@ def stop_strings(stop, name: str = "stop") -> list[str]:
     return stops
 
 
+def streamed(data: dict, default: bool = False) -> bool:
+    """A request's `stream` flag; absent or null: `default` (the protocol's: Ollama streams,
+    the others do not), as every optional field takes null for absent.
+
+    Raises:
+        RequestError: (param "stream") anything but true, false or null.
+    """
+    value = data.get("stream")
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError("stream", "stream must be true or false")
+    return value
+
+
 def text(value, name: str, empty: bool = True) -> str:
     """`value` checked as a string (not empty unless `empty`).
 
@@ -288,7 +308,7 @@ def tool_choice(choice, typed: bool = False) -> str:
     )
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: hashed and compared by identity
 class Job:
     """One request's generation.
 
@@ -300,7 +320,9 @@ class Job:
         stop: strings that end the reply (not included in it).
         logprobs: None, or how many most likely alternatives to report per token (0 to
             MAX_TOP_LOGPROBS) along with each token's own log-probability.
-        events: where the generation thread puts ("text", str, logprobs) (logprobs: a
+        events: where the generation thread puts ("start", {"cached_tokens"}) when the
+            reply's generation begins (cached_tokens: prompt tokens the prompt cache
+            gave), ("text", str, logprobs) (logprobs: a
             list of `{"token", "logprob", "top": [(token, logprob)]}` for the tokens
             that text ends, empty without `logprobs`), then ("done", end) (end: dict with
             "finish" ("stop", "length" or None when the client went), "stop" (the stop string
@@ -442,6 +464,8 @@ async def collect(request: Request, job: Job) -> Collected:
                 pieces.append(event[1])
                 records += event[2]
                 first = first or time.monotonic_ns()
+            elif event[0] == "start":
+                continue
             elif event[0] == "done":
                 return Collected(pieces, records, event[1], first)
             elif event[0] == "gone":
@@ -454,14 +478,17 @@ async def collect(request: Request, job: Job) -> Collected:
         job.cancel.set()  # a no-op once the reply is over; else the handler was cancelled
 
 
-async def events(job: Job) -> AsyncIterator[tuple]:
-    """A submitted job's events up to its ("done", end) or ("error", message); leaving
-    early (the client went away: the streaming response stops iterating) cancels it."""
+async def events(job: Job, start: bool = False) -> AsyncIterator[tuple]:
+    """A submitted job's events up to its ("done", end) or ("error", message), its
+    ("start", ...) only when `start`; leaving early (the client went away: the streaming
+    response stops iterating) cancels it."""
     try:
         while True:
             event = await job.events.get()
+            if event[0] == "start" and not start:
+                continue
             yield event
-            if event[0] != "text":
+            if event[0] not in ("text", "start"):
                 return
     finally:
         job.cancel.set()  # a no-op once the reply is over

@@ -1,5 +1,6 @@
-"""The `expertstream serve` subcommand's own flags: where it listens, its queue, the default
-reply limit, uvicorn's log level, the routing it keeps for /v1/trace and its prompt cache.
+"""The `expertstream serve` subcommand's own flags: where it listens, its batch and queue,
+the default reply limit, uvicorn's log level, the routing it keeps for /v1/trace and its
+prompt cache.
 The flags every model command shares (--model, --pipeline, the cache flags) are added by
 engine.cli beside these. Imports no server module: the parser is built for every
 subcommand, with or without the 'serve' extra installed.
@@ -7,8 +8,11 @@ subcommand, with or without the 'serve' extra installed.
 
 import argparse
 
-from engine.config import parse_memory
+from engine.config import PREFILL_STEP_SIZE, parse_memory
 from engine.flags import port, positive_int
+
+# Replies generated at once by default (`--max-batch`).
+MAX_BATCH = 8
 
 
 def prompt_cache_size(text: str) -> int:
@@ -33,10 +37,25 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=port, default=8080, help="TCP port (0: any free port)")
     parser.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=MAX_BATCH,
+        help="replies generated at once, side by side (a request joins the batch between "
+        "decode steps; 1: one at a time; --pipeline serves one at a time)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=positive_int,
         default=32,
-        help="requests that may wait while one generates; more get 503 with Retry-After",
+        help="requests that may wait while --max-batch generate; more get 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=positive_int,
+        default=PREFILL_STEP_SIZE,
+        metavar="N",
+        help="prompt tokens per forward of a prefill: a long prompt joining the batch holds "
+        "the other replies up for one such forward at a time (not with --pipeline)",
     )
     parser.add_argument(
         "--max-tokens",

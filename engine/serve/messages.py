@@ -32,7 +32,8 @@ def openai_tools(data: dict) -> list[dict] | None:
 
 def function_tool(f, where: str, schema_key: str = "parameters") -> dict:
     """`{"type": "function", "function": {"name", "description", "parameters"}}` of a
-    function definition `f` whose schema is under `schema_key`.
+    function definition `f` whose schema is under `schema_key` (a null description or
+    schema taken as absent: "" and an object of no properties).
 
     Raises:
         RequestError: naming the field under `where`.
@@ -40,9 +41,14 @@ def function_tool(f, where: str, schema_key: str = "parameters") -> dict:
     if not isinstance(f, dict):
         raise RequestError(where, f"{where} must be an object with a name")
     name = text(f.get("name"), f"{where}.name", empty=False)
-    description = text(f.get("description", ""), f"{where}.description")
-    schema = f.get(schema_key, {"type": "object", "properties": {}})
-    if not isinstance(schema, dict):
+    # Null is absent, as for every optional field (`llm` sends a null description for a
+    # function without a docstring).
+    description = f.get("description")
+    description = "" if description is None else text(description, f"{where}.description")
+    schema = f.get(schema_key)
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    elif not isinstance(schema, dict):
         raise RequestError(f"{where}.{schema_key}", f"{where}.{schema_key} must be an object")
     return {
         "type": "function",

@@ -1,5 +1,6 @@
 """Ollama's API, for the front ends that speak it (Open WebUI, Continue, the `ollama`
-client): `GET /api/tags`, `GET /api/version`, `POST /api/show`, `POST /api/chat` (with
+client, VS Code's Ollama provider): `GET /` (and `HEAD /`, which Ollama's client checks
+first), `GET /api/tags`, `GET /api/version`, `POST /api/show`, `POST /api/chat` (with
 tools), `POST /api/generate`; streamed as NDJSON (Ollama's default) or one JSON object;
 Ollama's error body (`{"error": message}`).
 
@@ -14,10 +15,9 @@ import json
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine.chat import ASSISTANT, ROLES, SYSTEM, TOOL, USER, checked_ids, encode
@@ -29,11 +29,17 @@ from engine.serve.bodies import (
     events,
     make_job,
     read_json,
+    streamed,
     submit,
     text,
 )
 from engine.serve.messages import call_arguments, openai_tools
 from engine.serve.tool_calls import ToolCall, ToolCallStream
+
+# The Ollama version whose API these routes implement, which `/api/version` answers:
+# clients gate on it (VS Code's provider needs 0.6.4), not on this package's version.
+# 0.6.4 is the first whose /api/show lists the model's capabilities.
+OLLAMA_API_VERSION = "0.6.4"
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -57,10 +63,6 @@ def routes(served: Served) -> list[Route]:
         "quantization_level": str((served.config.get("quantization") or {}).get("bits", "")),
     }
     modified = datetime.fromtimestamp(served.created, UTC).isoformat().replace("+00:00", "Z")
-    try:
-        own_version = version("expertstream")
-    except PackageNotFoundError:
-        own_version = "0"
 
     async def tags(request: Request):
         entry = {
@@ -73,8 +75,11 @@ def routes(served: Served) -> list[Route]:
         }
         return JSONResponse({"models": [entry]})
 
+    async def root(request: Request):
+        return PlainTextResponse("Ollama is running")
+
     async def api_version(request: Request):
-        return JSONResponse({"version": own_version})
+        return JSONResponse({"version": OLLAMA_API_VERSION})
 
     async def show(request: Request):
         await read_json(request)
@@ -89,6 +94,7 @@ def routes(served: Served) -> list[Route]:
                 "details": details,
                 "model_info": {
                     "general.architecture": family,
+                    "general.basename": served.model_id,
                     f"{family}.context_length": served.context,
                 },
                 "capabilities": capabilities,
@@ -161,7 +167,7 @@ def routes(served: Served) -> list[Route]:
         t0 = time.monotonic_ns()
         submit(served.engine, job)
         out = OllamaReply(served, job, tools, key, t0)
-        if data.get("stream", True):
+        if streamed(data, default=True):
             return StreamingResponse(out.lines(), media_type="application/x-ndjson")
         return JSONResponse(out.whole(await collect(request, job)))
 
@@ -169,6 +175,7 @@ def routes(served: Served) -> list[Route]:
         return endpoint(handler, error_response)
 
     return [
+        Route("/", root, methods=["GET"]),
         Route("/api/tags", guarded(tags), methods=["GET"]),
         Route("/api/version", guarded(api_version), methods=["GET"]),
         Route("/api/show", guarded(show), methods=["POST"]),
@@ -179,8 +186,7 @@ def routes(served: Served) -> list[Route]:
 
 def check_common(data: dict) -> None:
     """Fields /api/chat and /api/generate refuse alike: stream, format, think, images."""
-    if not isinstance(data.get("stream", True), bool):
-        raise RequestError("stream", "stream must be true or false")
+    streamed(data, default=True)
     if data.get("format"):
         raise RequestError(
             "format",
@@ -267,16 +273,19 @@ class OllamaReply:
         t = time.monotonic_ns()
         first = self.first if self.first is not None else t
         usage = end["usage"]
+        # As Ollama counts them: the whole prompt, and apart (when any) the tokens of it
+        # taken from the prompt cache.
+        cached = {"prompt_eval_cached_count": n} if (n := usage["cached_tokens"]) else {}
         return {
             "done": True,
             "done_reason": "length" if end["finish"] == "length" else "stop",
             "total_duration": t - self.t0,
             "load_duration": 0,
-            "prompt_eval_count": usage["prompt_tokens"] - usage["cached_tokens"],
+            "prompt_eval_count": usage["prompt_tokens"],
             "prompt_eval_duration": first - self.t0,
             "eval_count": usage["completion_tokens"],
             "eval_duration": t - first,
-        }
+        } | cached
 
     def whole(self, got) -> dict:
         """The one object of a collected reply."""

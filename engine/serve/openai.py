@@ -26,6 +26,7 @@ from engine.serve.bodies import (
     make_job,
     number,
     read_json,
+    streamed,
     submit,
 )
 from engine.serve.messages import openai_messages, openai_tools
@@ -62,7 +63,7 @@ def routes(served: Served) -> list[Route]:
         jobs = jobs_of(served, data, ids, "messages", top)
         submit_all(served.engine, jobs)
         reply = ChatReply(served, jobs, tools, top is not None)
-        if data.get("stream"):
+        if streamed(data):
             return sse(reply.chunks(include_usage(data)))
         return JSONResponse(reply.whole(await collect_all(request, jobs)))
 
@@ -77,7 +78,7 @@ def routes(served: Served) -> list[Route]:
         jobs = jobs_of(served, data, ids, "prompt", top)
         submit_all(served.engine, jobs)
         reply = TextReply(served, jobs)
-        if data.get("stream"):
+        if streamed(data):
             return sse(reply.chunks(include_usage(data)))
         return JSONResponse(reply.whole(await collect_all(request, jobs)))
 
@@ -102,8 +103,7 @@ def check_common(data: dict) -> None:
     """The fields both routes refuse the same way: model, stream, response_format."""
     if not isinstance(data.get("model", ""), str):
         raise RequestError("model", "model must be a string")
-    if not isinstance(data.get("stream", False), bool):
-        raise RequestError("stream", "stream must be true or false")
+    streamed(data)
     fmt = data.get("response_format")
     # Replies are never constrained (to JSON or a schema): a client that asks for that
     # must not get free text.
@@ -129,6 +129,12 @@ def jobs_of(served: Served, data: dict, ids: list[int], prompt_name: str, top) -
         RequestError: naming the field.
     """
     n = number(data.get("n"), "n", 1, 1, MAX_CHOICES, integer=True)
+    if n > served.engine.max_queue:
+        raise RequestError(
+            "n",
+            f"n ({n}) is more than the server's --max-queue ({served.engine.max_queue}): "
+            "a request's choices wait in the queue together",
+        )
     name = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
     first = make_job(
         ids,

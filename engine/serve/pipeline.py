@@ -51,6 +51,7 @@ from engine.pipeline import (
     lost,
     rank_stats,
 )
+from engine.serve.reply import Reply
 from engine.serve.server import GenerationThread, Job
 
 # Seconds between rank 0's idle command rounds.
@@ -176,8 +177,8 @@ def follow(path: str | Path | None, config: StreamConfig, group) -> int:
 
 class PipelineGenerationThread(GenerationThread):
     """Rank 0's generation thread: engine.serve.server.GenerationThread that sends each job to
-    the other ranks (`command_round`), generates it with them (`reply`), and keeps every
-    rank's cache figures (`ranks`).
+    the other ranks (`command_round`), generates it with them (`reply`), one at a time,
+    and keeps every rank's cache figures (`ranks`).
 
     Args:
         path, config: the model and cache settings (`load_stage`).
@@ -193,7 +194,10 @@ class PipelineGenerationThread(GenerationThread):
     fatal = (PipelineError,)
 
     def __init__(self, path: str | Path | None, config: StreamConfig, group, max_queue: int):
-        super().__init__(self._load_stage, max_queue)
+        # One reply at a time: every rank runs each reply's generation loop in step
+        # (`reply`), which a batch whose rows join and leave between steps would have to
+        # agree on at every step.
+        super().__init__(self._load_stage, max_queue, max_batch=1)
         self._path, self._config, self.group = path, config, group
         self.ranks: list[dict] = []
         self.failure: str | None = None
@@ -233,7 +237,8 @@ class PipelineGenerationThread(GenerationThread):
                 command_round(STOP, self.group)
             return job
 
-    def _generate(self, job: Job, on_response: Callable, stop: Callable[[], bool]):
+    def _generate(self, reply_to: Reply):
+        job = reply_to.job
         seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(4))
         params = {
             "prompt": job.prompt,
@@ -242,9 +247,16 @@ class PipelineGenerationThread(GenerationThread):
             "top_p": job.top_p,
             "seed": seed,
         }
+        reply_to.start(0)
         try:
             command_round(params, self.group)
-            result = reply(self.sm, self.group, params, on_response, stop)
+            result = reply(
+                self.sm,
+                self.group,
+                params,
+                lambda r: reply_to.respond(r.token, r.text, r.logprobs),
+                reply_to.stopping,
+            )
             self.ranks = stats_round(self.sm, self.group)
         except PipelineError as e:
             job.emit("error", str(e))

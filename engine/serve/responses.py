@@ -23,6 +23,7 @@ from engine.serve.bodies import (
     events,
     make_job,
     read_json,
+    streamed,
     submit,
     text,
     tool_choice,
@@ -39,8 +40,7 @@ def routes(served: Served) -> list[Route]:
 
     async def responses(request: Request):
         data = await read_json(request)
-        if not isinstance(data.get("stream", False), bool):
-            raise RequestError("stream", "stream must be true or false")
+        stream = streamed(data)
         if data.get("previous_response_id") is not None:
             raise RequestError(
                 "previous_response_id",
@@ -71,7 +71,7 @@ def routes(served: Served) -> list[Route]:
         )
         submit(served.engine, job)
         reply = ResponsesReply(served, job, tools, data)
-        if data.get("stream"):
+        if stream:
             return event_stream(reply.events())
         return JSONResponse(reply.whole(await collect(request, job)))
 

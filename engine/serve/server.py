@@ -38,7 +38,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -47,8 +46,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.cache import REPORTED_STATS, ratio
+from engine.config import PREFILL_STEP_SIZE
 from engine.serve import anthropic, ollama, openai, responses
 from engine.serve.bodies import Job, RequestError, Served
+from engine.serve.flags import MAX_BATCH
+from engine.serve.reply import Reply, ServerStats
 
 # Conversations the prompt cache keeps at most (mlx_lm.server's default), within its bytes.
 PROMPT_CACHE_ENTRIES = 10
@@ -95,101 +97,26 @@ def url(sock: socket.socket) -> str:
 # ---- the generation thread ------------------------------------------------------------
 
 
-class StopMatcher:
-    """Stop strings over a reply that grows piece by piece: `add` returns the text that
-    may be sent now, holding back a tail that could be the start of a stop string, and
-    cuts the reply where the first stop string begins (`hit`; `matched`: that string)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-        self.matched: str | None = None
-
-    def add(self, piece: str) -> str:
-        """Appends `piece`; returns what can be sent (nothing more after a hit)."""
-        if self.hit:
-            return ""
-        self.text += piece
-        found = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
-        if found:
-            self.hit = True
-            end, self.matched = min(found)
-        else:
-            end = len(self.text) - self._pending()
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-    def flush(self) -> str:
-        """The held-back tail, at the end of a reply no stop string cut."""
-        out, self.sent = ("" if self.hit else self.text[self.sent :]), len(self.text)
-        return out
-
-    def _pending(self) -> int:
-        """Length of the longest unsent tail that a stop string starts with."""
-        tail = self.text[self.sent :]
-        return max(
-            (
-                k
-                for s in self.stops
-                for k in range(min(len(s) - 1, len(tail)), 0, -1)
-                if tail.endswith(s[:k])
-            ),
-            default=0,
-        )
-
-
-@dataclass
-class ServerStats:
-    """Request and token counters of the server's lifetime (guarded by `lock`).
-
-    Attributes:
-        requests: requests queued (refused ones are `requests_refused`).
-        requests_refused: requests refused with 503 (the queue was full).
-        completed, cancelled, failed: queued requests by how they ended.
-        prompt_tokens: prompt tokens of the replies, cached ones included.
-        cached_tokens: prompt tokens taken from the prompt cache (not prefilled).
-        prefill_tokens, prefill_seconds, decode_tokens, decode_seconds: what the replies
-            prefilled and decoded and how long that took (the queue's wait estimate).
-        last_error: why the latest reply failed; None once a later one succeeds.
-        last_prefill_tps, last_decode_tps: the latest reply's prefill and decode
-            tokens/s; None before the first reply, and without a prefill / decode step
-            (`GenerationResult.prefill_tps`, `.decode_tps`).
-    """
-
-    requests: int = 0
-    requests_refused: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    generation_seconds: float = 0.0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    last_prefill_tps: float | None = None
-    last_decode_tps: float | None = None
-    last_error: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-
 class GenerationThread:
-    """The thread that loads the model and generates every reply, one job at a time.
+    """The thread that loads the model and generates every reply.
+
+    With `max_batch` above 1 (and a model whose KV caches batch), replies are generated
+    side by side (engine.serve.batch: a request joins the running batch between decode
+    steps and leaves it when it ends); else one at a time, in arrival order.
 
     Args:
         load: called on the thread; returns the StreamedModel.
-        max_queue: jobs that may wait (beyond the one generating); more are refused.
+        max_queue: jobs that may wait (beyond those generating); more are refused.
         trace_tokens: keep the routing of the last this many tokens (`recorder`, an
             engine.trace.TraceRecorder; 0: none).
         prompt_cache_bytes: the prompt cache's budget, bytes of KV (0: no prompt cache).
+        max_batch: replies generated at once, at most (1: one at a time).
+        prefill_step_size: prompt tokens per forward of a prefill: a prompt joining the
+            batch holds the other replies up for one such forward at a time.
 
     A subclass may change how the thread waits for a job (`_next_job`) and generates one
-    (`_generate`); an exception of `fatal` raised there ends the thread, not only the
-    request (engine.serve.pipeline).
+    alone (`_generate`); an exception of `fatal` raised there ends the thread, not only
+    the request (engine.serve.pipeline).
     """
 
     fatal: tuple[type[BaseException], ...] = ()
@@ -200,13 +127,21 @@ class GenerationThread:
         max_queue: int = 32,
         trace_tokens: int = 0,
         prompt_cache_bytes: int = 0,
+        max_batch: int = MAX_BATCH,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
     ):
-        if max_queue < 1:
-            raise ValueError(f"max_queue is {max_queue}: must be >= 1")
-        if trace_tokens < 0:
-            raise ValueError(f"trace_tokens is {trace_tokens}: must be >= 0")
-        if prompt_cache_bytes < 0:
-            raise ValueError(f"prompt_cache_bytes is {prompt_cache_bytes}: must be >= 0")
+        for name, value, low in (
+            ("max_queue", max_queue, 1),
+            ("trace_tokens", trace_tokens, 0),
+            ("prompt_cache_bytes", prompt_cache_bytes, 0),
+            ("max_batch", max_batch, 1),
+            ("prefill_step_size", prefill_step_size, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{name} is {value}: must be >= {low}")
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.prefill_step_size = prefill_step_size
         self.prompt_cache_bytes = prompt_cache_bytes
         self.prompt_cache = None  # made on the thread, with the model
         self._load = load
@@ -215,7 +150,7 @@ class GenerationThread:
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self._current: Job | None = None
+        self.active: dict[Job, Reply] = {}  # the jobs generating and their replies
         self._closing = False  # set by cancel_all: every job from then on fails
         self.sm = None
         self.stats = ServerStats()
@@ -250,27 +185,27 @@ class GenerationThread:
             self.stats.requests += 1
 
     def queued(self) -> int:
-        """Jobs waiting (not counting the one generating)."""
+        """Jobs waiting (not counting those generating)."""
         return self._jobs.qsize()
 
     def busy(self) -> bool:
         """A reply is being generated."""
-        return self._current is not None
+        return bool(self.active)
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the time to generate the replies queued
-        and the one generating, each estimated from its own prompt length and reply limit
+        and those generating, each estimated from its own prompt length and reply limit
         at the prefill and decode rates of the replies so far (a reply's length taken as
-        at most the mean reply length); 1 second a reply before the first one."""
+        at most the mean reply length), `max_batch` of them at a time; 1 second a reply
+        before the first one."""
         with self._jobs.mutex:
             jobs = [j for j in self._jobs.queue if j is not None]
-        if (current := self._current) is not None:
-            jobs.append(current)
+        jobs += list(self.active)
         with self.stats.lock:
             s = self.stats
             done = s.completed + s.cancelled + s.failed
             if not (done and s.prefill_seconds and s.decode_seconds):
-                return max(1, len(jobs))
+                return max(1, math.ceil(len(jobs) / self.max_batch))
             prefill, decode = (
                 s.prefill_tokens / s.prefill_seconds,
                 s.decode_tokens / s.decode_seconds,
@@ -279,7 +214,7 @@ class GenerationThread:
         seconds = sum(
             len(j.prompt) / prefill + min(j.max_tokens, mean_reply) / decode for j in jobs
         )
-        return max(1, math.ceil(seconds))
+        return max(1, math.ceil(seconds / self.max_batch))
 
     def prompt_cache_stats(self) -> dict:
         """The prompt cache's figures (`/v1/stats`'s "prompt_cache"): its budget, the bytes
@@ -301,11 +236,11 @@ class GenerationThread:
         return {k: t[k] for k in REPORTED_STATS}
 
     def cancel_all(self) -> None:
-        """Fails every queued job and cancels the reply in progress (it ends at its next
-        MoE layer with an error naming the tokens sent); returns at once."""
-        self._closing = True  # a job taken from the queue but not yet current fails too
+        """Fails every queued job and cancels the replies in progress (they end at their
+        next MoE layer with an error naming the tokens sent); returns at once."""
+        self._closing = True  # a job taken from the queue but not yet begun fails too
         self._drain(SHUTTING_DOWN, 503)
-        if (job := self._current) is not None:
+        for job in list(self.active):
             job.ended_by = SHUTTING_DOWN
             job.cancel.set()
 
@@ -332,6 +267,22 @@ class GenerationThread:
         """The next job to serve; None ends the thread."""
         return self._jobs.get()
 
+    def _begin(self, job: Job) -> Reply | None:
+        """Makes `job`, taken from the queue, one of those generating (`active`) and
+        returns its Reply; None (and the job ended) when it was cancelled while it
+        waited, or the server is shutting down."""
+        if job.cancel.is_set() or self._closing:
+            with self.stats.lock:
+                self.stats.cancelled += 1
+            if self._closing:
+                job.emit("error", SHUTTING_DOWN, 503)
+            return None
+        reply = self.active[job] = Reply(self.stats, self.sm.tokenizer, job)
+        if self._closing:  # cancel_all ran between the check above and now
+            job.ended_by = SHUTTING_DOWN
+            job.cancel.set()
+        return reply
+
     def _run(self) -> None:
         try:
             self.sm = self._load()
@@ -348,111 +299,54 @@ class GenerationThread:
             self._ready.set()
             return
         self._ready.set()
-        while (job := self._next_job()) is not None:
-            if job.cancel.is_set() or self._closing:
-                with self.stats.lock:
-                    self.stats.cancelled += 1
-                if self._closing:
-                    job.emit("error", SHUTTING_DOWN, 503)
-                continue
-            self._current = job
-            if self._closing:  # cancel_all ran between the check above and this job's start
-                job.ended_by = SHUTTING_DOWN
-                job.cancel.set()
-            try:
-                self._serve(job)
-            finally:
-                self._current = None
+        from engine.serve.batch import BatchLoop, batches
+
+        if self.max_batch > 1 and batches(self.sm.model):
+            BatchLoop(self).run()
+        else:
+            self._one_at_a_time()
         self.sm = self.prompt_cache = None  # the model's arrays are freed here, on their thread
 
-    def _serve(self, job: Job) -> None:
-        matcher = StopMatcher(job.stop)
-        records: list[dict] = []  # log-probabilities of tokens whose text is held back
-        sent = 0  # tokens handed to the reply (a pipeline's last one is not in its result)
+    def _one_at_a_time(self) -> None:
+        """Serves the jobs one after another, each reply generated alone (`_generate`)."""
+        while (job := self._next_job()) is not None:
+            if (reply := self._begin(job)) is None:
+                continue
+            t0 = time.monotonic()
+            try:
+                self._serve(reply)
+            finally:
+                self.active.pop(job, None)
+                with self.stats.lock:
+                    self.stats.generation_seconds += time.monotonic() - t0
 
-        def on_response(r) -> None:
-            nonlocal sent
-            sent += 1
-            if job.logprobs is not None:
-                records.append(self._logprobs(r, job.logprobs))
-            if piece := matcher.add(r.text):
-                job.emit("text", piece, records[:])
-                records.clear()
-
-        t0 = time.monotonic()
+    def _serve(self, reply: Reply) -> None:
         try:
-            result = self._generate(job, on_response, lambda: job.cancel.is_set() or matcher.hit)
+            result = self._generate(reply)
         except self.fatal:
             raise
         except Exception as e:  # noqa: BLE001  (the request fails; the server goes on)
-            message = f"generation failed: {type(e).__name__}: {e}"
-            with self.stats.lock:
-                self.stats.failed += 1
-                self.stats.generation_seconds += time.monotonic() - t0
-                self.stats.last_error = message
-            job.emit("error", message)
+            reply.fail(e)
             return
-        if matcher.hit:
-            finish = "stop"
-        elif result.stopped:  # the cancel was seen: a cancel after the last token ends nothing
-            finish = None
-        else:
-            if (rest := matcher.flush()) or records:
-                job.emit("text", rest, records[:])
-            finish = result.finish_reason
-        prompt, cached = len(job.prompt), result.cached_tokens
-        usage = {
-            "prompt_tokens": prompt,
-            "completion_tokens": len(result.tokens),
-            "total_tokens": prompt + len(result.tokens),
-            "cached_tokens": cached,
-        }
-        with self.stats.lock:
-            s = self.stats
-            if finish is None:
-                s.cancelled += 1
-            else:
-                s.completed += 1
-            s.prompt_tokens += prompt
-            s.cached_tokens += cached
-            s.completion_tokens += usage["completion_tokens"]
-            s.generation_seconds += time.monotonic() - t0
-            if result.prefill_tps:
-                s.prefill_tokens += prompt - cached
-                s.prefill_seconds += (prompt - cached) / result.prefill_tps
-            if result.decode_tps:
-                s.decode_tokens += len(result.tokens)
-                s.decode_seconds += len(result.tokens) / result.decode_tps
-            s.last_prefill_tps, s.last_decode_tps = result.prefill_tps, result.decode_tps
-            s.last_error = None
-        if finish is None and job.ended_by:
-            job.emit("error", f"{job.ended_by}: the reply was cut after {sent} tokens", 503)
-        else:
-            job.emit("done", {"finish": finish, "stop": matcher.matched, "usage": usage})
+        reply.end(
+            len(result.tokens),
+            result.finish_reason,
+            result.stopped,
+            result.prefill_tps,
+            result.decode_tps,
+        )
 
-    def _logprobs(self, r, top: int) -> dict:
-        """The log-probability of response `r`'s token and of the `top` most likely tokens
-        at its step (mlx-lm's `GenerationResponse.logprobs`: the sampler's distribution
-        before temperature), with each token's text."""
-        import mlx.core as mx
-
-        decode = self.sm.tokenizer.decode
-        out = {"token": decode([r.token]), "logprob": r.logprobs[r.token].item(), "top": []}
-        if top:
-            ids = mx.argpartition(-r.logprobs, top - 1)[:top]
-            values = r.logprobs[ids].tolist()
-            pairs = sorted(zip(values, ids.tolist(), strict=True), key=lambda p: -p[0])
-            out["top"] = [(decode([i]), v) for v, i in pairs]
-        return out
-
-    def _generate(self, job: Job, on_response: Callable, stop: Callable[[], bool]):
-        """Generates `job`'s reply (engine.generate.generate) over the prompt cache's KV of
-        its longest known prefix, then keeps its KV there; returns its GenerationResult."""
+    def _generate(self, reply: Reply):
+        """Generates the reply of `reply.job` alone (engine.generate.generate), its
+        responses handed to `reply`, over the prompt cache's KV of its longest known
+        prefix, then keeps its KV there; returns its GenerationResult."""
         import mlx.core as mx
 
         from engine.generate import generate
 
-        cache, cached = self._fetch(job.prompt)
+        job = reply.job
+        cache, cached = self.fetch(job.prompt)
+        reply.start(cached)
         try:
             if job.seed is not None:
                 mx.random.seed(job.seed)
@@ -462,10 +356,11 @@ class GenerationThread:
                 job.max_tokens,
                 job.temperature,
                 job.top_p,
-                on_response=on_response,
-                stop=stop,
+                on_response=lambda r: reply.respond(r.token, r.text, r.logprobs),
+                stop=reply.stopping,
                 prompt_cache=cache,
                 cached_tokens=cached,
+                prefill_step_size=self.prefill_step_size,
             )
         finally:
             # Sampling leaves MLX's global random key lazy on this thread's stream.
@@ -473,7 +368,7 @@ class GenerationThread:
         self._keep(cache, job.prompt + result.tokens)
         return result
 
-    def _fetch(self, prompt: list[int]) -> tuple[list | None, int]:
+    def fetch(self, prompt: list[int]) -> tuple[list | None, int]:
         """(KV cache, tokens of `prompt` it holds) to generate `prompt`'s reply over: the
         prompt cache's nearest entry (trimmed to the common prefix, at least one prompt
         token left to feed), a fresh cache, or (None, 0) without a prompt cache."""
@@ -508,7 +403,12 @@ class GenerationThread:
         for c in cache:
             c.trim(c.offset - held)
         if held:
-            self.prompt_cache.insert_cache(_MODEL_KEY, tokens[:held], cache)
+            self.keep(tokens[:held], cache)
+
+    def keep(self, tokens: list[int], cache: list) -> None:
+        """Puts `cache`, the KV of `tokens`, into the prompt cache (when there is one)."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.insert_cache(_MODEL_KEY, tokens, cache)
 
 
 def uvicorn_server(
@@ -571,14 +471,23 @@ def build_app(
         size_bytes=sum(f.stat().st_size for f in sm.store.path.iterdir() if f.is_file()),
     )
 
+    entry = {
+        "id": model_id,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "expertstream",
+    }
+
     async def models(request: Request):
-        entry = {
-            "id": model_id,
-            "object": "model",
-            "created": served.created,
-            "owned_by": "expertstream",
-        }
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name != model_id:
+            raise RequestError(
+                "model", f"model {name!r} is not served here: this server serves {model_id!r}", 404
+            )
+        return JSONResponse(entry)
 
     async def stats(request: Request):
         cache = engine.cache_stats()
@@ -593,6 +502,9 @@ def build_app(
                 "failed": s.failed,
                 "queued": engine.queued(),
                 "generating": engine.busy(),
+                "max_batch": engine.max_batch,
+                "mean_batch": ratio(s.decode_rows, s.decode_steps),
+                "replies": [reply.figures() for reply in list(engine.active.values())],
                 "prompt_tokens": s.prompt_tokens,
                 "cached_tokens": s.cached_tokens,
                 "completion_tokens": s.completion_tokens,
@@ -647,6 +559,7 @@ def build_app(
             *anthropic.routes(served),
             *ollama.routes(served),
             Route("/v1/models", openai.endpoint(models), methods=["GET"]),
+            Route("/v1/models/{name:path}", openai.endpoint(model), methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
             Route("/v1/trace", openai.endpoint(trace), methods=["GET"]),
             Route("/health", health, methods=["GET"]),

@@ -1,0 +1,133 @@
+"""`expertstream serve` generating several replies at once (engine.serve.batch): each
+reply in the batch is the one the request gets alone, greedy or seeded, through every
+path of the expert cache; requests join a running batch and leave it."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+
+from engine.config import StreamConfig
+from engine.generate import generate, keyed_sampler, prompt_tokens, sampler
+from engine.model import load
+
+from test_server import PROMPT, Served, hold_replies, http
+
+# Prompts of different lengths and reply limits, so that the rows are padded apart and
+# leave the batch at different steps; two of them sampled, with seeds.
+REQUESTS = [
+    {"prompt": "Once upon a time", "max_tokens": 30},
+    {"prompt": "The little dog ran to the park and", "max_tokens": 12, "stop": ["."]},
+    {
+        "prompt": "Lily had a red ball. One day",
+        "max_tokens": 25,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "seed": 7,
+    },
+    {"prompt": "Tom", "max_tokens": 7},
+    {
+        "prompt": "A big bear lived in the woods. He liked honey and",
+        "max_tokens": 20,
+        "temperature": 1.0,
+        "seed": 11,
+    },
+]
+
+
+def alone(sm, request: dict) -> tuple[str, int, str]:
+    """(text, tokens, finish reason) of `request` generated alone by
+    engine.generate.generate, as `expertstream generate --seed` does, cut at its stop
+    string as the server cuts it."""
+    if (seed := request.get("seed")) is not None:
+        mx.random.seed(seed)
+    ids = prompt_tokens(sm, request["prompt"], chat=False)
+    r = generate(
+        sm, ids, request["max_tokens"], request.get("temperature", 0.0), request.get("top_p", 1.0)
+    )
+    text, finish = r.text, r.finish_reason
+    for stop in request.get("stop", []):
+        if stop in text:
+            # the server stops at the token after the one that completed the stop string
+            text, finish = text[: text.index(stop)], "stop"
+            return text, None, finish
+    return text, len(r.tokens), finish
+
+
+@pytest.mark.parametrize("slots", [8, None], ids=["over-capacity", "resident"])
+def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots):
+    """Five requests held in the queue, then let go at once: they prefill together
+    (padded), decode side by side and leave at different steps. With 8 slots a step's
+    union of experts (up to 5 x top-4) exceeds the slots (the over-capacity path); with
+    every expert resident it is the table path. Each reply equals the request alone on
+    the CPU, sampled ones included (each row keeps its own seeded key)."""
+    served = Served(expert_slots=slots)
+    gate = hold_replies(monkeypatch)
+    try:
+        client = served.client(max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(REQUESTS)) as pool:
+            futures = [
+                pool.submit(client.completions.create, model="m", **request) for request in REQUESTS
+            ]
+            while served.engine.queued() < len(REQUESTS) - 1:  # the first is held
+                time.sleep(0.01)
+            gate.set()
+            replies = [f.result() for f in futures]
+        stats = served.stats()["server"]
+    finally:
+        gate.set()
+        served.close()
+    assert stats["mean_batch"] > 2, stats  # they did run side by side
+    sm = load(None, StreamConfig(expert_slots=slots))
+    for request, reply in zip(REQUESTS, replies, strict=True):
+        text, tokens, finish = alone(sm, request)
+        choice = reply.choices[0]
+        assert (choice.text, choice.finish_reason) == (text, finish), request
+        if tokens is not None:
+            assert reply.usage.completion_tokens == tokens, request
+
+
+def test_a_request_joins_a_running_reply_and_leaves_before_it(served):
+    """A short reply asked for while a long one streams joins the batch and ends first
+    (no client waits for another's whole reply), equal to the request alone; /v1/stats
+    shows the reply in progress; the long one's client leaving drops its row."""
+    client = served.client(max_retries=0, timeout=120)
+    before = served.stats()["server"]
+    with client.completions.with_streaming_response.create(
+        model="m", prompt=PROMPT, max_tokens=1500, stream=True
+    ) as response:
+        lines = (line for line in response.iter_lines() if line)
+        first = json.loads(next(lines).removeprefix("data: "))
+        assert first["choices"][0]["text"]
+        [generating] = served.stats()["server"]["replies"]
+        assert generating["prompt_tokens"] == 4 and generating["generated_tokens"] >= 1
+        short = client.completions.create(model="m", prompt="Tom went", max_tokens=8)
+        after = json.loads(next(lines).removeprefix("data: "))
+        assert after["choices"][0]["finish_reason"] is None  # still streaming
+    sm = load(None, StreamConfig(expert_slots=8))
+    text, tokens, finish = alone(sm, {"prompt": "Tom went", "max_tokens": 8})
+    assert (short.choices[0].text, short.usage.completion_tokens) == (text, tokens)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = served.stats()["server"]
+        if s["cancelled"] > before["cancelled"] and not s["generating"]:
+            break
+        time.sleep(0.05)
+    assert (s["cancelled"], s["completed"]) == (before["cancelled"] + 1, before["completed"] + 1)
+    assert s["replies"] == [] and s["completion_tokens"] - before["completion_tokens"] < 500
+    assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "seed"), [(0.8, 0.9, 7), (1.0, 1.0, 2**64 - 1)])
+def test_a_keyed_sampler_samples_as_the_global_key_seeded(temperature, top_p, seed):
+    """A row's own key gives the tokens `expertstream generate --seed` gives alone."""
+    logprobs = mx.log(mx.softmax(mx.random.normal((1, 4096), key=mx.random.key(3)), axis=-1))
+    mx.random.seed(seed)
+    shared = sampler(temperature, top_p)
+    want = [shared(logprobs).item() for _ in range(8)]
+    own = keyed_sampler(temperature, top_p, seed)
+    mx.random.seed(0)  # the global key does not matter to it
+    assert [own(logprobs).item() for _ in range(8)] == want
+    assert len(set(want)) > 1
