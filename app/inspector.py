@@ -293,9 +293,9 @@ TOTALS = (
     ("side_hits", "side hits"),
     ("promotions", "promoted / declined"),
     ("pins_dropped", "pins dropped (cost hits)"),
-    ("prefetch", "fills used / wasted / issued"),
+    ("prefetch", "fills used / wasted"),
     ("prefetch_accuracy", "prefetch accuracy"),
-    ("prefetch_degree", "fills per prediction (mean) · threshold"),
+    ("prefetch_degree", "prefetch degree · threshold"),
     ("bytes_read", "read from disk"),
     ("host_tier", "host memory hits / bytes"),
     ("evictions", "evictions"),
@@ -448,9 +448,7 @@ class InspectorPanel(QWidget):
             "side_hits": f"{t['side_hits']:,}",
             "promotions": f"{t['promotions']:,} / {t['promotions_declined']:,}",
             "pins_dropped": f"{t['pins_dropped']:,}",
-            "prefetch": (
-                f"{t['prefetch_used']:,} / {t['prefetch_wasted']:,} / {t['prefetch_issued']:,}"
-            ),
+            "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_wasted']:,}",
             "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}" if t["prefetch_issued"] else "—",
             "prefetch_degree": _degree_text(snap),
             "bytes_read": human_bytes(t["bytes_read"]),

@@ -249,6 +249,13 @@ def test_heatmap_is_the_engine_snapshot(window, qtbot, monkeypatch):
     assert any((s == SIDE_READY).any() for _, s, _ in drawn), "prefetch never published"
     snap, states, _ = drawn[-1]
     assert (states[:, :8] == RESIDENT).sum() >= n_layers * 4
+    # The totals say the fills used and wasted, and each layer's degree (up to 4 side rows)
+    t = snap.totals()
+    assert t["prefetch_issued"] > 0
+    totals = window.inspector.totals
+    assert totals["prefetch"].text() == f"{t['prefetch_used']:,} / {t['prefetch_wasted']:,}"
+    mean, threshold = totals["prefetch_degree"].text().split(" · ")
+    assert 0 <= float(mean) <= 4 and float(threshold) == pytest.approx(snap.threshold, abs=0.005)
 
     # Hovering a cell names its layer, row, expert and frequency.
     view = window.inspector.occupancy

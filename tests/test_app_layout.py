@@ -32,7 +32,14 @@ from PySide6.QtWidgets import (  # noqa: E402
 from test_app import MODEL, SETTINGS, TIMEOUT_MS, chat_turn  # noqa: E402
 
 from app.advisor import AdvisorPanel  # noqa: E402
-from app.inspector import BACKGROUND, SERIES, InspectorPanel, SeriesView, y_ticks  # noqa: E402
+from app.inspector import (  # noqa: E402
+    BACKGROUND,
+    SERIES,
+    TOTALS,
+    InspectorPanel,
+    SeriesView,
+    y_ticks,
+)
 from app.monitor import ABSENT, STATE_COLORS, STATE_NAMES, LiveSeries  # noqa: E402
 from app.window import MainWindow  # noqa: E402
 from app.worker import ModelInfo  # noqa: E402
@@ -292,7 +299,8 @@ def test_the_host_memory_row_shows_only_with_a_host_tier(qtbot):
     assert not row.isHidden() and not panel.totals["host_tier"].isHidden()
     # the other totals keep their places, three to a row
     places = [panel.grid.getItemPosition(panel.grid.indexOf(w))[:2] for w in panel.totals.values()]
-    assert sorted((r, (c - 1) // 2) for r, c in places) == [divmod(i, 3) for i in range(15)]
+    every = [divmod(i, 3) for i in range(len(TOTALS))]  # the inspector's 16 totals
+    assert len(TOTALS) == 16 and sorted((r, (c - 1) // 2) for r, c in places) == every
     panel.set_model(model_info(host_tier=False))
     assert row.isHidden()
     assert np.array_equal(panel.occupancy.image.image.shape, (4, 16 + 8))
