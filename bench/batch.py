@@ -13,6 +13,10 @@ of its own, whose stories run past `--tokens`; else `--prompt` random token ids)
   (the decode rate each conversation sees; 1 / it is the batch's decode step);
 - time to first token: the median and the slowest client's.
 
+Then whether the replies of the most clients at once are the ones each request gets
+alone (greedy: the exactness of the backend's batched kernels, README "Many
+conversations at once"): how many are, and where the first that is not parts.
+
 Then the join: N - 1 clients stream long replies and, once their text flows, one more
 client sends a prompt; its time to first token beside its prompt's prefill (its time to
 first token alone, less one decode step alone) and the batch's decode step, and what it
@@ -27,6 +31,7 @@ store at 100% and at 25% of the experts with the host tier).
 """
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -112,7 +117,8 @@ def join(server: Server, prompts: list[list[int]], tokens: int) -> dict:
 def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=print) -> dict:
     """The rows of the module docstring for `model` (None: the embedded one; a store
     without a tokenizer is served with one) under `config` (a StreamConfig), served with
-    `max(clients)` replies at once; returns {"rows": {N: figures}, "join": {N: ...}}."""
+    `max(clients)` replies at once; returns {"rows": {N: figures}, "exact": {...},
+    "join": {N: ...}}."""
     from engine.model import load_store_tokenizer, resolve_store
     from engine.resources import default_model_path
     from engine.store import MANIFEST_FILE
@@ -149,10 +155,24 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
                 f"{r['client_tps']:.1f} | {r['ttft_median_s'] * 1e3:.0f} ms | "
                 f"{r['ttft_max_s'] * 1e3:.0f} ms |"
             )
+        batch = prompts(max(clients))
+        together = clients_at_once(server, batch, tokens)
+        apart = [server.complete(p, tokens) for p in batch]
+        same = [a.text == b.text for a, b in zip(together, apart, strict=True)]
+        parts = [
+            len(os.path.commonprefix([a.text, b.text]))
+            for a, b, equal in zip(together, apart, same, strict=True)
+            if not equal
+        ]
+        exact = {"clients": len(batch), "same": sum(same), "first_difference_chars": parts}
+        log(
+            f"\nReplies of {len(batch)} clients at once equal to each alone: {sum(same)} of "
+            f"{len(batch)}" + (f" (the others part at characters {parts})" if parts else "")
+        )
         [ask] = prompts(1)
         alone = server.complete(ask, tokens)
         if alone.decode_tps is None:  # the model ended the reply at once: no step to time
-            return {"rows": rows, "join": joins}
+            return {"rows": rows, "exact": exact, "join": joins}
         alone_prefill = alone.ttft - 1 / alone.decode_tps
         log(
             f"\nA client joining a running batch of N - 1: its time to first token beside "
@@ -171,7 +191,7 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
             )
     finally:
         server.close()
-    return {"rows": rows, "join": joins}
+    return {"rows": rows, "exact": exact, "join": joins}
 
 
 def main(argv: list[str] | None = None) -> int:
