@@ -106,7 +106,7 @@ def join(server: Server, prompts: list[list[int]], tokens: int) -> dict:
         replies = server.stats()["server"]["replies"]
         if len(replies) == len(running) and all(r["generated_tokens"] >= 4 for r in replies):
             break
-        time.sleep(0.01)
+        time.sleep(0.05)  # each look takes the event loop's (and the GIL's) time
     joined = server.complete(prompts[-1], tokens)
     for t in threads:
         t.join()
@@ -169,25 +169,30 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
             f"\nReplies of {len(batch)} clients at once equal to each alone: {sum(same)} of "
             f"{len(batch)}" + (f" (the others part at characters {parts})" if parts else "")
         )
-        [ask] = prompts(1)
-        alone = server.complete(ask, tokens)
-        if alone.decode_tps is None:  # the model ended the reply at once: no step to time
-            return {"rows": rows, "exact": exact, "join": joins}
-        alone_prefill = alone.ttft - 1 / alone.decode_tps
         log(
-            f"\nA client joining a running batch of N - 1: its time to first token beside "
-            f"its {len(ask)}-token prompt's prefill ({alone_prefill * 1e3:.0f} ms alone) "
-            "and the batch's decode step\n"
+            "\nA client joining a running batch of N - 1: its time to first token beside its "
+            "prompt's prefill (its time to first token alone, less a decode step alone, just "
+            "before) and the batch's decode step\n"
         )
-        log("| clients | join TTFT | batch decode step | beyond the prefill |")
-        log("|---|---|---|---|")
+        log("| clients | join TTFT | its prefill alone | batch decode step | beyond the prefill |")
+        log("|---|---|---|---|---|")
         for n in [n for n in clients if n > 1]:
-            j = join(server, prompts(n), tokens)
-            steps = (j["join_ttft_s"] - alone_prefill) / j["batch_step_s"]
-            joins[n] = j | {"prefill_s": alone_prefill, "steps_beyond_prefill": steps}
+            runs = []
+            for _ in range(reps):
+                ns = prompts(n)
+                alone = server.complete(ns[-1], tokens)
+                if alone.decode_tps is None:  # the model ended it at once: no step to time
+                    continue
+                j = join(server, ns, tokens)
+                j["prefill_s"] = alone.ttft - 1 / alone.decode_tps
+                j["steps_beyond_prefill"] = (j["join_ttft_s"] - j["prefill_s"]) / j["batch_step_s"]
+                runs.append(j)
+            if not runs:
+                continue
+            joins[n] = j = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             log(
-                f"| {n} | {j['join_ttft_s'] * 1e3:.0f} ms | {j['batch_step_s'] * 1e3:.0f} ms | "
-                f"{steps:.1f} steps |"
+                f"| {n} | {j['join_ttft_s'] * 1e3:.0f} ms | {j['prefill_s'] * 1e3:.0f} ms | "
+                f"{j['batch_step_s'] * 1e3:.0f} ms | {j['steps_beyond_prefill']:.1f} steps |"
             )
     finally:
         server.close()
