@@ -76,11 +76,15 @@ def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots):
                 time.sleep(0.01)
             gate.set()
             replies = [f.result() for f in futures]
-        stats = served.stats()["server"]
+        stats = served.stats()
+        stats, overcap = stats["server"], stats["cache"]["overcap_calls"]
     finally:
         gate.set()
         served.close()
     assert stats["mean_batch"] > 2, stats  # they did run side by side
+    # 8 MoE layers: beyond the prefill's one forward, decode steps of the batch whose
+    # union of experts overflowed the slots; none with every expert resident.
+    assert overcap > 8 if slots else overcap == 0
     sm = load(None, StreamConfig(expert_slots=slots))
     for request, reply in zip(REQUESTS, replies, strict=True):
         text, tokens, finish = alone(sm, request)
