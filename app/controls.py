@@ -48,11 +48,9 @@ LIVE_LABELS = {
 
 def summary(info: ModelInfo) -> str:
     """One line on the model and its pool."""
-    c = info.config
-    lo, hi = min(info.slots), max(info.slots)
-    slots = str(hi) if lo == hi else f"{lo}–{hi}"
-    # layers no layer prefetches for hold their side rows as real slots (layer_rows)
-    pairs = enumerate(zip(info.slots, info.pool_slots, strict=True))
+    c, plan = info.config, info.plan
+    # layers no layer prefetches for hold their side rows as real slots (held_rows)
+    pairs = enumerate(zip(plan.real_slots, plan.layer_slots, strict=True))
     moved = [str(i) for i, (n, held) in pairs if held != n]
     where = ""
     if len(moved) == 1:
@@ -61,8 +59,13 @@ def summary(info: ModelInfo) -> str:
         where = f" (MoE layers {', '.join(moved)} hold their side rows as slots)"
     return (
         f"{len(info.layers)} MoE layers × {info.num_experts} experts (top-{info.top_k})"
-        f" · {slots} slots + 2 × {c.side_slots} side rows{where}"
+        f" · {plan.slots_text()} slots + 2 × {c.side_slots} side rows{where}"
         f" · pool {human_bytes(info.pool_bytes)}"
+        + (
+            f" · host tier {plan.tier_slots} slots per layer ({human_bytes(plan.tier_bytes)})"
+            if plan.tier_slots
+            else ""
+        )
     )
 
 
@@ -167,9 +170,9 @@ class ControlsPanel(QWidget):
         c = info.config
         n = len(info.layers)
         # a token's top-k experts of a layer fit its real region together, as every front
-        # end requires (engine.open_model.check_real_slots)
+        # end requires (engine.memory_plan.check_real_slots)
         self.expert_slots.setRange(info.top_k, info.num_experts)
-        self.expert_slots.setValue(c.expert_slots or max(info.slots))
+        self.expert_slots.setValue(c.expert_slots or max(info.plan.real_slots))
         memory = c.expert_memory
         self.expert_memory.setText(
             "" if memory is None else memory if memory == "auto" else f"{memory / 2**30:g}GiB"

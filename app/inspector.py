@@ -29,6 +29,7 @@ from app.monitor import (
     row_info,
 )
 from app.worker import ModelInfo
+from engine.cache import NO_ROW
 from engine.memory import human_bytes
 
 BACKGROUND = "#1b1d23"
@@ -292,8 +293,9 @@ TOTALS = (
     ("side_hits", "side hits"),
     ("promotions", "promoted / declined"),
     ("pins_dropped", "pins dropped (cost hits)"),
-    ("prefetch", "prefetch used / issued"),
+    ("prefetch", "fills used / wasted"),
     ("prefetch_accuracy", "prefetch accuracy"),
+    ("prefetch_degree", "prefetch degree · threshold"),
     ("bytes_read", "read from disk"),
     ("host_tier", "host memory hits / bytes"),
     ("evictions", "evictions"),
@@ -302,6 +304,16 @@ TOTALS = (
     ("rss", "process memory (RSS)"),
     ("forward", "forward passes"),
 )
+
+
+def _degree_text(snap) -> str:
+    """The layers' prefetch degree (the experts a prediction fills) as their mean over
+    the layers that have side rows, and the threshold a fill must reach now."""
+    targets = (snap.side_state != NO_ROW).any(axis=1) if snap.side_state.size else []
+    degrees = snap.degree[targets] if len(targets) else snap.degree[:0]
+    if degrees.size == 0:
+        return "—"
+    return f"{degrees.mean():.1f} · {snap.threshold:.2f}"
 
 
 class InspectorPanel(QWidget):
@@ -409,12 +421,13 @@ class InspectorPanel(QWidget):
         row shows only where the model has a host tier (MLX CUDA)."""
         c = info.config
         n = len(info.layers)
-        self.occupancy.set_shape(n, max(info.pool_slots), c.side_slots)
+        self.occupancy.set_shape(n, max(info.plan.layer_slots), c.side_slots)
         self.frequency.set_shape(n, info.num_experts)
         self.occupancy.set_side_lfu(c.side_lfu)
         self.series.clear()
         self.pool_bytes = info.pool_bytes
-        self._place_totals([t for t in TOTALS if info.host_tier or t[0] != "host_tier"])
+        tier = info.plan.tier_slots > 0  # experts kept in host memory (MLX CUDA)
+        self._place_totals([t for t in TOTALS if tier or t[0] != "host_tier"])
 
     def show_snapshot(self, snap, now: float, tokens: int, full: bool = True) -> None:
         """Draws one poll: `snap`, at monotonic time `now`, `tokens` received so far.
@@ -435,8 +448,9 @@ class InspectorPanel(QWidget):
             "side_hits": f"{t['side_hits']:,}",
             "promotions": f"{t['promotions']:,} / {t['promotions_declined']:,}",
             "pins_dropped": f"{t['pins_dropped']:,}",
-            "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_issued']:,}",
+            "prefetch": f"{t['prefetch_used']:,} / {t['prefetch_wasted']:,}",
             "prefetch_accuracy": f"{t['prefetch_accuracy']:.1%}" if t["prefetch_issued"] else "—",
+            "prefetch_degree": _degree_text(snap),
             "bytes_read": human_bytes(t["bytes_read"]),
             "host_tier": (
                 f"{t['host_hits']:,} / {human_bytes(t['host_bytes'])}" if t["host_hits"] else "—"

@@ -277,7 +277,7 @@ class MainWindow(QMainWindow):
             self.info.config,
             # expert memory gives each layer its own slots: the advisor's uniform
             # equivalent is their mean
-            round(sum(self.info.slots) / len(self.info.slots)),
+            self.info.plan.mean_slots,
             self.info.budget,
             measured,
         )
@@ -345,7 +345,9 @@ class MainWindow(QMainWindow):
         snap = self.engine.snapshot()
         if info is None or snap is None:
             return
-        slots = max(info.pool_slots, default=0)  # the widest layer's (expert memory, side rows)
+        slots = max(
+            info.plan.layer_slots, default=0
+        )  # the widest layer's (expert memory, side rows)
         if snap.slot_expert.shape[1] != slots or snap.side_expert.shape[1] != (
             2 * info.config.side_slots
         ):

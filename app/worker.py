@@ -68,17 +68,16 @@ class ModelInfo:
     num_experts: int
     top_k: int
     config: object
-    slots: list[int]  # real-region slots per MoE layer the config gives (StreamedModel.real_slots)
-    # The pool's real slots per MoE layer (the cache's layer_slots): `slots`, plus their
-    # 2 x side rows in the layers no layer prefetches for (engine.cache.layer_rows).
-    pool_slots: list[int]
+    # The load's memory plan (engine.memory_plan.MemoryPlan): real_slots per MoE layer as
+    # the config gives them, layer_slots the pool's (the layers no layer prefetches for
+    # hold their 2 x side rows as slots), the host tier, bytes and the memory available.
+    plan: object
     chat_template: bool
     pool_bytes: int
-    budget: object  # engine.advisor.Budget
+    budget: object  # engine.advisor.Budget of the plan
     load_seconds: float
     context: int | None
     note: str = ""  # what the load changed of the settings asked for, and why
-    host_tier: bool = False  # experts kept in host memory (MLX CUDA's --host-memory)
 
 
 class ServiceThread:
@@ -211,13 +210,11 @@ class Worker(QObject):
                 )
 
             source = Path(default_model_path() if path is None else path)
-            too_large = []
             sm = open_model(
                 source,
                 app_config,
                 auto_when_too_large=overrides.get("expert_slots") is None
                 and overrides.get("expert_memory") is None,
-                on_auto=too_large.append,
                 progress=self._progress,
             )
         except _Cancelled:
@@ -231,10 +228,7 @@ class Worker(QObject):
         except Exception as e:  # noqa: BLE001  (any failure is reported, the app goes on)
             self.loadFailed.emit(f"could not open {path or 'the embedded model'}: {error_text(e)}")
             return
-        store, m, config = sm.store, sm.store.manifest, sm.config
-        note = _auto_note(too_large[0]) if too_large else ""
-        slots = list(sm.real_slots)
-        targets = [s > 0 for s in sm.cache.layer_side_slots]  # the layers prefetch fills
+        store, m = sm.store, sm.store.manifest
         old = self._sm
         with self._lock:
             self._sm = sm
@@ -249,16 +243,14 @@ class Worker(QObject):
                 layers=[s.layer for s in m.layers],
                 num_experts=m.num_experts,
                 top_k=m.top_k,
-                config=config,
+                config=sm.config,
+                plan=sm.plan,
                 chat_template=bool(getattr(sm.tokenizer, "chat_template", None)),
-                slots=slots,
-                pool_slots=list(sm.cache.layer_slots),
                 pool_bytes=pool_bytes(sm.cache),
-                budget=Budget.of(m, config, slots, targets),
+                budget=Budget.of(sm.plan),
                 load_seconds=time.monotonic() - t0,
                 context=store.context_length,
-                note=note,
-                host_tier=sm.predictor.tier_slots > 0,
+                note=_fallback_note(sm.plan),
             )
         )
 
@@ -332,18 +324,22 @@ def error_text(e: Exception) -> str:
     return text or f"an internal error ({type(e).__name__}, no message)"
 
 
-def _auto_note(t) -> str:
-    """The window's words for a load switched to expert memory auto
-    (`engine.open_model.TooLarge`): the app's default expert slots and the dense weights
-    exceed the memory available."""
+def _fallback_note(plan) -> str:
+    """What the load changed of the app's default pool size, in the window's words: ""
+    when nothing, else that the default did not fit (`MemoryPlan.fell_back`) and what
+    expert memory auto bought instead."""
     from engine.config import AUTO_MEMORY_FRACTION
     from engine.memory import human_bytes
 
+    if not plan.fell_back:
+        return ""
+    asked = plan.asked
     return (
-        f"The default {t.config.expert_slots} expert slots per layer ({human_bytes(t.pools)}) "
-        f"and the dense weights ({human_bytes(t.dense)}) exceed the "
-        f"{human_bytes(t.available)} of memory available: expert memory is set to auto "
-        f"({AUTO_MEMORY_FRACTION:.0%} of it), so the experts stream from disk"
+        f"The default {asked.config.expert_slots} expert slots per layer "
+        f"({human_bytes(asked.expert_bytes)}) and the dense weights "
+        f"({human_bytes(asked.dense_bytes)}) exceed the {human_bytes(plan.available)} of "
+        f"memory available: expert memory is set to auto ({AUTO_MEMORY_FRACTION:.0%} of it, "
+        f"{plan.slots_text()} slots per layer), so the experts stream from disk"
     )
 
 

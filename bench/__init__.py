@@ -10,7 +10,10 @@
   MIN) and suite 3 (`disk`: engine reads against raw pread bandwidth);
 - `scale`: suite 4 (`scale`: a Qwen3-30B-A3B-shaped synthetic store under 4 GiB);
 - `prefill`: time to first token of a long prompt (1,536 tokens) against resident at
-  100/25/12.5% of the experts (`bench.decode.prefill_suite`); `full` runs it too.
+  100/25/12.5% of the experts (`bench.decode.prefill_suite`); `full` runs it too;
+- `prefetch`: the adaptive prefetch degree against fixed side rows and prefetch off, on
+  the embedded model (trained routers) and a random-router synthetic store
+  (`bench.prefetch`).
 
 docs/benchmarks.md explains each figure and what limits it.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from bench.common import PROMPT, machine_load, prompt_ids
 from engine.model import load_store_tokenizer
 
-SUITES = ("quick", "full", "scale", "prefill")
+SUITES = ("quick", "full", "scale", "prefill", "prefetch")
 
 
 def routing_traces_dir() -> Path | None:
@@ -68,6 +71,12 @@ def run_suite(suite: str, out: str | Path, model: str | Path | None = None, log=
 
         results["scale"] = scale_suite(model, log=log)
         results["model"] = results["scale"]["store"]
+    elif suite == "prefetch":
+        from bench.prefetch import prefetch_suite
+
+        results["model"] = str(model or "the embedded model")
+        log("prefetch degree: adaptive against fixed side rows")
+        results["prefetch"] = prefetch_suite(model, log=log)
     elif suite == "prefill":
         from bench.decode import long_prompt, prefill_suite
         from engine.resources import default_model_path

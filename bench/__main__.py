@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
         default="quick",
         help="quick: tiny pass (CI); full: decode, time to first token, cache policies, "
         "I/O; scale: Qwen3-30B-A3B-shaped synthetic store under 4 GiB; prefill: time to "
-        "first token of a long prompt at 100/25/12.5%% of the experts (default: quick)",
+        "first token of a long prompt at 100/25/12.5%% of the experts; prefetch: the adaptive "
+        "prefetch degree against fixed side rows (default: quick)",
     )
     p.add_argument("--out", default="bench-out", help="results folder (default: bench-out)")
     p.add_argument(

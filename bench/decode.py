@@ -469,6 +469,8 @@ def prefill_suite(
         start = rnd % len(names)
         for name in names[start:] + names[:start]:
             onces[name].append(runs[name]())
+            # Each run as it ends: a suite stopped midway still says what it measured.
+            log(f"  {name}: {onces[name][-1]['timing'].prefill_s * 1e3:.0f} ms")
     rows = []
     first = onces[names[0]][0]["timing"]
     for name in names:

@@ -16,7 +16,9 @@ prefetch on and off, and with prefetch and the host tier warmed by one decode. E
 splits a decode token's time into the cache's acquire calls (demand reads included), the
 reads alone, and the rest (compute, graph building and any wait), with the bytes read
 from disk and copied from the host tier per token, the records demand-read and the
-prefetch fills (and of them used) per token, and the read rate while reading (bytes over
+prefetch fills per token (used and wasted) with the prefetch degree the run ended at
+(mean fills per prediction, `StreamConfig.adaptive_prefetch`), and the read rate while
+reading (bytes over
 the wall time with a read in flight, `reading_seconds`); the synthetic store's disk rows
 against `dd`'s own O_DIRECT rate of two of its blob files just before and just after the
 row (`dd_beside`).
@@ -54,7 +56,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from engine.cache import CRC32_IMPLEMENTATION, snapshot
+from engine.cache import CRC32_IMPLEMENTATION, NO_ROW, snapshot
 from engine.config import ConfigError, StreamConfig
 from engine.flags import positive_int
 from engine.model import load
@@ -90,8 +92,18 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
     n = max(len(out) - 1, 1)
     d = {
         k: after[k] - before[k]
-        for k in ("hits", "misses", "bytes_read", "host_bytes", "prefetch_issued", "prefetch_used")
+        for k in (
+            "hits",
+            "misses",
+            "bytes_read",
+            "host_bytes",
+            "prefetch_issued",
+            "prefetch_used",
+            "prefetch_wasted",
+        )
     }
+    snap = snapshot(sm.cache)
+    targets = (snap.side_state != NO_ROW).any(axis=1)  # the layers with side rows
     lookups = d["hits"] + d["misses"]
     acq = after["acquire_seconds"] - before["acquire_seconds"]
     rd = after["read_seconds"] - before["read_seconds"]
@@ -110,6 +122,11 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
         "demand_reads_per_token": d["misses"] / n,
         "fills_per_token": d["prefetch_issued"] / n,
         "fills_used_per_token": d["prefetch_used"] / n,
+        "fills_wasted_per_token": d["prefetch_wasted"] / n,
+        # where the adaptive degree ended: fills per prediction, mean over the layers with
+        # side rows, and the threshold a fill had to reach (StreamConfig.adaptive_prefetch)
+        "prefetch_degree": float(snap.degree[targets].mean()) if targets.any() else 0.0,
+        "prefetch_threshold": snap.kept_threshold,
         # Over the wall time with a read in flight (demand reads and fills counted
         # once where they overlap): the figure dd's rate compares with.
         "reading_ms_per_token": 1e3 * reading / n,
@@ -197,7 +214,8 @@ def row(label: str, r: dict, base: float) -> str:
         f"{r['read_ms_per_token']:.2f} | {r['other_ms_per_token']:.2f} | "
         f"{r['MB_read_per_token']:.1f} | {r['MB_host_per_token']:.1f} | "
         f"{r['demand_reads_per_token']:.1f} | {r['fills_per_token']:.1f} "
-        f"({r['fills_used_per_token']:.1f}) | "
+        f"({r['fills_used_per_token']:.1f}, {r['fills_wasted_per_token']:.1f}) · "
+        f"{r['prefetch_degree']:.1f} | "
         f"{r['reading_ms_per_token']:.2f} | {r['MBps_while_reading']:.0f} | "
         + (f"{dd:.0f} | {r['MBps_while_reading'] / dd:.2f} | " if dd else " | | ")
         + f"{r.get('same_tokens', '')} |"
@@ -207,7 +225,7 @@ def row(label: str, r: dict, base: float) -> str:
 HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | ms/token | acquire ms | of it reads ms "
     "| rest ms | MB read/token | MB from host tier/token | demand reads/token "
-    "| fills/token (used) | ms with a read in flight | MB/s while reading "
+    "| fills/token (used, wasted) · degree | ms with a read in flight | MB/s while reading "
     "| dd MB/s beside | ÷ dd | same tokens as baseline |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
@@ -387,7 +405,8 @@ def synthetic(
 
 def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
     """Time to first token (module docstring): the embedded model, or `store` at each
-    prompt length of `lengths`."""
+    prompt length of `lengths` (past 8,192 tokens the 100% row alone), and where one
+    forward of the first length's time goes (`prefill_split`, up to 8,192 tokens)."""
     from bench.common import prompt_ids
     from bench.decode import long_prompt, prefill_suite
     from engine.model import load_store_tokenizer, resolve_store
@@ -407,12 +426,13 @@ def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
         # enough, else expert-major at 100% (whose own check compares the first chunk
         # of every layer kind with mlx-lm's form).
         configs = {"100%, mlx-lm's form": (1.0, {"expert_major": "off"})} if n <= 8192 else {}
-        configs |= {
-            "100%": (1.0, {}),
-            "25%, host tier": (0.25, {"uncached_io": False}),
-            "25%, host tier warm": (0.25, {"uncached_io": False, "warm": True}),
-            "25%, O_DIRECT": (0.25, {"uncached_io": True, "host_memory": None}),
-        }
+        configs["100%"] = (1.0, {})
+        if n <= 8192:  # past it the device's time goes to the 100% row
+            configs |= {
+                "25%, host tier": (0.25, {"uncached_io": False}),
+                "25%, host tier warm": (0.25, {"uncached_io": False, "warm": True}),
+                "25%, O_DIRECT": (0.25, {"uncached_io": True, "host_memory": None}),
+            }
         log(f"\n### Time to first token, synthetic store, {n} tokens\n")
         before = dd_beside(store)
         # Past 2,048 tokens: one round, no warm-up (the shorter prompt's compiled the
@@ -424,8 +444,11 @@ def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
         after = dd_beside(store)
         out[str(n)]["dd_MBps"] = (before + after) / 2 if before and after else 0.0
         log(f"\ndd O_DIRECT beside these rows: {out[str(n)]['dd_MBps']:.0f} MB/s")
-    log("\n### Where a prefill's time goes, synthetic store, 100%, one forward\n")
-    out["split"] = {form: prefill_split(store, min(lengths), form, log) for form in ("off", "auto")}
+    if lengths[0] <= 8192:  # mlx-lm's form of longer prompts takes minutes
+        log("\n### Where a prefill's time goes, synthetic store, 100%, one forward\n")
+        out["split"] = {
+            form: prefill_split(store, lengths[0], form, log) for form in ("off", "auto")
+        }
     return out
 
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import prompt_ids, timed_generate
-from engine.cache import CRC32_IMPLEMENTATION, default_reader_threads, open_cache, snapshot
+from engine.cache import CRC32_IMPLEMENTATION, open_cache, snapshot
 from engine.config import StreamConfig
 from engine.flags import positive_int
+from engine.memory_plan import default_reader_threads
 from engine.model import load
 from engine.store import ExpertStore
 

@@ -300,6 +300,35 @@ def prefill_markdown(p: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def prefetch_markdown(res: dict) -> str:
+    """The prefetch suite (`bench.prefetch`): a table per model, tok/s as a ratio of the
+    best fixed setting's."""
+    out = ["## Prefetch degree: adaptive against fixed side rows\n"]
+    for kind, r in res.items():
+        rows = r["rows"]
+        fixed = [x for x in rows if "fixed" in x["name"] or x["name"] == "prefetch off"]
+        best = max(fixed, key=lambda x: x["decode_tps"])
+        out.append(
+            f"{kind} routers, {r['fraction']:.0%} of {r['num_experts']} experts in the real "
+            f"regions (top-{r['top_k']}); best fixed: {best['name']}\n"
+        )
+        out.append(
+            "| run | decode tok/s (min..max) | ÷ best fixed | hit rate | fills / token "
+            "(used, wasted) | degree | threshold |\n|---|---|---|---|---|---|---|"
+        )
+        for x in rows:
+            lo, hi = x["decode_tps_spread"]
+            threshold = f"{x['threshold']:.2f}" if "adaptive" in x["name"] else "—"
+            out.append(
+                f"| {x['name']} | {x['decode_tps']:.1f} ({lo:.1f}..{hi:.1f}) | "
+                f"{x['decode_tps'] / best['decode_tps']:.2f} | {x['hit_rate']:.1%} | "
+                f"{x['fills_per_token']:.1f} ({x['used_per_token']:.1f}, "
+                f"{x['wasted_per_token']:.1f}) | {x['degree']:.1f} | {threshold} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     out = [
@@ -323,6 +352,8 @@ def markdown(results: dict) -> str:
         out.append(io_markdown(results["io"]))
     if "scale" in results:
         out.append(scale_markdown(results["scale"]))
+    if "prefetch" in results:
+        out.append(prefetch_markdown(results["prefetch"]))
     if results.get("plots"):
         out.append("## Plots\n")
         out.extend(f"![{p}]({p})" for p in results["plots"])

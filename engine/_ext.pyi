@@ -36,6 +36,11 @@ def planned_bytes(rows: Sequence[int], record_bytes: Sequence[int], num_experts:
         ValueError: rows and record_bytes differ in length.
     """
 
+def staging_slot_size(record_bytes: int, segments: int) -> int:
+    """
+    Bytes of one staging or host-tier slot that holds a record of `record_bytes` bytes in `segments` segments (each 16-byte aligned, slots 256-byte aligned): what a host tier is sized by, per slot of its widest record.
+    """
+
 def crc32_implementation() -> str:
     """
     Which library computes record checksums: "libdeflate" where the build found it, else "zlib" (the same values; libdeflate is several times faster).
@@ -154,7 +159,7 @@ class ExpertCache:
     check, the properties and the live toggles may be used from any thread.
     """
 
-    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify_checksums: bool = True, uncached_io: bool = True, reader_threads: int = 2, read_timeout_s: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0) -> None:
+    def __init__(self, layers: list, num_experts: int, expert_slots: int, side_slots: int = 0, scratch_slots: int = 1, policy: str = 'predictive', decay_every: int = 256, side_lfu: bool = True, sync: bool = False, verify_checksums: bool = True, uncached_io: bool = True, reader_threads: int = 2, read_timeout_s: float = 30.0, top_k: int = 0, layer_slots: Sequence[int] = [], layer_side_slots: Sequence[int] = [], io_uring: bool = True, io_uring_depth: int = 0, adaptive_prefetch: bool = True) -> None:
         """
         Opens the blob files and allocates every pool.
 
@@ -188,6 +193,10 @@ class ExpertCache:
                 threads. Prefetch fills always use the reader threads.
             io_uring_depth: demand reads in flight through io_uring, one read buffer (a
                 record's stride) each, in [0, 4096] (0: `io_uring_depth`'s).
+            adaptive_prefetch: how many of a prediction's experts each layer fills (its prefetch
+                degree, up to its side slots) decided at run time from how often each rank of its
+                predictions is routed to and from the forward times measured at neighbouring
+                thresholds (prefetch_threshold); False: every prediction fills its side_slots.
 
         Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -643,6 +652,18 @@ class ExpertCache:
         """Prefetch fills in flight, all layers."""
 
     @property
+    def prefetch_threshold(self) -> float:
+        """
+        The usefulness a prefetch fill must reach to be made in the forward under way: the share of a prediction rank's experts routed to (0: every side row, above 1: none). With adaptive_prefetch it is measured: decode forwards alternate between the threshold kept (kept_prefetch_threshold) and a neighbour, and the faster is kept; without, 0.
+        """
+
+    @property
+    def kept_prefetch_threshold(self) -> float:
+        """
+        The prefetch threshold the comparisons of forward times settled on so far (prefetch_threshold).
+        """
+
+    @property
     def reading_seconds(self) -> float:
         """
         Wall time, in seconds, during which at least one record read of this cache was in flight (demand reads, prefetch fills and scratch streams of every layer, reads that overlap counted once): bytes_read over it is the read rate while reading, the figure a disk's own sequential rate (dd) compares with.
@@ -663,7 +684,8 @@ class ExpertCache:
             uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
             side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
             frequencies; stats, a dict of the counters STAT_KEYS names (int; the *_seconds ones
-            float seconds).
+            float seconds); prefetch_degree (int), the experts of a prediction for the layer
+            that are filled now (at most its side slots; see prefetch_threshold).
 
         Raises:
             IndexError: `layer` out of range.

@@ -5,11 +5,13 @@ real-region budgets under the session's policy, LRU and Belady's MIN, giving hit
 budget in slots per layer and in bytes. With the figures measured in the session that
 recorded the trace (`Measured`), `estimate_tps` turns each budget's misses into decode
 tokens/s: per token, the compute time measured at the current budget plus one read of
-`record_bytes` at the measured read rate per miss. `advise` picks a budget and says it
-in one line. Measured figures are the session's; everything at another budget is an
-estimate (the replay models the real region only: prefetch into the side region is not
-replayed). `advice_for` is the one advice session of the front ends (the CLI's `advise`,
-the app's Advisor tab): sweep, estimate, advise.
+`record_bytes` at the measured read rate per miss that the host tier does not hold (a
+miss the tier holds is a copy, which the measured time per token holds as it does the
+compute). `advise` picks a budget and says it in one line. Measured figures are the
+session's; everything at another budget is an estimate (the replay models the real
+region only: prefetch into the side region is not replayed). `advice_for` is the one
+advice session of the front ends (the CLI's `advise`, the app's Advisor tab): sweep,
+estimate, advise.
 """
 
 import importlib.util
@@ -36,35 +38,31 @@ class Budget:
         slots_per_layer: the current expert_slots.
         pool_bytes: expert memory now: the records of every MoE layer's pool (real
             slots, side rows and scratch rows), bytes, as `engine.cache.pool_bytes`
-            counts them (not the tables and read buffers `planned_pool_bytes` adds).
+            counts them (not the tables and read buffers `MemoryPlan.pool_bytes` adds).
         slot_bytes: bytes one more slot per layer costs (the sum of the layers' record
             sizes).
         record_bytes: bytes read per miss (mean record size over layers).
+        tier_slots: host-tier slots per layer (`engine.memory_plan.MemoryPlan.
+            tier_slots`; 0: no tier): a miss the tier holds is copied from host memory,
+            not read.
     """
 
     slots_per_layer: int
     pool_bytes: int
     slot_bytes: int
     record_bytes: int
+    tier_slots: int = 0
 
     @classmethod
-    def of(cls, manifest, config, layer_slots: list[int] | None = None, targets=None) -> "Budget":
-        """The budget of a store's `manifest` (engine.store.Manifest) under StreamConfig
-        `config`; `layer_slots`: the real slots per layer the config gives where they
-        differ (expert_memory), the largest standing for slots_per_layer; `targets`:
-        whether each layer is a prefetch target (default: every router found), the
-        others holding their side rows as slots (`engine.cache.held_rows`)."""
-        from engine.cache import pool_rows
-        from engine.predictor import prefetch_targets
-
-        n = len(manifest.layers)
-        slots = layer_slots or [config.expert_slots or manifest.num_experts] * n
-        targets = prefetch_targets([True] * n) if targets is None else targets
-        rows = pool_rows(slots, config, manifest.num_experts, manifest.top_k, targets)
-        records = [spec.record_bytes for spec in manifest.layers]
+    def of(cls, plan) -> "Budget":
+        """The budget of a load's memory plan (`engine.memory_plan.MemoryPlan`): its
+        real slots per layer (the largest standing for slots_per_layer where they differ:
+        expert_memory) and its pools' records (the layers no layer prefetches for hold
+        their side rows as slots, `engine.memory_plan.held_rows`)."""
+        records = plan.record_bytes
         row = sum(records)  # a pool row holds one record per layer
-        pool = sum(k * r for k, r in zip(rows, records, strict=True))
-        return cls(max(slots), pool, row, round(row / len(records)))
+        pool = sum(k * r for k, r in zip(plan.pool_rows, records, strict=True))
+        return cls(max(plan.real_slots), pool, row, round(row / len(records)), plan.tier_slots)
 
     def bytes_at(self, slots: int) -> int:
         """Expert memory with `slots` real slots per layer, bytes."""
@@ -240,10 +238,13 @@ def sweep(
 def estimate_tps(curve: Curve, budget: Budget, measured: Measured | None) -> Curve:
     """Adds the budgets' bytes and, with `measured`, the estimated decode tokens/s.
 
-    Per token, the read time at a budget is misses per token x record_bytes /
-    read_Bps (misses from the replayed hit rate); the rest of the measured token time
-    at the current budget is compute, the same at every budget (at least a tenth of
-    the token time: prefetch may hide reads the replay counts). Returns `curve`.
+    Per token, the read time at a budget is reads per token x record_bytes / read_Bps:
+    the misses of the replayed hit rate at that budget, less those the host tier holds
+    (`Budget.tier_slots`: the tier keeps what was read, so with t tier slots a budget
+    of c slots reads as a real region of max(c, t) would, its hit rate interpolated
+    between the budgets swept); the rest of the measured token time at the current
+    budget is compute and copies, the same at every budget (at least a tenth of the
+    token time: prefetch may hide reads the replay counts). Returns `curve`.
     """
     curve.budget = budget
     curve.bytes = [budget.bytes_at(c) for c in curve.slots]
@@ -252,12 +253,25 @@ def estimate_tps(curve: Curve, budget: Budget, measured: Measured | None) -> Cur
         return curve
     per_miss = budget.record_bytes / measured.read_Bps
     rates = curve.hit_rate[curve.policy]
-    reads = [(1.0 - h) * curve.lookups_per_token * per_miss for h in rates]
+    tier = _hit_at(curve.slots, rates, budget.tier_slots) if budget.tier_slots else 0.0
+    reads = [(1.0 - max(h, tier)) * curve.lookups_per_token * per_miss for h in rates]
     token = 1.0 / measured.decode_tps
     compute = max(token - reads[curve.slots.index(curve.current)], 0.1 * token)
     curve.compute_s = compute
     curve.tps = [1.0 / (compute + r) for r in reads]
     return curve
+
+
+def _hit_at(slots: list[int], rates: list[float], at: int) -> float:
+    """The hit rate of a real region of `at` slots, linear between the budgets swept
+    (`slots`, ascending; the last one's beyond it, the first one's below)."""
+    if at >= slots[-1]:
+        return rates[-1]
+    if at <= slots[0]:
+        return rates[0]
+    i = next(i for i, s in enumerate(slots) if s >= at)
+    lo, hi = slots[i - 1], slots[i]
+    return rates[i - 1] + (rates[i] - rates[i - 1]) * (at - lo) / (hi - lo)
 
 
 @dataclass(frozen=True)

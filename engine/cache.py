@@ -1,32 +1,26 @@
 """The typed facade of the native expert cache: opening it, and reading its state as data.
 
-`open_cache` turns an `ExpertStore` and a `StreamConfig` into an `engine._ext.ExpertCache`
-(the pools, real regions, side ledgers and reader pool of docs/architecture.md; its
-methods are typed and documented in `engine/_ext.pyi`), sized here: real slots, side and
-scratch rows, reader threads and read buffers (`real_slots`, `pool_rows`,
-`planned_pool_bytes`). `CacheSnapshot` is what the app polls: numpy arrays copied under
-the cache's lock, safe to read on any thread; `pool_bytes` is the memory the pools hold.
+`open_planned` turns an `ExpertStore`, a `StreamConfig` and the load's memory plan
+(`engine.memory_plan.MemoryPlan`: real slots, side and scratch rows, reader threads and
+read buffers) into an `engine._ext.ExpertCache` (the pools, real regions, side ledgers and
+reader pool of docs/architecture.md; its methods are typed and documented in
+`engine/_ext.pyi`); `open_cache` plans and opens in one call. `CacheSnapshot` is what the
+app polls: numpy arrays copied under the cache's lock, safe to read on any thread;
+`pool_bytes` is the memory the pools hold.
 Everything outside the engine (the app, the benchmarks) uses this module, never
 `engine._ext` itself: the error types, the state codes and the counters' names are here
 too.
 """
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import mlx.core as mx  # before the extension, which links against it
+import mlx.core  # noqa: F401  (before the extension, which links against it)
 import numpy as np
 
 from engine import _ext
-from engine.config import (
-    AUTO_MEMORY_FRACTION,
-    ConfigError,
-    PoolMemoryError,
-    StreamConfig,
-    check_budget,
-)
-from engine.memory import available_bytes, human_bytes
+from engine.config import PoolMemoryError, StreamConfig
+from engine.memory_plan import MemoryPlan, plan_memory
 from engine.store import ExpertStore, LayerSpec
 
 ExpertCache = _ext.ExpertCache
@@ -44,7 +38,7 @@ ROW_FREE = _ext.ROW_FREE
 ROW_IN_FLIGHT = _ext.ROW_IN_FLIGHT
 ROW_PUBLISHED = _ext.ROW_PUBLISHED
 # slot_state / side_state of a snapshot where a layer has no pool row: a layer with fewer
-# real slots (expert_memory) or side rows (`layer_rows`) than the widest.
+# real slots (expert_memory) or side rows (`engine.memory_plan.held_rows`) than the widest.
 NO_ROW = _ext.NO_ROW
 # Which library checks record checksums: "libdeflate" where the build found it, else "zlib".
 CRC32_IMPLEMENTATION = _ext.crc32_implementation()
@@ -78,259 +72,42 @@ REPORTED_STATS = (
 )
 
 
-def default_reader_threads(top_k: int) -> int:
-    """Reader threads when `StreamConfig.reader_threads` is None: min(8, 2 x usable CPUs)
-    (reads wait on the disk far more than they compute, and uncached random reads gain
-    bandwidth from several readers in flight), and never fewer than
-    top_k - 1, so that one token's misses of a layer are all in flight together (the
-    pool adds a demand-only thread). At most 16."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(16, max(min(8, 2 * (cpus or 1)), top_k - 1))
-
-
-def reader_threads(store: ExpertStore, config: StreamConfig) -> int:
-    """The reader threads the cache of `store` gets: `config.reader_threads`, or by
-    default `default_reader_threads(top_k)`."""
-    return config.reader_threads or default_reader_threads(store.manifest.top_k)
-
-
-def layer_slots(records: list[int], num_experts: int, top_k: int, budget: int) -> list[int]:
-    """Real-region slots per MoE layer for `budget` bytes of records in all layers
-    together, each layer's slot costing its record size (records differ per layer in
-    mixed-quantization models): top_k slots each first, then, round after round, one
-    more slot for every layer that still fits it, smaller records first, up to every
-    expert: every layer caches about the same share of its experts (a slot saves reads
-    of its own record size, so a byte buys as much in every layer), and the bytes left
-    over go to the layers of smaller records.
-
-    Raises:
-        ValueError: `budget` is below top_k records per layer (`check_budget`).
-    """
-    check_budget(budget, records, top_k)
-    slots = [top_k] * len(records)
-    left = budget - top_k * sum(records)
-    order = sorted(range(len(records)), key=lambda li: (records[li], li))
-    grew = True
-    while grew:
-        grew = False
-        for li in order:
-            if slots[li] < num_experts and records[li] <= left:
-                slots[li] += 1
-                left -= records[li]
-                grew = True
-    return slots
-
-
-def real_slots(
-    store: ExpertStore, config: StreamConfig, specs: Sequence[LayerSpec] | None = None
-) -> list[int]:
-    """Real-region slots of each of the MoE layers `specs` of `store` (default: all; a
-    pipeline stage passes its own, and its expert_memory is its own) under `config`:
-    expert_slots (every expert when None), or by expert_memory (`layer_slots`; "auto":
-    `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes`, or of the physical memory
-    where that is unknown).
-
-    Raises:
-        ConfigError: expert_slots, side_slots or scratch_slots exceed the store's expert
-            count (`StreamConfig.check_experts`), or expert_memory is below top-k records
-            per layer.
-    """
-    m = store.manifest
-    specs = m.layers if specs is None else specs
-    config.check_experts(m.num_experts)
-    if config.expert_memory is None:
-        return [m.num_experts if config.expert_slots is None else config.expert_slots] * len(specs)
-    if not specs:
-        return []
-    budget = config.expert_memory
-    if budget == "auto":
-        known = available_bytes()
-        if known is None:
-            known = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = int(AUTO_MEMORY_FRACTION * known)
-    try:
-        return layer_slots([s.record_bytes for s in specs], m.num_experts, m.top_k, budget)
-    except ValueError as e:
-        raise ConfigError("expert_memory", config.expert_memory, str(e)) from None
-
-
-def layer_rows(
-    store: ExpertStore,
-    config: StreamConfig,
-    specs: Sequence[LayerSpec] | None = None,
-    targets: Sequence[bool] | None = None,
-    real: Sequence[int] | None = None,
-) -> tuple[list[int], list[int]]:
-    """(real slots, side rows per bank) of each of the MoE layers `specs` of `store`
-    (default: all) under `config`: `real` (default: `real_slots`), and side_slots for
-    each prefetch target (`targets[i]`, from `engine.predictor.prefetch_targets`;
-    default: every layer); `held_rows` says how.
-
-    Raises:
-        ConfigError: as `real_slots`.
-    """
-    real = real_slots(store, config, specs) if real is None else real
-    return held_rows(real, config.side_slots, store.manifest.num_experts, targets)
-
-
-def held_rows(
-    real: Sequence[int],
-    side_slots: int,
-    num_experts: int,
-    targets: Sequence[bool] | None = None,
-) -> tuple[list[int], list[int]]:
-    """(real slots, side rows per bank) the cache gives MoE layers of `real[i]` real
-    slots under `side_slots`: side_slots rows per bank for each prefetch target
-    (`targets[i]`; default: every layer).
-
-    A layer that no layer prefetches for (the first, or one without a router) holds its
-    2 x side_slots rows as real slots instead, up to every expert: no more memory, and
-    fewer misses where no prediction can help (side rows nobody fills would sit empty).
-    """
-    side = [side_slots if targets is None or t else 0 for t in targets or real]
-    held = [min(n + 2 * (side_slots - s), num_experts) for n, s in zip(real, side, strict=True)]
-    return held, side
-
-
-def pool_rows(
-    real: Sequence[int],
-    config: StreamConfig,
-    num_experts: int,
-    top_k: int,
-    targets: Sequence[bool] | None = None,
-) -> list[int]:
-    """Pool rows of MoE layers of `real[i]` real slots under `config` (`targets` as
-    `held_rows`): each layer's held real slots + 2 x its side rows + scratch_slots
-    (`scratch_rows`). A row holds one record of its layer."""
-    held, side = held_rows(real, config.side_slots, num_experts, targets)
-    scratch = scratch_rows(config, top_k)
-    return [n + 2 * s + scratch for n, s in zip(held, side, strict=True)]
-
-
-def scratch_rows(config: StreamConfig, top_k: int) -> int:
-    """Scratch rows per MoE layer under `config`: scratch_slots, or by default top_k, and
-    1 (the least a pool has) where the pools are CUDA memory, whose over-capacity calls
-    use the layer scratch instead (`cuda_pools`)."""
-    return config.scratch_slots or (1 if cuda_pools() else top_k)
-
-
-def planned_pool_bytes(
-    store: ExpertStore,
-    config: StreamConfig,
-    specs: Sequence[LayerSpec] | None = None,
-    targets: Sequence[bool] | None = None,
-    real: Sequence[int] | None = None,
-) -> tuple[int, int]:
-    """(bytes, rows of the largest layer) the native cache will allocate for the MoE
-    layers `specs` of `store` (default: all) under `config` (`engine._ext.planned_bytes`):
-    every layer's pool (`pool_rows`; `targets` as there, `real` as `layer_rows`) and its
-    expert table, plus one read buffer (a record's stride) per reader thread, and with
-    `io_uring` one per demand read in flight (`io_uring_depth`); where the pools are CUDA
-    memory, also the layer scratch of a long prompt (`layer_scratch_bytes`). More than
-    `pool_bytes` of the opened cache, which counts the pools' records only."""
-    m = store.manifest
-    specs = m.layers if specs is None else specs
-    real = real_slots(store, config, specs) if real is None else real
-    rows = pool_rows(real, config, m.num_experts, m.top_k, targets)
-    largest = max((s.stride for s in specs), default=0)
-    threads = reader_threads(store, config)
-    depth = io_uring_depth(threads, m.top_k, largest) if config.io_uring else 0
-    records = [s.record_bytes for s in specs]
-    total = _ext.planned_bytes(rows, records, m.num_experts, threads, largest, depth)
-    if cuda_pools():
-        total += layer_scratch_bytes(specs, m.num_experts)
-    return total, max(rows, default=0)
-
-
-def cuda_pools() -> bool:
-    """Whether the pools of a cache opened now are CUDA memory (MLX's default device is
-    a CUDA GPU): its over-capacity calls then use the layer scratch
-    (`Predictor.layer_scratch`)."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() != mx.cpu and cuda is not None and cuda.is_available()
-
-
-def layer_scratch_bytes(specs: Sequence[LayerSpec], num_experts: int) -> int:
-    """Bytes of device memory the layer scratch of `specs` takes (`ExpertCache.
-    layer_scratch`: two banks of num_experts records for each segment layout), and as
-    many of page-locked host staging."""
-    layouts = {
-        tuple(
-            (g.key, g.dtype, tuple(g.shape), g.offset, g.nbytes) for g in s.segments
-        ): s.record_bytes
-        for s in specs
-    }
-    return 2 * num_experts * sum(layouts.values())
-
-
-def check_pool_fits(
-    store: ExpertStore,
-    config: StreamConfig,
-    available: int | None,
-    specs: Sequence[LayerSpec] | None = None,
-    targets: Sequence[bool] | None = None,
-    real: Sequence[int] | None = None,
-) -> None:
-    """Refuses pools that, with the dense weights the load holds beside them, exceed
-    `available` bytes (None: unknown, nothing refused), for the MoE layers `specs` of
-    `store` (default: all) sized as `layer_rows` sizes them (`targets`, `real` as
-    there; by default every layer a prefetch target: no fewer bytes than any other
-    targets give). The dense weights are `manifest.dense_bytes`; a pipeline
-    stage (`specs` a part of the layers) counts its MoE layers' share of them, as it
-    loads only its layers' weights.
-
-    Raises:
-        PoolMemoryError: naming the size asked for, the layers, rows and record size, the
-            dense weights, and the flag to change (the sizing one the user gave).
-    """
-    need, rows = planned_pool_bytes(store, config, specs, targets, real)
-    m = store.manifest
-    specs = m.layers if specs is None else specs
-    dense = m.dense_bytes * len(specs) // max(1, len(m.layers))
-    if available is None or need + dense <= available:
-        return
-    largest = max((s.record_bytes for s in specs), default=0)
-    what = (
-        f"{store.path}: the expert pools need {human_bytes(need)} ({len(specs)} MoE "
-        f"layers x {rows} rows (expert_slots + 2 x side_slots + scratch_slots) x records of "
-        f"up to {human_bytes(largest)}{', and the layer scratch' if cuda_pools() else ''}) "
-        f"and the dense weights {human_bytes(dense)}, "
-        f"{human_bytes(need + dense)} together, but {human_bytes(available)} of memory "
-        "is available"
-    )
-    raise PoolMemoryError(what, config)
-
-
 def open_cache(
     store: ExpertStore,
     config: StreamConfig,
     specs: Sequence[LayerSpec] | None = None,
     targets: Sequence[bool] | None = None,
-    real: Sequence[int] | None = None,
+) -> _ext.ExpertCache:
+    """`open_planned` with the plan of `config` (`engine.memory_plan.plan_memory` of
+    `specs` and `targets`, as there): a cache outside a model load (the benchmarks, the
+    replay, tests).
+
+    Raises:
+        as `plan_memory` and `open_planned`.
+    """
+    return open_planned(store, plan_memory(store, config, specs, targets), specs)
+
+
+def open_planned(
+    store: ExpertStore, plan: MemoryPlan, specs: Sequence[LayerSpec] | None = None
 ) -> _ext.ExpertCache:
     """Allocates the pools of the MoE layers `specs` of `store` (default: all; a pipeline
-    stage passes its own) and opens their blob files. The cache's layer i is specs[i];
-    `targets[i]`: whether layer i is a prefetch target (default: every layer); `real`:
-    the real slots the config gives each (default: `real_slots`; a caller that keeps
-    them passes its own, as expert_memory "auto" reads the memory available each time).
+    stage passes its own) as `plan` sizes them (`engine.memory_plan.MemoryPlan`, checked
+    against the memory available when it was made) and opens their blob files; the
+    plan's config gives the rest (policy, reads, checksums). The cache's layer i is
+    specs[i].
 
-    Pool rows per layer: its real slots + 2 * its side rows (`layer_rows`: expert_slots
-    or by expert_memory, side_slots where prefetch fills them) + scratch_slots, each one
-    record (`stride` bytes at most) spread over the segment arrays. Nothing is read yet
-    (see `fill_whole_layers`).
+    Pool rows per layer: its real slots + 2 * its side rows + the scratch rows
+    (`MemoryPlan.pool_rows`), each one record (`stride` bytes at most) spread over the
+    segment arrays. Nothing is read yet (see `fill_whole_layers`).
 
     Raises:
         engine.cache.ExpertReadError: a blob file cannot be opened or has the wrong size.
-        ConfigError: as `real_slots`.
-        PoolMemoryError: the pools do not fit in the memory available (checked before
-            anything is allocated; also when the native allocation itself fails).
+        PoolMemoryError: the native allocation failed.
     """
-    m = store.manifest
+    m, config = store.manifest, plan.config
     specs = m.layers if specs is None else specs
-    if real is None:
-        real = real_slots(store, config, specs)  # "auto": the memory available once
-    slots, side = layer_rows(store, config, specs, targets, real)
-    check_pool_fits(store, config, available_bytes(), specs, targets, real)
+    slots, side = list(plan.layer_slots), list(plan.side_rows)
     layers = [
         {
             "layer": spec.layer,
@@ -358,24 +135,23 @@ def open_cache(
             # a pipeline stage of dense layers only has no MoE layer to size by
             expert_slots=max(slots) if slots else (config.expert_slots or m.num_experts),
             side_slots=config.side_slots,
-            scratch_slots=scratch_rows(config, m.top_k),
+            scratch_slots=plan.scratch_rows,
             policy=config.policy,
             decay_every=config.decay_every,
             side_lfu=config.side_lfu,
             sync=config.sync,
             verify_checksums=config.verify_checksums,
             uncached_io=config.uncached_io,
-            reader_threads=reader_threads(store, config),
+            reader_threads=plan.reader_threads,
             read_timeout_s=config.read_timeout_s,
             top_k=m.top_k,
             layer_slots=slots,
             layer_side_slots=side,
             io_uring=config.io_uring,
-            io_uring_depth=io_uring_depth(
-                reader_threads(store, config), m.top_k, max((s.stride for s in specs), default=0)
-            ),
+            io_uring_depth=plan.io_uring_depth,
+            adaptive_prefetch=config.adaptive_prefetch,
         )
-    except MemoryError as e:  # the native allocation failed after all (see check_pool_fits)
+    except MemoryError as e:  # the native allocation failed after all (see plan_memory)
         raise PoolMemoryError(f"{store.path}: {e}", config) from None
     return cache
 
@@ -404,8 +180,13 @@ class CacheSnapshot:
         side_expert: (n, 2 * side_slots) int32, expert of each side row (bank 0 then 1;
             the persistent LFU mode keeps one region over both banks' rows).
         side_state: (n, 2 * side_slots) uint8, ROW_* codes (NO_ROW past a layer's rows:
-            a layer that is no prefetch target has none, `layer_rows`).
+            a layer that is no prefetch target has none, `engine.memory_plan.held_rows`).
         freq: (n, num_experts) float32, LFU frequency per expert.
+        degree: (n,) int32, the experts of a prediction each layer fills now (its
+            prefetch degree: at most its side rows, `StreamConfig.adaptive_prefetch`).
+        threshold: the usefulness a fill must reach in the forward under way, and
+            `kept_threshold` the one the throttle settled on (`ExpertCache.
+            prefetch_threshold`; 0 without adaptive prefetch: every side row).
         stats: {key: (n,) array} per-layer counters, keys `STAT_KEYS` (read_seconds and
             acquire_seconds in seconds: time reading records, and time inside acquire
             calls with their demand reads; bytes_read in bytes; the rest counts;
@@ -428,6 +209,9 @@ class CacheSnapshot:
     side_expert: np.ndarray
     side_state: np.ndarray
     freq: np.ndarray
+    degree: np.ndarray
+    threshold: float
+    kept_threshold: float
     stats: dict
     inflight: int
     forward: int
@@ -482,6 +266,9 @@ def snapshot(cache: _ext.ExpertCache) -> CacheSnapshot:
         side_expert=padded("side_expert", side_rows, np.int32(-1)),
         side_state=padded("side_state", side_rows, np.uint8(NO_ROW)),
         freq=padded("freq", cache.num_experts, np.float32(0)),
+        degree=np.array([p["prefetch_degree"] for p in per], np.int32),
+        threshold=cache.prefetch_threshold,
+        kept_threshold=cache.kept_prefetch_threshold,
         stats={k: np.array([p["stats"][k] for p in per]) for k in STAT_KEYS},
         inflight=cache.inflight,
         forward=cache.forward,

@@ -92,17 +92,18 @@ def _convert(args) -> int:
 def _load(model: str | Path | None, config):
     """`engine.open_model.open_model` for one process: a model directory's first-use
     convert says so on stderr (`_convert_progress`), and without --expert-slots or
-    --expert-memory (every expert), a model whose experts and dense weights exceed the
-    memory available is streamed with --expert-memory auto instead, said on stderr."""
+    --expert-memory (every expert), a model whose plan exceeds the memory available is
+    streamed with --expert-memory auto instead, said on stderr with what auto bought
+    (`engine.memory_plan.MemoryPlan.words`)."""
     from engine.open_model import open_model
     from engine.resources import default_model_path
 
-    def say_auto(t) -> None:
+    def say_auto(plan) -> None:
         print(
-            f"note: every expert ({human_bytes(t.pools)}) and the dense weights "
-            f"({human_bytes(t.dense)}) exceed the {human_bytes(t.available)} of memory "
-            "available: streaming with --expert-memory auto (--expert-slots or "
-            "--expert-memory sets it)",
+            f"note: every expert ({human_bytes(plan.asked.expert_bytes)}) and the dense "
+            f"weights ({human_bytes(plan.asked.dense_bytes)}) exceed the "
+            f"{human_bytes(plan.available)} of memory available: streaming with "
+            f"{plan.words(flag_names())} (--expert-slots or --expert-memory sets it)",
             file=sys.stderr,
         )
 
@@ -272,18 +273,16 @@ def _ctrl_c_stops():
 def _pool(sm) -> dict:
     """What the budget bought, for --json and the --expert-memory line: the real slots
     per MoE layer, the bytes they hold, and the bytes of every pool (with side and
-    scratch rows)."""
+    scratch rows), from the load's memory plan (a pipeline stage's: its layers only)."""
     from engine.cache import pool_bytes
 
-    records = [spec.record_bytes for spec in sm.store.manifest.layers]
-    if sm.stage is not None:  # a pipeline stage's layers only
-        records = [r.record_bytes for r in sm.store.manifest.layers if sm.stage.holds(r.layer)]
+    plan = sm.plan
     memory = sm.config.expert_memory
     return {
         "expert_memory": None if memory is None else str(memory),
         "experts": sm.store.manifest.num_experts,
-        "slots_per_layer": list(sm.real_slots),
-        "slot_bytes": sum(n * r for n, r in zip(sm.real_slots, records, strict=True)),
+        "slots_per_layer": list(plan.real_slots),
+        "slot_bytes": sum(n * r for n, r in zip(plan.real_slots, plan.record_bytes, strict=True)),
         "pool_bytes": pool_bytes(sm.cache),
     }
 
@@ -311,7 +310,7 @@ def _pool_line(sm) -> str:
 def _everything_fits(sm) -> bool:
     """Whether every MoE layer's real region holds every expert (read whole at load:
     nothing streams)."""
-    return min(sm.real_slots) >= sm.store.manifest.num_experts
+    return min(sm.plan.real_slots) >= sm.store.manifest.num_experts
 
 
 def _generate_with(sm, prompt, args) -> int:
@@ -361,15 +360,12 @@ def _generate_pipeline(args) -> int:
     from engine import pipeline
     from engine.generate import prompt_tokens
     from engine.model import load_stage
-    from engine.open_model import check_real_slots
     from engine.store import layer_range
 
     group = pipeline.init_group()
     rank = group.rank()
     config = stream_config(args)
-    sm = load_stage(args.model, config, group)
-    m = sm.store.manifest  # the same on every rank: each refuses alike
-    check_real_slots(config, m.top_k, [s.record_bytes for s in m.layers if sm.stage.holds(s.layer)])
+    sm = load_stage(args.model, config, group, strict=True)  # each rank's plan refuses its own
     prompt, error = None, None
     if rank == 0:  # rank 0 tokenizes; the others take its ids
         try:
@@ -535,8 +531,8 @@ def _bench(argv: list[str]) -> int:
 
 def _advise(args) -> int:
     from engine.advisor import Budget, advice_for, check_png, policy_of, save_png, table
+    from engine.memory_plan import check_real_slots, plan_memory
     from engine.model import resolve_store
-    from engine.open_model import check_real_slots
     from engine.trace import load_trace
 
     _check_output("--save-trace", args.save_trace)
@@ -548,9 +544,9 @@ def _advise(args) -> int:
     if args.trace is not None and args.prompt_file is not None:
         raise ValueError("--trace and --prompt-file exclude each other: replay one trace")
     config = stream_config(args)
-    measured, slots = None, None
+    measured, plan = None, None
     if args.prompt_file is not None:
-        trace, measured, store, slots = _record_for_advice(args, config)
+        trace, measured, store, plan = _record_for_advice(args, config)
     else:
         trace = load_trace(args.trace)
         store = resolve_store(args.model) if args.model else None
@@ -563,7 +559,7 @@ def _advise(args) -> int:
                 f"{trace.num_experts} (top-{trace.top_k})"
             )
     records = [spec.record_bytes for spec in store.manifest.layers] if store else []
-    check_real_slots(config, trace.top_k, records)  # as generate refuses them
+    check_real_slots(config, trace.top_k, records)  # as a load's plan refuses them
     # The budget the advice starts from: the flags', else the one the trace was recorded
     # at (the real slots per layer it carries), else every expert.
     if config.expert_slots is not None:
@@ -572,11 +568,10 @@ def _advise(args) -> int:
         current, source = round(float(trace.real_slots.mean())), "as recorded"
     else:
         current, source = trace.num_experts, "every expert"
-    if config.expert_memory is not None and store is not None:
-        from engine.cache import real_slots
-
-        slots = slots or real_slots(store, config)  # per layer, by record size
-        current, source = round(sum(slots) / len(slots)), "--expert-memory"  # as their mean
+    if store is not None:  # the plan of a budget estimated, not loaded: nothing refused
+        plan = plan or plan_memory(store, config, check=False)
+    if config.expert_memory is not None and plan is not None:
+        current, source = plan.mean_slots, "--expert-memory"  # slots by record size
     if not trace.top_k <= current <= trace.num_experts:
         raise ValueError(
             f"--expert-slots {current}: must be in [{trace.top_k}, {trace.num_experts}]"
@@ -587,7 +582,7 @@ def _advise(args) -> int:
         f"MIN; now: {current} slots per layer ({source})",
         file=sys.stderr,
     )
-    budget = Budget.of(store.manifest, config) if store is not None else None
+    budget = Budget.of(plan) if plan is not None else None
     curve, advice = advice_for(trace, config, current, budget, measured)
     if args.json:
         print(
@@ -623,8 +618,9 @@ def _advise(args) -> int:
 def _record_for_advice(args, config):
     """Generates from --prompt-file with the cache flags, recording the routing; returns
     the trace, the measured figures (the hit rate over the reply and over its decode),
-    the store and the real slots per MoE layer its config gives (`StreamedModel.real_slots`:
-    without the side rows a layer no layer prefetches for holds as slots)."""
+    the store and the load's memory plan (`StreamedModel.plan`: the real slots per MoE
+    layer its config gives, without the side rows a layer no layer prefetches for holds
+    as slots)."""
     from engine.advisor import Measured
     from engine.generate import cache_delta, generate, prompt_tokens
     from engine.trace import record
@@ -652,7 +648,7 @@ def _record_for_advice(args, config):
     measured = Measured.of(
         result.decode_tps, len(result.tokens), result.cache, decode_hit_rate=decode["hit_rate"]
     )
-    return trace, measured, sm.store, sm.real_slots
+    return trace, measured, sm.store, sm.plan
 
 
 def _add_pipeline_flag(p: argparse.ArgumentParser, rank0: str) -> None:

@@ -7,7 +7,7 @@ environment.
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.memory import human_bytes
@@ -23,7 +23,8 @@ MAX_READ_TIMEOUT_S = 86400
 # More reader threads than this only add stacks: the disk's queue is full long before.
 MAX_READER_THREADS = 256
 
-# `expert_memory="auto"`: this fraction of the memory available when the model loads.
+# "auto" budgets (expert_memory, host_memory): at most this fraction of the memory the
+# load has not yet planned (`engine.memory_plan.auto_bytes`, the one rule).
 AUTO_MEMORY_FRACTION = 0.5
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -105,22 +106,6 @@ class ConfigError(ValueError):
         self.field, self.value, self.what, self.also = field, value, what, also
 
 
-def check_budget(budget: int, records: Sequence[int], top_k: int) -> None:
-    """Refuses an expert-memory `budget` (bytes, all real regions together) below `top_k`
-    records of every MoE layer (`records`: each layer's record bytes): a token's top_k
-    experts of a layer must fit its real region together.
-
-    Raises:
-        ValueError: naming both sizes, top_k and the layers.
-    """
-    need = top_k * sum(records)
-    if budget < need:
-        raise ValueError(
-            f"{human_bytes(budget)} is below the {human_bytes(need)} that top-k = {top_k} "
-            f"experts per MoE layer take ({len(records)} layers)"
-        )
-
-
 def check_sampling(temperature: float = 0.0, top_p: float = 1.0) -> None:
     """Refuses sampling settings that mlx-lm's sampler cannot honour: a temperature that
     is not a finite number >= 0 (nan samples garbage, 0 is greedy), or a top_p outside
@@ -144,15 +129,22 @@ class StreamConfig:
         expert_slots: real-region slots per MoE layer; None means every expert (fully
             cached after first use). Memory: expert_slots x record stride bytes per layer.
         expert_memory: instead of expert_slots, the bytes of all real regions together
-            (or "auto": `AUTO_MEMORY_FRACTION` of the memory available at load); each
-            layer gets slots by its own record size (`engine.cache.layer_slots`).
+            (or "auto": `AUTO_MEMORY_FRACTION` of the memory available at load,
+            `engine.memory_plan.auto_bytes`); each layer gets slots by its own record
+            size (`engine.memory_plan.layer_slots`).
         side_slots: side-region rows per bank, and experts per prediction (two banks: the
             persistent LFU mode keeps predicted experts in both banks' 2 x side_slots rows,
             the legacy double buffer reads one bank while the other fills); 0 disables
             the side region. A layer no layer prefetches for (the first MoE layer, or
             one whose router is not found) holds its 2 x side_slots rows as real slots
-            instead (`engine.cache.layer_rows`).
+            instead (`engine.memory_plan.held_rows`).
         prefetch: run the predictor and fill the side region.
+        adaptive_prefetch: how many of a prediction's side_slots experts each layer fills
+            (its prefetch degree) is decided at run time: from how often each rank of the
+            layer's predictions is routed to, against the usefulness a fill needs on this
+            machine, measured by comparing decode forward times at neighbouring
+            thresholds (ext/prefetch_throttle.h); side_slots is then an upper bound.
+            False: every prediction fills side_slots experts.
         ahead_lo: target distance (in MoE layers) for source layers before `cutoff`.
         ahead_hi: target distance from `cutoff` on. Every MoE layer after the first is
             predicted once per forward whatever the distances: a source whose distance
@@ -175,7 +167,8 @@ class StreamConfig:
             the pools are CUDA memory such a call uses the layer scratch instead
             (`engine.predictor.Predictor.layer_scratch`): these rows go unused, and
             None means 1.
-        reader_threads: background reader threads; None: `engine.cache.default_reader_threads`
+        reader_threads: background reader threads; None:
+            `engine.memory_plan.default_reader_threads`
             (enough for one token's misses to be read at once, and for the disk's
             queue depth).
         verify_checksums: check each record's crc32 on every read.
@@ -197,8 +190,9 @@ class StreamConfig:
             records read from disk (the host-RAM tier between the disk and the GPU pools:
             a miss it holds is copied from there, not read), split evenly among the MoE
             layers and evicted by `policy`; "auto": every expert, up to
-            `AUTO_MEMORY_FRACTION` of the memory available at load (a budget above what is
-            available is refused then); 0 or None: no tier. Where the pools are host
+            `AUTO_MEMORY_FRACTION` of the memory the pools and dense weights leave
+            (`engine.memory_plan.auto_bytes`); a budget that the plan cannot hold with
+            the rest is refused at load; 0 or None: no tier. Where the pools are host
             memory (CPU, Metal) the pools are the tier: no other is made.
         max_batch: the most sequences one forward carries (`expertstream serve
             --max-batch`): with device_acquire, one acquire kernel's request holds up to
@@ -214,6 +208,7 @@ class StreamConfig:
     expert_memory: int | str | None = None
     side_slots: int = 0
     prefetch: bool = False
+    adaptive_prefetch: bool = True
     ahead_lo: int = 1
     ahead_hi: int = 2
     cutoff: int | None = None
@@ -300,29 +295,16 @@ class StreamConfig:
             f"must be in [0, {MAX_READ_TIMEOUT_S}] seconds",
         )
 
-    def check_experts(self, num_experts: int) -> None:
-        """Refuses slot counts beyond a model's `num_experts` experts per MoE layer
-        (checked when the store is known, before any pool is allocated).
-
-        Raises:
-            ConfigError: expert_slots, side_slots or scratch_slots > num_experts.
-        """
-        for name in ("expert_slots", "side_slots", "scratch_slots"):
-            value = getattr(self, name)
-            if value is not None and value > num_experts:
-                raise ConfigError(
-                    name, value, f"must be <= {num_experts}, the model's experts per MoE layer"
-                )
-
     def replace(self, **changes) -> "StreamConfig":
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
 class PoolMemoryError(ValueError):
-    """The pools `config` asks for, with the dense weights, do not fit in the memory
-    available (`engine.cache.check_pool_fits`), or their allocation failed: `what` says
-    how much was asked for, why (layers x rows x record size) and what is left; the
+    """The memory plan of `config` (pools, layer scratch, host tier and dense weights)
+    does not fit in the memory available (`engine.memory_plan.plan_memory`), or the
+    pools' allocation failed: `what` says how much was asked for, why (layers x rows x
+    record size) and what is left; the
     message adds which setting to change, naming StreamConfig fields as ConfigError
     does. Front ends name them their own way with `in_words`."""
 
@@ -348,9 +330,10 @@ def _pool_remedy(config: StreamConfig, names: Mapping[str, str]) -> str:
         fix = f"lower {memory}, or use {memory} auto"
     else:
         fix = f"every expert is cached by default: use {memory} auto, or give {slots}"
-    given = [
-        names.get(f, f)
-        for f, on in (("side_slots", config.side_slots), ("scratch_slots", config.scratch_slots))
-        if on
-    ]
+    sized = (
+        ("side_slots", config.side_slots),
+        ("scratch_slots", config.scratch_slots),
+        ("host_memory", isinstance(config.host_memory, int) and config.host_memory),
+    )
+    given = [names.get(f, f) for f, on in sized if on]
     return fix + (f" (or lower {' / '.join(given)})" if given else "")

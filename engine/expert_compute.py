@@ -208,7 +208,7 @@ class ExpertMajor:
             `EXPERT_MAJOR_MODES`, where the form is faster and its kernels reduce each
             row alike at any rows per matrix; MLX's CPU computes mlx-lm's form faster,
             and Metal's kernels are not measured.
-        cuda: whether the pools are CUDA memory (`engine.cache.cuda_pools`).
+        cuda: whether the pools are CUDA memory (`engine.memory_plan.cuda_pools`).
         num_experts: experts per MoE layer of the model.
     """
 

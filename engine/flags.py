@@ -179,6 +179,14 @@ FLAGS = (
         deprecated=("--spec-slots",),
     ),
     Flag("--prefetch", "prefetch", None, "predict the next layers' experts into the side region"),
+    Flag(
+        "--adaptive-prefetch",
+        "adaptive_prefetch",
+        None,
+        "each layer's fills per prediction decided at run time, up to --side-slots, from "
+        "how often its predictions are routed to and the forward times measured "
+        "(--no-adaptive-prefetch: always --side-slots)",
+    ),
     Flag("--ahead-lo", "ahead_lo", int, "prefetch distance (MoE layers) before --cutoff"),
     Flag("--ahead-hi", "ahead_hi", int, "prefetch distance (MoE layers) from --cutoff on"),
     Flag("--cutoff", "cutoff", int, "first MoE layer that uses --ahead-hi"),

@@ -7,7 +7,6 @@ manifest names each one's module path), and loads only the dense weights. The re
 generates through mlx-lm's own `stream_generate`.
 """
 
-import dataclasses
 import errno
 import os
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from engine import autopin, pipeline
 from engine import cache as cache_mod
-from engine.config import StreamConfig
+from engine.config import ConfigError, StreamConfig
 from engine.convert import convert, quantize_dense
 from engine.expert_compute import ExpertMajor
 from engine.experts import (
@@ -34,6 +33,7 @@ from engine.experts import (
     segment_mismatch,
     top_k,
 )
+from engine.memory_plan import MemoryPlan, cuda_pools, plan_memory
 from engine.pipeline import Stage
 from engine.predictor import Predictor, prefetch_targets
 from engine.safe_io import contained, read_json_object, remove_leftovers
@@ -82,8 +82,8 @@ def resolve_store(path: str | Path, progress=None, blob_layers: range | None = N
             f"directory ({CONFIG_FILE})"
         )
     where = path / CONFIG_FILE
-    config = read_json_object(contained(path, CONFIG_FILE))
-    model_classes(check_config(config, str(where)), where)  # fail fast, before hashing
+    model_config = read_json_object(contained(path, CONFIG_FILE))
+    model_classes(check_config(model_config, str(where)), where)  # fail fast, before hashing
     remove_leftovers(store_cache_dir())  # conversions killed mid-way
     dest = store_for(path)
     if store_version(dest) != VERSION:  # absent, incomplete, or of an older format
@@ -110,10 +110,9 @@ class StreamedModel:
         cache: the native `engine._ext.ExpertCache` (see `engine.cache`), of the stage's
             MoE layers in a pipeline.
         predictor: the prefetch `Predictor`.
-        real_slots: real slots per MoE layer of `cache` as `config` gives them
-            (`engine.cache.real_slots`, expert_memory "auto" as it was at load): the
-            cache's layer_slots without the side rows a layer no layer prefetches for
-            holds as slots (`engine.cache.layer_rows`).
+        plan: the memory plan the cache was built from (`engine.memory_plan.MemoryPlan`:
+            real slots per MoE layer as `config` gives them, expert_memory "auto" as it
+            was at load; side rows, host tier, bytes and the memory available).
         compute: the form each call's expert math takes (mlx-lm's or expert-major), and
             what its checks found (`ExpertMajor.same_bits`).
         stage: this process's pipeline stage (engine.pipeline), or None when it runs
@@ -126,7 +125,7 @@ class StreamedModel:
     config: StreamConfig
     cache: cache_mod.ExpertCache
     predictor: Predictor
-    real_slots: list[int]
+    plan: MemoryPlan
     compute: ExpertMajor
     stage: Stage | None = None
 
@@ -254,40 +253,16 @@ def load_store_tokenizer(store: ExpertStore) -> TokenizerWrapper | None:
     return load_dir_tokenizer(store.path, error=StoreError)
 
 
-def load_bytes(store: ExpertStore, config: StreamConfig) -> tuple[int, int]:
-    """(expert pools, dense weights) in bytes that `load(store, config)` holds before the
-    first token: every MoE layer's pools (`engine.cache.planned_pool_bytes`, with every
-    router found: a layer without one holds no more) and `dense.safetensors`. Front ends
-    compare their sum with the memory available."""
-    targets = prefetch_targets([True] * len(store.manifest.layers))
-    pools, _ = cache_mod.planned_pool_bytes(store, config, targets=targets)
-    return pools, store.manifest.dense_bytes
-
-
-def auto_if_too_large(
-    store: ExpertStore, config: StreamConfig
-) -> tuple[StreamConfig, tuple[int, int, int] | None]:
-    """`config` with expert_memory "auto" (and no expert_slots) when its pools and the
-    dense weights (`load_bytes`) exceed the memory available, with (pools, dense,
-    available) bytes for the front end's note; else (`config`, None). Front ends call it
-    only when the user gave no pool size."""
-    from engine.memory import available_bytes
-
-    pools, dense = load_bytes(store, config)
-    available = available_bytes()
-    if available is None or pools + dense <= available:
-        return config, None
-    auto = dataclasses.replace(config, expert_slots=None, expert_memory="auto")
-    return auto, (pools, dense, available)
-
-
 def load(
     path: str | Path | None = None,
     config: StreamConfig | None = None,
     progress=None,
     group=None,
+    fit_default: bool = False,
+    strict: bool = False,
 ) -> StreamedModel:
-    """Loads a streamed model.
+    """Loads a streamed model, its memory planned once (`engine.memory_plan.plan_memory`)
+    before anything large is allocated or read.
 
     Args:
         path: an expert store or an mlx-lm MoE model directory; default: the embedded
@@ -297,6 +272,11 @@ def load(
         group: an `mx.distributed.Group` to run one pipeline stage of (engine.pipeline):
             only the stage's dense weights are loaded, its cache holds only its MoE
             layers, and only their blob files must be in the store.
+        fit_default: `config`'s pool size is a front end's default, not the user's: where
+            it does not fit the memory available, expert_memory "auto" is loaded instead
+            (`MemoryPlan.fell_back`; the StreamedModel's config says so).
+        strict: a front end's load: real regions below top-k are refused
+            (`engine.memory_plan.check_real_slots`).
 
     Raises:
         FileNotFoundError, PermissionError, StoreError, UnsupportedModelError,
@@ -305,6 +285,8 @@ def load(
             describes, or its tokenizer files cannot be loaded.
         ValueError: experts the CPU backend cannot multiply (unquantized float16 /
             bfloat16, nvfp4 global scales) while it is the default device.
+        ConfigError, PoolMemoryError: as `plan_memory`: sizes the store cannot take, or
+            a plan beyond the memory available.
         engine.cache.ExpertReadError: a blob file cannot be opened, or a record of a layer
             whose real region holds every expert (read at load) cannot be read.
     """
@@ -332,10 +314,11 @@ def load(
     _check_backend(store)
     routers = [router_logits(model, e) for e in experts]
     targets = prefetch_targets([r is not None for r in routers])
-    real = cache_mod.real_slots(store, config, specs)  # "auto" read once, kept
-    cache = cache_mod.open_cache(store, config, specs, targets, real)
-    predictor = Predictor(cache, routers, config)
-    compute = ExpertMajor(config.expert_major, cache_mod.cuda_pools(), store.manifest.num_experts)
+    plan = plan_memory(store, config, specs, targets, fit_default, strict)
+    config = plan.config
+    compute = ExpertMajor(config.expert_major, cuda_pools(), store.manifest.num_experts)
+    cache = cache_mod.open_planned(store, plan, specs)
+    predictor = Predictor(cache, routers, config, plan.tier_slots)
     for moe_index, (expert, spec) in enumerate(zip(experts, specs, strict=True)):
         replace(
             model, expert.path, StreamedExperts(predictor, moe_index, spec, expert.math, compute)
@@ -361,7 +344,7 @@ def load(
     # A decode step's request: top_k ids of each token of the batch.
     predictor.start_device(cfg.get("hidden_size"), store.manifest.top_k * config.max_batch)
     model_obj = StreamedModel(
-        model, tokenizer, store, config, cache, predictor, real, compute, stage
+        model, tokenizer, store, config, cache, predictor, plan, compute, stage
     )
     remove_leftovers(store.path, model_obj.pin_path.name)  # a save killed mid-way
     if config.autopin_frac > 0:  # pre-load the pin set saved by the last run
@@ -371,20 +354,31 @@ def load(
     return model_obj
 
 
-def load_stage(path: str | Path | None, config: StreamConfig, group) -> StreamedModel:
+def load_stage(
+    path: str | Path | None, config: StreamConfig, group, strict: bool = False
+) -> StreamedModel:
     """`load`s this rank's stage of the pipeline `group` (engine.pipeline) from `path`
     (`{rank}` in it becomes the rank: a store per rank on one disk; None: the embedded
-    default model); every rank learns whether every rank loaded.
+    default model), `strict` as `load`; every rank learns whether every rank loaded.
 
     Raises:
-        engine.pipeline.PipelineError: on every rank when a rank could not load, naming
-            each such rank and its reason.
+        ConfigError: on a rank whose settings its stage refuses (`plan_memory`), once
+            every rank knows, for the front end to word it in its names.
+        engine.pipeline.PipelineError: on every other rank when a rank could not load,
+            naming each such rank and its reason.
     """
-    sm, error = None, None
+    sm, error, refused = None, None, None
     try:
         path = path and str(path).replace("{rank}", str(group.rank()))
-        sm = load(path, config, group=group)
+        sm = load(path, config, group=group, strict=strict)
+    except ConfigError as e:
+        error, refused = str(e), e
     except (ValueError, OSError, KeyError) as e:
         error = str(e)
-    pipeline.agree(error, group)  # a failed rank stops every rank, with its reason
+    try:
+        pipeline.agree(error, group)  # a failed rank stops every rank, with its reason
+    except pipeline.PipelineError:
+        if refused is not None:
+            raise refused from None
+        raise
     return sm

@@ -23,9 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine._ext import AcquireMailbox, Router
-from engine.config import AUTO_MEMORY_FRACTION, ConfigError, StreamConfig
+from engine.config import StreamConfig
 from engine.device_acquire import DeviceAcquire
-from engine.memory import available_bytes, human_bytes
 
 # Ids per expert from which an over-capacity call on the layer scratch takes every expert
 # of its layer as routed (`Predictor.takes_whole`): a call of n ids leaves a given expert
@@ -49,9 +48,13 @@ class Predictor:
             router logits (`engine.experts.router_logits`), or None where the layer's
             router is not found: that layer is never a prefetch target.
         config: prefetch settings (prefetch, side_slots, ahead_lo, ahead_hi, cutoff).
+        tier_slots: host-tier slots per MoE layer of the mailbox, where the device
+            acquire makes one (`engine.memory_plan.MemoryPlan.tier_slots`; 0: none).
     """
 
-    def __init__(self, cache, routers: list[Callable | None], config: StreamConfig):
+    def __init__(
+        self, cache, routers: list[Callable | None], config: StreamConfig, tier_slots: int = 0
+    ):
         self.cache = cache
         self.routers = routers
         self.num_layers = len(routers)
@@ -83,9 +86,9 @@ class Predictor:
         # while a graph runs, a CUDA runtime call that can wait behind a spinning kernel
         # (MLX's wait for a CPU-stream op, or an acquire kernel), and chunk by chunk.
         self.layer_scratch = cache.pool_writes == "cuda"
-        # Host-tier slots per MoE layer (0: none, off MLX CUDA or with host memory off);
-        # sized now, so that a budget the machine cannot hold is refused at load.
-        self.tier_slots = host_tier_slots(cache, config.host_memory) if self.device_path else 0
+        # Host-tier slots per MoE layer (0: none, off MLX CUDA or with host memory off),
+        # as the load's memory plan sized them.
+        self.tier_slots = tier_slots if self.device_path else 0
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
@@ -239,41 +242,11 @@ class Predictor:
         device.set_prefetch(layer, targets, routers, self.budget)
 
 
-def host_tier_slots(cache, host_memory: int | str | None) -> int:
-    """Host-tier slots per MoE layer for `StreamConfig.host_memory` (bytes, "auto", or 0
-    or None for none): the budget split evenly among the layers by the bytes of a staging
-    slot (`ExpertCache.staging_slot_bytes`), at most every expert; "auto" asks for every
-    expert, up to `AUTO_MEMORY_FRACTION` of `engine.memory.available_bytes()`.
-
-    Raises:
-        ConfigError: a budget in bytes (after the cap at every expert) above the memory
-            available.
-    """
-    if not host_memory or cache.num_layers == 0:
-        return 0
-
-    record = cache.staging_slot_bytes
-    every = cache.num_layers * cache.num_experts * record
-    if host_memory == "auto":
-        available = available_bytes()
-        budget = every if available is None else min(every, int(AUTO_MEMORY_FRACTION * available))
-    else:
-        budget = min(int(host_memory), every)
-        available = available_bytes()
-        if available is not None and budget > available:
-            raise ConfigError(
-                "host_memory",
-                host_memory,
-                f"is more than the {human_bytes(available)} of memory available",
-            )
-    return min(cache.num_experts, budget // (cache.num_layers * record))
-
-
 def prefetch_targets(routed: Sequence[bool]) -> list[bool]:
     """Whether each MoE layer is a prefetch target, given whether its router was found
     (`routed[i]`): every layer after the first (`_schedule` covers each one, under any
     distances and cutoff) that has a router. The cache gives the others' side rows to
-    their real regions (`engine.cache.layer_rows`)."""
+    their real regions (`engine.memory_plan.held_rows`)."""
     return [li > 0 and bool(r) for li, r in enumerate(routed)]
 
 

@@ -54,8 +54,8 @@ class Trace:
             router probabilities (softmax over all experts) of the router's top m, best
             first; None when the trace has no router scores.
         real_slots: (moe_layers,) int64 real slots per MoE layer of the cache it was
-            recorded with (`StreamedModel.real_slots`, the last one where a rebuild
-            changed them); None where unknown (generated, or an older file).
+            recorded with (`MemoryPlan.real_slots` of `StreamedModel.plan`, the last one
+            where a rebuild changed them); None where unknown (generated, or an older file).
     """
 
     name: str
@@ -346,7 +346,7 @@ class TraceRecorder:
                 raise ValueError(f"cannot continue a {self.shape} trace on a {shape} model")
             self.close()
         self.shape = shape
-        self._real_slots = np.asarray(sm.real_slots, np.int64)
+        self._real_slots = np.asarray(sm.plan.real_slots, np.int64)
         self._router_top = min(ROUTER_TOP, m.num_experts)
         self._thread = threading.get_ident()
         self._sm = sm

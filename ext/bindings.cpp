@@ -110,6 +110,10 @@ Args:
         threads. Prefetch fills always use the reader threads.
     io_uring_depth: demand reads in flight through io_uring, one read buffer (a
         record's stride) each, in [0, 4096] (0: `io_uring_depth`'s).
+    adaptive_prefetch: how many of a prediction's experts each layer fills (its prefetch
+        degree, up to its side slots) decided at run time from how often each rank of its
+        predictions is routed to and from the forward times measured at neighbouring
+        thresholds (prefetch_threshold); False: every prediction fills its side_slots.
 
 Pool rows per layer: its real slots + 2 * its side slots + scratch_slots.
 
@@ -422,7 +426,8 @@ Returns:
     uint8 SLOT_* codes; side_expert (2 * its side slots,) int32, bank 0 then bank 1;
     side_state (2 * its side slots,) uint8 ROW_* codes; freq (num_experts,) float32 LFU
     frequencies; stats, a dict of the counters STAT_KEYS names (int; the *_seconds ones
-    float seconds).
+    float seconds); prefetch_degree (int), the experts of a prediction for the layer
+    that are filled now (at most its side slots; see prefetch_threshold).
 
 Raises:
     IndexError: `layer` out of range.)";
@@ -590,6 +595,10 @@ NB_MODULE(_ext, m) {
         doc::kIoUringDepth);
   m.def("planned_bytes", &es::planned_bytes, "rows"_a, "record_bytes"_a, "num_experts"_a,
         "reader_threads"_a, "stride"_a, "io_uring_depth"_a, doc::kPlannedBytes);
+  m.def("staging_slot_size", &es::StagedCopies::slot_size, "record_bytes"_a, "segments"_a,
+        "Bytes of one staging or host-tier slot that holds a record of `record_bytes` bytes in "
+        "`segments` segments (each 16-byte aligned, slots 256-byte aligned): what a host tier "
+        "is sized by, per slot of its widest record.");
   // A function, not a constant: a constant's value would be written into the generated
   // stub, which must be the same whichever library the build found.
   m.def(
@@ -670,7 +679,8 @@ NB_MODULE(_ext, m) {
              int scratch_slots, const std::string& policy, int decay_every, bool side_lfu,
              bool sync, bool verify_checksums, bool uncached_io, int reader_threads,
              double read_timeout_s, int top_k, const std::vector<int>& layer_slots,
-             const std::vector<int>& layer_side_slots, bool io_uring, int io_uring_depth) {
+             const std::vector<int>& layer_side_slots, bool io_uring, int io_uring_depth,
+             bool adaptive_prefetch) {
             std::vector<es::LayerSpec> specs;
             for (auto item : layers) specs.push_back(layer_from_dict(nb::cast<nb::dict>(item)));
             const es::CacheConfig c{.expert_slots = expert_slots,
@@ -688,7 +698,8 @@ NB_MODULE(_ext, m) {
                                     .reader_threads = reader_threads,
                                     .read_timeout_s = read_timeout_s,
                                     .io_uring = io_uring,
-                                    .io_uring_depth = io_uring_depth};
+                                    .io_uring_depth = io_uring_depth,
+                                    .adaptive_prefetch = adaptive_prefetch};
             new (self) Cache{std::make_shared<es::ExpertCache>(std::move(specs), num_experts, c)};
           },
           "layers"_a, "num_experts"_a, "expert_slots"_a, "side_slots"_a = kDefaults.side_slots,
@@ -700,7 +711,7 @@ NB_MODULE(_ext, m) {
           "read_timeout_s"_a = kDefaults.read_timeout_s, "top_k"_a = kDefaults.top_k,
           "layer_slots"_a = std::vector<int>{}, "layer_side_slots"_a = std::vector<int>{},
           "io_uring"_a = kDefaults.io_uring, "io_uring_depth"_a = kDefaults.io_uring_depth,
-          doc::kInit)
+          "adaptive_prefetch"_a = kDefaults.adaptive_prefetch, doc::kInit)
       .def_prop_ro("num_layers", [](const Cache& c) { return c.impl->num_layers(); },
                    doc::kNumLayers)
       .def_prop_ro("num_experts", [](const Cache& c) { return c.impl->num_experts(); },
@@ -936,6 +947,18 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("forward", [](const Cache& c) { return c.impl->forward(); }, doc::kForward)
       .def_prop_ro("inflight", [](const Cache& c) { return c.impl->inflight(); }, doc::kInflight)
       .def_prop_ro(
+          "prefetch_threshold", [](const Cache& c) { return c.impl->prefetch_threshold(); },
+          "The usefulness a prefetch fill must reach to be made in the forward under way: "
+          "the share of a prediction rank's experts routed to (0: every side row, above 1: "
+          "none). With adaptive_prefetch it is measured: decode forwards alternate between "
+          "the threshold kept (kept_prefetch_threshold) and a neighbour, and the faster "
+          "is kept; without, 0.")
+      .def_prop_ro(
+          "kept_prefetch_threshold",
+          [](const Cache& c) { return c.impl->kept_prefetch_threshold(); },
+          "The prefetch threshold the comparisons of forward times settled on so far "
+          "(prefetch_threshold).")
+      .def_prop_ro(
           "reading_seconds", [](const Cache& c) { return c.impl->reading_seconds(); },
           doc::kReadingSeconds)
       .def("check", [](const Cache& c) { return c.impl->check(); }, doc::kCheck)
@@ -955,6 +978,7 @@ NB_MODULE(_ext, m) {
             d["side_state"] = to_numpy(std::move(s.side_state), {side});
             d["freq"] = to_numpy(std::move(s.freq), {e});
             d["stats"] = stats_dict(s.stats);
+            d["prefetch_degree"] = s.prefetch_degree;
             return d;
           },
           "layer"_a, doc::kSnapshot)

@@ -107,6 +107,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
                                   std::to_string(num_experts_) + "], got " + std::to_string(c));
   side_slots_ =
       per_layer(config_.layer_side_slots, config_.side_slots, layers_.size(), "side rows");
+  throttle_ = PrefetchThrottle(side_slots_, config_.adaptive_prefetch);
   // config.side_slots is the widest layer's (snapshots are padded to it) and the
   // prediction size
   for (int sp : side_slots_)
@@ -198,6 +199,7 @@ std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve
                                            num_layers(), tier_slots, num_experts_,
                                            config_.policy);
   scratch_->set_tier(staged_);
+  throttle_.staged();  // fills now reach the pools as copies on the compute stream
   return staged_;
 }
 
@@ -535,7 +537,14 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
                                       .count());
     }
   } timer{stats_[li].acquire_seconds_us, t0};
-  if (li <= last_li_) begin_forward_locked(lk);
+  if (li <= last_li_) {
+    const std::chrono::duration<double> span = forward_last_ - forward_first_;
+    throttle_.forward_ended(span.count(), forward_decode_);
+    begin_forward_locked(lk);
+    forward_first_ = t0;
+    forward_decode_ = true;
+  }
+  forward_last_ = t0;
   last_li_ = li;
   auto& R = real_[li];
   auto& S = side_[li][read_gen()];
@@ -600,6 +609,8 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   ctx.router = std::move(router_hint_[li]);
   router_hint_[li].clear();
   ctx.one_token = config_.top_k <= 0 || n <= static_cast<size_t>(config_.top_k);
+  forward_decode_ = forward_decode_ && ctx.one_token;
+  if (ctx.one_token) throttle_.routed(li, order);
   R.use(order, tick_, ctx);
   last_experts_[li] = order;
   last_forward_[li] = forward_;
@@ -992,13 +1003,18 @@ void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
     sync = sync_;
     const auto& R = real_[li];
     std::vector<int> predicted;
-    std::vector<uint8_t> seen(num_experts_, 0);
+    std::vector<uint8_t> seen(num_experts_, 0), skip(n, 1);
+    // Ranks past the side rows (a caller's longer prediction) go with the last one.
+    const int d = throttle_.degree(li);
+    const size_t degree = d >= side_slots_[li] ? n : static_cast<size_t>(d);
     for (size_t i = 0; i < n; ++i) {
       int e = ids[i];
       if (e < 0 || e >= num_experts_ || seen[e] || R.slot_of(e) >= 0) continue;
       seen[e] = 1;
-      predicted.push_back(e);
+      skip[i] = 0;
+      if (i < degree) predicted.push_back(e);
     }
+    throttle_.predicted(li, ids, n, skip);
     int dropped = 0;
     todo = side_[li][gen].reserve(predicted, side_lfu_, forward_, &dropped);
     stats_[li].prefetch_wasted += dropped;
@@ -1128,6 +1144,7 @@ LayerSnapshot ExpertCache::snapshot(int li) const {
   for (int e = 0; e < num_experts_; ++e) s.freq[e] = R.freq(e);
   s.stats = stats_[li];
   s.stats.pins_dropped = R.pins_dropped();
+  s.prefetch_degree = throttle_.degree(li);
   return s;
 }
 
@@ -1139,6 +1156,16 @@ uint64_t ExpertCache::forward() const {
 int ExpertCache::inflight() const {
   std::lock_guard<std::mutex> lk(mu_);
   return inflight_;
+}
+
+double ExpertCache::prefetch_threshold() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return throttle_.threshold();
+}
+
+double ExpertCache::kept_prefetch_threshold() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return throttle_.kept_threshold();
 }
 
 std::string ExpertCache::check() const {

@@ -36,6 +36,7 @@
 #include "layer_scratch.h"
 #include "layer_spec.h"
 #include "pool_writer.h"
+#include "prefetch_throttle.h"
 #include "mlx/array.h"
 #include "reader_pool.h"
 #include "read_clock.h"
@@ -72,6 +73,10 @@ struct CacheConfig {
   // Prefetch fills always use the pool.
   bool io_uring = true;
   int io_uring_depth = 0;
+  // Each layer's prefetch degree (how many of a prediction's experts are filled) decided
+  // at run time, up to its side rows (prefetch_throttle.h); false: every prediction fills
+  // its side_slots experts.
+  bool adaptive_prefetch = true;
 };
 inline constexpr double kMaxReadTimeoutS = 86400;
 inline constexpr int kMaxIoUringDepth = 4096;
@@ -155,6 +160,7 @@ struct LayerSnapshot {
   std::vector<uint8_t> side_state;    // 2*side_slots(li): RowState codes (side_region.h)
   std::vector<float> freq;            // num_experts: real-region LFU frequency
   LayerStats stats;
+  int prefetch_degree = 0;            // experts a prediction fills now (prefetch_throttle.h)
 };
 
 class ExpertCache {
@@ -315,12 +321,16 @@ class ExpertCache {
   bool sync() const;
 
   // Empties the real regions (pins and frequencies too), side ledgers and host tier, after a
-  // drain.
+  // drain; what the prefetch throttle measured stays.
   void reset();
 
   LayerSnapshot snapshot(int li) const;
   uint64_t forward() const;
   int inflight() const;
+  // The usefulness a fill must reach to be made in the forward under way, and the one
+  // the throttle settled on (prefetch_throttle.h).
+  double prefetch_threshold() const;
+  double kept_prefetch_threshold() const;
   // Wall time with at least one record read in flight, all layers (ReadClock), seconds.
   double reading_seconds() const { return static_cast<double>(read_clock_.micros()) / 1e6; }
   // Empty string when every real region and side ledger is consistent.
@@ -416,6 +426,11 @@ class ExpertCache {
   std::exception_ptr stream_error_;  // see set_stream_error
   uint64_t fills_settled_ = 0;  // fills published or released: drain's progress measure
   uint64_t forward_ = 0;
+  PrefetchThrottle throttle_;
+  // The forward under way: its first and latest acquire's start, and whether every call
+  // was one token (the throttle compares decode forwards only).
+  std::chrono::steady_clock::time_point forward_first_, forward_last_;
+  bool forward_decode_ = false;
   uint64_t tick_ = 0;
   int last_li_ = -1;
   int inflight_ = 0;

@@ -208,6 +208,31 @@ def test_measured_has_one_rule_for_a_session_that_read_nothing():
     assert curve.measured == resident and curve.tps is None and curve.bytes == [3_000, 4_000]
 
 
+def test_the_estimate_counts_the_host_tier():
+    """A host tier of 6 slots per layer holds what a 6-slot real region would: below 6
+    slots, more GPU memory saves copies from host memory, not reads; the advice keeps the
+    budget where the estimate without the tier would add memory."""
+    curve = Curve(
+        slots=[2, 4, 6, 8],
+        bytes=None,
+        hit_rate={"lfu": [0.5, 0.7, 0.8, 0.8], BELADY: [0.6, 0.8, 0.9, 0.9]},
+        policy="lfu",
+        current=4,
+        lookups_per_token=10.0,
+        tokens=100,
+    )  # fmt: skip
+    gib = 1 << 30
+    budget = Budget(4, 4 * gib, gib // 2, 1_000_000, tier_slots=6)
+    # 10 lookups x 20% read (the tier's 6 slots hold 80%) x 1 ms = 2 ms of 10 ms measured
+    estimate_tps(curve, budget, Measured(100.0, 1e9, 0.7, 50))
+    assert curve.compute_s == pytest.approx(0.008)
+    assert curve.tps == pytest.approx([100.0] * 4)
+    assert advise(curve).slots == 2  # memory given back: the tier holds what it held
+    five = Budget(4, 4 * gib, gib // 2, 1_000_000, tier_slots=5)  # between the swept 4 and 6
+    estimate_tps(curve, five, Measured(100.0, 1e9, 0.7, 50))
+    assert curve.compute_s == pytest.approx(0.0075)  # 75% held: 2.5 ms of reads
+
+
 def test_recorder_sees_what_the_sync_path_sees_and_changes_nothing(model_dirs):
     path = model_dirs("qwen3_moe")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -247,6 +247,13 @@ def test_heatmap_is_the_engine_snapshot(window, qtbot, monkeypatch):
     assert any((s == SIDE_READY).any() for _, s, _ in drawn), "prefetch never published"
     snap, states, _ = drawn[-1]
     assert (states[:, :8] == RESIDENT).sum() >= n_layers * 4
+    # The totals say the fills used and wasted, and each layer's degree (up to 4 side rows)
+    t = snap.totals()
+    assert t["prefetch_issued"] > 0
+    totals = window.inspector.totals
+    assert totals["prefetch"].text() == f"{t['prefetch_used']:,} / {t['prefetch_wasted']:,}"
+    mean, threshold = totals["prefetch_degree"].text().split(" · ")
+    assert 0 <= float(mean) <= 4 and float(threshold) == pytest.approx(snap.threshold, abs=0.005)
 
     # Hovering a cell names its layer, row, expert and frequency.
     view = window.inspector.occupancy
@@ -308,8 +315,8 @@ def test_rebuild_waits_for_the_reply_and_errors_keep_the_conversation(window, qt
     assert loaded.args[0].config.expert_slots == 12
     # 12 real slots per layer, and layer 0 (no prefetch target) its 2 x 4 side rows too
     assert window.engine.snapshot().slot_expert.shape[1] == 12 + 2 * 4
-    assert window.info.slots == [12] * len(window.info.layers)
-    assert window.info.pool_slots == [12 + 2 * 4] + [12] * (len(window.info.layers) - 1)
+    assert window.info.plan.real_slots == (12,) * len(window.info.layers)
+    assert window.info.plan.layer_slots == (12 + 2 * 4,) + (12,) * (len(window.info.layers) - 1)
     turns = [(USER, PROMPT), (ASSISTANT, reply.text)]
     assert window.conversation.turns == turns
 
@@ -440,10 +447,9 @@ def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot
     app streams with expert memory auto (6 MB: 12 or 13 slots per layer) and says so in
     its own words, and the inspector draws those slots. A size the user sets that does
     not fit is refused naming the window's settings."""
-    from engine import cache, memory
+    from engine import memory_plan
 
-    monkeypatch.setattr(memory, "available_bytes", lambda: 12_000_000)
-    monkeypatch.setattr(cache, "available_bytes", lambda: 12_000_000)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 12_000_000)
     # Reads through the reader threads: the figures below leave out io_uring's buffers
     # (at least 2 MiB, which would not fit beside this tiny budget).
     w = MainWindow(MODEL, {"side_slots": 1, "reader_threads": 2, "io_uring": False})
@@ -454,8 +460,8 @@ def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot
     assert info.config.expert_memory == "auto" and info.config.expert_slots is None
     assert info.note == (
         "The default 16 expert slots per layer (10.9 MB) and the dense weights (1.7 MB) "
-        "exceed the 12.0 MB of memory available: expert memory is set to auto (50% of it), "
-        "so the experts stream from disk"
+        "exceed the 12.0 MB of memory available: expert memory is set to auto (50% of it, "
+        "12–13 slots per layer), so the experts stream from disk"
     )
     # bytes in decimal units, as the CLI and the plot's "MB read /s": 8 layers' pools of
     # 18 or 19 rows of 61.4 kB records
@@ -465,14 +471,15 @@ def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot
     )
     assert w.statusBar().currentMessage() == f"Loaded {info.name}: {info.note}."
     assert w.controls.expert_memory.text() == "auto"
-    assert sorted(set(info.slots)) == [12, 13]
-    assert info.pool_slots == [info.slots[0] + 2, *info.slots[1:]]  # layer 0: no prefetch target
+    slots = info.plan.real_slots
+    assert sorted(set(slots)) == [12, 13]
+    assert info.plan.layer_slots == (slots[0] + 2, *slots[1:])  # layer 0: no prefetch target
     reply = chat_turn(qtbot, w, PROMPT, 8)
     assert reply is not None and reply.cache["misses"] > 0
     w.poll()  # idle: the engine's state holds still
     states = w.inspector.occupancy.image.image
     np.testing.assert_array_equal(states, expected_states(w.engine.snapshot()))
-    assert states.shape == (len(info.layers), max(info.pool_slots) + 2)
+    assert states.shape == (len(info.layers), max(info.plan.layer_slots) + 2)
     assert (states[:, :12] == RESIDENT).all()
 
     from app.worker import Worker
@@ -493,29 +500,29 @@ def test_expert_memory_auto_shows_the_slots_the_pool_was_sized_with(qtbot, monke
     the cache was built with, not auto evaluated again after the load (which gave fewer
     slots, and told that every layer held its side rows as slots)."""
     from app.worker import Worker
-    from engine import cache, memory
+    from engine import cache, memory_plan
 
     available = [12_000_000]
-    monkeypatch.setattr(memory, "available_bytes", lambda: available[0])
-    monkeypatch.setattr(cache, "available_bytes", lambda: available[0])
-    opened = cache.open_cache
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: available[0])
+    opened = cache.open_planned
 
     def open_and_take_memory(*args, **kwargs):
         c = opened(*args, **kwargs)
         available[0] = 9_000_000  # what the load left
         return c
 
-    monkeypatch.setattr(cache, "open_cache", open_and_take_memory)
+    monkeypatch.setattr(cache, "open_planned", open_and_take_memory)
     worker = Worker(threading.Event(), threading.Event())
     loaded = []
     worker.loaded.connect(loaded.append)
     worker.load(MODEL, {"side_slots": 1, "reader_threads": 2, "io_uring": False})
     info = loaded[0]
     assert info.config.expert_memory == "auto"
-    assert sorted(set(info.slots)) == [12, 13]  # 6 MB of 61.4 kB records, 8 layers
-    assert info.pool_slots == [info.slots[0] + 2, *info.slots[1:]]  # layer 0: no target
+    slots = info.plan.real_slots
+    assert sorted(set(slots)) == [12, 13]  # 6 MB of 61.4 kB records, 8 layers
+    assert info.plan.layer_slots == (slots[0] + 2, *slots[1:])  # layer 0: no target
     assert "(MoE layer 0 holds its side rows as slots)" in summary(info)
-    assert info.budget.slots_per_layer == max(info.slots)
+    assert info.budget.slots_per_layer == max(slots)
     assert info.budget.pool_bytes == info.pool_bytes
     worker.unload()
 
@@ -648,7 +655,7 @@ def test_side_rows_turn_prefetch_on_and_off_at_the_rebuild(qtbot):
     def info(**config):
         return ModelInfo(
             name="m", path="m", store_path="s", layers=[1, 2, 3, 4], num_experts=32,
-            top_k=4, config=StreamConfig(**config), slots=[8] * 4, pool_slots=[8] * 4,
+            top_k=4, config=StreamConfig(**config), plan=four_layers([8] * 4),
             chat_template=False,
             pool_bytes=0, budget=None, load_seconds=0.0, context=None,
         )  # fmt: skip
@@ -700,14 +707,32 @@ def test_summary_names_the_layers_that_hold_their_side_rows_as_slots():
     from app.worker import ModelInfo
     from engine.config import StreamConfig
 
-    def info(pool_slots):
+    def info(pool_slots, tier_slots=0):
         return ModelInfo(
             name="m", path="m", store_path="s", layers=[1, 2, 3, 4], num_experts=32,
             top_k=4, config=StreamConfig(expert_slots=8, side_slots=4, prefetch=True),
-            slots=[8] * 4, pool_slots=pool_slots, chat_template=False, pool_bytes=0,
+            plan=four_layers(pool_slots, tier_slots), chat_template=False, pool_bytes=0,
             budget=None, load_seconds=0.0, context=None,
         )  # fmt: skip
 
     assert summary(info([8] * 4)).endswith("8 slots + 2 × 4 side rows · pool 0 B")
     assert "(MoE layer 0 holds its side rows as slots)" in summary(info([16, 8, 8, 8]))
     assert "(MoE layers 0, 2 hold their side rows as slots)" in summary(info([16, 8, 16, 8]))
+    assert summary(info([8] * 4, tier_slots=20)).endswith(
+        "· pool 0 B · host tier 20 slots per layer (80.0 kB)"
+    )
+
+
+def four_layers(layer_slots, tier_slots=0):
+    """The memory plan of 4 MoE layers of 8 real slots (`layer_slots` in the pool) and
+    1 kB records, with `tier_slots` host-tier slots per layer."""
+    from engine.config import StreamConfig
+    from engine.memory_plan import MemoryPlan
+
+    return MemoryPlan(
+        config=StreamConfig(expert_slots=8), real_slots=(8,) * 4,
+        layer_slots=tuple(layer_slots), side_rows=(4,) * 4, scratch_rows=4,
+        record_bytes=(1000,) * 4, reader_threads=2, io_uring_depth=0, pool_bytes=0,
+        layer_scratch_bytes=0, tier_slots=tier_slots, tier_bytes=tier_slots * 4 * 1000,
+        dense_bytes=0, available=None,
+    )  # fmt: skip

@@ -32,11 +32,19 @@ from PySide6.QtWidgets import (  # noqa: E402
 from test_app import MODEL, SETTINGS, TIMEOUT_MS, chat_turn  # noqa: E402
 
 from app.advisor import AdvisorPanel  # noqa: E402
-from app.inspector import BACKGROUND, SERIES, InspectorPanel, SeriesView, y_ticks  # noqa: E402
+from app.inspector import (  # noqa: E402
+    BACKGROUND,
+    SERIES,
+    TOTALS,
+    InspectorPanel,
+    SeriesView,
+    y_ticks,
+)
 from app.monitor import ABSENT, STATE_COLORS, STATE_NAMES, LiveSeries  # noqa: E402
 from app.window import MainWindow  # noqa: E402
 from app.worker import ModelInfo  # noqa: E402
 from engine.config import StreamConfig  # noqa: E402
+from engine.memory_plan import MemoryPlan  # noqa: E402
 
 # Rows of the embedded model's 8 MoE layers at least this tall on screen, in pixels.
 MIN_LAYER_PX = 7
@@ -191,11 +199,27 @@ def test_the_window_fits_a_laptop_under_a_window_manager(qtbot):
 
 
 def model_info(host_tier: bool = False) -> ModelInfo:
+    tier = 16 if host_tier else 0  # host-tier slots per layer
+    plan = MemoryPlan(
+        config=StreamConfig(expert_slots=8),
+        real_slots=(8,) * 4,
+        layer_slots=(16, 8, 8, 8),
+        side_rows=(0, 4, 4, 4),
+        scratch_rows=4,
+        record_bytes=(1000,) * 4,
+        reader_threads=2,
+        io_uring_depth=0,
+        pool_bytes=0,
+        layer_scratch_bytes=0,
+        tier_slots=tier,
+        tier_bytes=tier * 4 * 1000,
+        dense_bytes=0,
+        available=None,
+    )
     return ModelInfo(
         name="m", path="m", store_path="s", layers=[1, 2, 3, 4], num_experts=32, top_k=4,
-        config=StreamConfig(expert_slots=8, side_slots=4, prefetch=True), slots=[8] * 4,
-        pool_slots=[16, 8, 8, 8], chat_template=False, pool_bytes=0, budget=None,
-        load_seconds=0.0, context=None, host_tier=host_tier,
+        config=StreamConfig(expert_slots=8, side_slots=4, prefetch=True), plan=plan,
+        chat_template=False, pool_bytes=0, budget=None, load_seconds=0.0, context=None,
     )  # fmt: skip
 
 
@@ -275,7 +299,8 @@ def test_the_host_memory_row_shows_only_with_a_host_tier(qtbot):
     assert not row.isHidden() and not panel.totals["host_tier"].isHidden()
     # the other totals keep their places, three to a row
     places = [panel.grid.getItemPosition(panel.grid.indexOf(w))[:2] for w in panel.totals.values()]
-    assert sorted((r, (c - 1) // 2) for r, c in places) == [divmod(i, 3) for i in range(15)]
+    every = [divmod(i, 3) for i in range(len(TOTALS))]  # the inspector's 16 totals
+    assert len(TOTALS) == 16 and sorted((r, (c - 1) // 2) for r, c in places) == every
     panel.set_model(model_info(host_tier=False))
     assert row.isHidden()
     assert np.array_equal(panel.occupancy.image.image.shape, (4, 16 + 8))

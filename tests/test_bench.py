@@ -434,3 +434,28 @@ def test_dd_rate_is_dds_bytes_over_its_seconds(monkeypatch, tmp_path):
     assert device.dd_rate(tmp_path) == pytest.approx(4096 / 2.3074e-05 / 1e6)
     monkeypatch.setattr(device.subprocess, "run", fake("dd: failed to open: Invalid argument", 1))
     assert device.dd_rate(tmp_path) == 0.0
+
+
+def test_prefetch_bench_compares_the_adaptive_degree_with_fixed_side_rows(qwen_store):
+    """`--suite prefetch`'s comparison on a tiny store: prefetch off, each fixed number of
+    side rows (top-k 2: 1, 2, 4) and the adaptive degree up to 4, all giving the same
+    tokens; a fixed run fills its side rows, the adaptive run at most as many."""
+    from bench.prefetch import compare
+
+    r = compare(qwen_store.path, [3, 1, 4, 1, 5, 9, 2, 6], 0.25, 1, 6, log=lambda *_: None)
+    rows = {row["name"]: row for row in r["rows"]}
+    assert list(rows) == [
+        "prefetch off",
+        "1 side rows, fixed",
+        "2 side rows, fixed",
+        "4 side rows, fixed",
+        "adaptive (up to 4)",
+    ]
+    tokens = [row["tokens"] for row in rows.values()]
+    assert len(tokens[0]) == 6 and all(t == tokens[0] for t in tokens)
+    assert rows["prefetch off"]["fills_per_token"] == 0
+    assert [rows[f"{n} side rows, fixed"]["degree"] for n in (1, 2, 4)] == [1, 2, 4]
+    adaptive = rows["adaptive (up to 4)"]
+    assert 0 <= adaptive["degree"] <= 4 and adaptive["threshold"] in (0.0, 0.1, 0.2)
+    for row in rows.values():
+        assert row["decode_tps"] > 0 and 0 <= row["hit_rate"] <= 1 and row["reps"] == 1

@@ -10,7 +10,7 @@ row owned twice (ExpertCache.check()). Every row a caller is handed, and every p
 side row, holds exactly its expert's record bytes from the blob. Read faults are injected
 too: a transient one (one bad read) must be invisible; a persistent one may fail a call,
 with an error naming file, layer and expert, and with every invariant intact. The state
-machine's layers may be no prefetch target (`engine.cache.layer_rows`): no side rows,
+machine's layers may be no prefetch target (`engine.memory_plan.held_rows`): no side rows,
 their rows real slots.
 """
 

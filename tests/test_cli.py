@@ -111,16 +111,15 @@ def test_refused_before_anything_is_printed(capfd, argv, message):
 def test_a_model_larger_than_memory_streams_by_default(capfd, monkeypatch):
     # the embedded model: 20.0 MB of expert pools (every expert, read buffers included) and
     # 1.7 MB of dense weights
-    from engine import cache, memory
+    from engine import memory_plan
 
-    monkeypatch.setattr(memory, "available_bytes", lambda: 15_000_000)
-    monkeypatch.setattr(cache, "available_bytes", lambda: 15_000_000)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 15_000_000)
     code, out, err = run(capfd, "generate", "--max-tokens", "4", "--json")
     assert code == 0, err
     assert "\nnote: every expert (20.0 MB) and the dense weights (1.7 MB) exceed the 15.0 MB" in (
         "\n" + err
     )
-    assert "streaming with --expert-memory auto" in err
+    assert "streaming with --expert-memory auto: 15–16 slots per MoE layer, pools 11.8 MB" in err
     stats = json.loads(out)["stats"]
     assert stats["misses"] > 0  # streamed: 7.5 MB of real slots
     assert stats["prefetch_issued"] == 0 and stats["prefetch_accuracy"] is None  # not 0.0
@@ -307,7 +306,7 @@ def test_the_prompt_comes_from_stdin_with_dash_and_short_flags(capfd, monkeypatc
 def test_expert_memory_says_what_it_bought(capfd):
     """--expert-memory says the slots per layer and the bytes it bought, with the unit
     it read a bare G or M in (binary, as dd and docker); --json holds the same."""
-    from engine.cache import layer_slots
+    from engine.memory_plan import layer_slots
     from engine.store import ExpertStore
 
     m = ExpertStore(resolve_store(default_model_path()).path).manifest

@@ -5,9 +5,10 @@ import argparse
 
 import pytest
 
-from engine.cache import layer_slots, open_cache, snapshot
+from engine.cache import open_cache, snapshot
 from engine.config import StreamConfig, parse_memory, size_words
 from engine.flags import add_cache_flags, stream_config
+from engine.memory_plan import layer_slots
 
 
 def test_sizes_parse_as_users_write_them():

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from engine.cache import default_reader_threads
 from engine.config import StreamConfig
 from engine.flags import FLAGS, add_cache_flags, config_overrides, stream_config
+from engine.memory_plan import default_reader_threads
 
 
 def parser(defaults=None) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import cache as cache_mod
+from engine import memory_plan
 from engine.cache import (
     ChecksumError,
     ExpertReadError,
@@ -81,7 +81,7 @@ def test_the_ring_is_used_where_the_kernel_has_it(qwen_store):
 def test_ring_reads_every_record_byte_for_byte(qwen_store, uncached, monkeypatch):
     """Every record of every layer, read in one call per layer (more records than the
     ring has buffers, 3 here: they go through in turn), lands in its row unchanged."""
-    monkeypatch.setattr(cache_mod, "io_uring_depth", lambda threads, top_k, stride: 3)
+    monkeypatch.setattr(memory_plan, "io_uring_depth", lambda threads, top_k, stride: 3)
     cache = ring_cache(qwen_store, reader_threads=2, uncached_io=uncached)
     checker = RowChecker(qwen_store, cache)
     for li in range(cache.num_layers):
@@ -147,7 +147,7 @@ def test_a_calls_misses_are_in_flight_together_whatever_the_reader_threads(qwen_
 def test_a_ring_shallower_than_the_misses_reads_them_in_turns(qwen_store, monkeypatch):
     """Eight misses through a ring of 3 buffers: three rounds of delayed reads, and every
     row its record."""
-    monkeypatch.setattr(cache_mod, "io_uring_depth", lambda threads, top_k, stride: 3)
+    monkeypatch.setattr(memory_plan, "io_uring_depth", lambda threads, top_k, stride: 3)
     cache = ring_cache(qwen_store, expert_slots=NUM_EXPERTS, reader_threads=1)
     elapsed = every_expert_delayed(qwen_store, cache, 1, delay_ms=200)
     assert elapsed >= 0.59, elapsed  # 3 + 3 + 2

@@ -151,6 +151,7 @@ def test_one_vocabulary_across_the_boundary():
     python = {f: getattr(StreamConfig(), f) for f in StreamConfig.__dataclass_fields__}
     shared = {f: v for f, v in python.items() if f in native and v is not None}
     assert sorted(shared) == [
+        "adaptive_prefetch",
         "decay_every",
         "io_uring",
         "policy",

@@ -280,7 +280,7 @@ def test_killed_rank_ends_the_other_with_an_error(stores, tmp_path):
 
 
 def test_every_rank_refuses_slots_below_top_k(stores, tmp_path):
-    """The one rule of `expertstream generate` (engine.open_model.check_real_slots) holds
+    """The one rule of `expertstream generate` (engine.memory_plan.check_real_slots) holds
     with --pipeline: every rank refuses, in one line."""
     _, store = stores["qwen3"]
     procs = start_two_ranks(store, tmp_path, "--expert-slots", "1")

@@ -51,7 +51,7 @@ def test_every_layer_but_the_first_is_one_nearer_layers_target(
     ranges = predictor_mod._schedule(num_layers, ahead_lo, ahead_hi, cutoff)
     targets = [(t, layer) for layer, r in enumerate(ranges) for t in r]
     assert sorted(t for t, _ in targets) == list(range(1, num_layers))  # each exactly once
-    # what the cache sizes the side rows by (engine.cache.layer_rows)
+    # what the cache sizes the side rows by (engine.memory_plan.held_rows)
     covered = {t for t, _ in targets}
     assert predictor_mod.prefetch_targets([True] * num_layers) == [
         li in covered for li in range(num_layers)

@@ -14,11 +14,11 @@ from engine.cache import (
     ROW_IN_FLIGHT,
     ROW_PUBLISHED,
     open_cache,
-    planned_pool_bytes,
     pool_bytes,
     snapshot,
 )
 from engine.config import StreamConfig
+from engine.memory_plan import plan_memory
 from engine.predictor import prefetch_targets
 
 
@@ -245,9 +245,10 @@ def test_layers_no_layer_prefetches_for_hold_their_side_rows_as_slots(qwen_store
     uniform = open_cache(qwen_store, config)  # every layer a target: the old layout
     assert uniform.layer_slots == [2] * n and uniform.layer_side_slots == [1] * n
     assert pool_bytes(cache) == pool_bytes(uniform)
-    assert planned_pool_bytes(qwen_store, config, targets=targets) == planned_pool_bytes(
-        qwen_store, config
-    )
+    planned = plan_memory(qwen_store, config, targets=targets)
+    assert planned.pool_bytes == plan_memory(qwen_store, config).pool_bytes
+    assert planned.layer_slots == tuple(cache.layer_slots)
+    assert planned.real_slots == (2,) * n  # as the config gives them
 
     # A layer without side rows prefetches nothing, and its snapshot pads them as NO_ROW.
     cache.prefetch(0, ids(5, 6))
@@ -270,11 +271,10 @@ def test_layers_no_layer_prefetches_for_hold_their_side_rows_as_slots(qwen_store
 
 def test_memory_figures_count_a_capped_layer_as_allocated(qwen_store, monkeypatch):
     """Layer 0 at 7 of 8 experts with 2 x 2 side rows holds 8 slots, not 11: the figures
-    a user sees before and after the load (the pools' refusal, load_bytes, the
-    advisor's budget) are what the cache allocates, not 3 rows more."""
-    from engine import cache as cache_mod
+    a user sees before and after the load (the plan's, which the pools' refusal
+    and the advisor's budget read) are what the cache allocates, not 3 rows more."""
+    from engine import memory_plan
     from engine.advisor import Budget
-    from engine.model import load_bytes
 
     m = qwen_store.manifest
     n = len(m.layers)
@@ -283,24 +283,24 @@ def test_memory_figures_count_a_capped_layer_as_allocated(qwen_store, monkeypatc
     cache = open_cache(qwen_store, config, targets=targets)
     assert cache.layer_slots[0] == m.num_experts  # 7 + 2 x 2, capped
     record = m.layers[0].record_bytes
-    planned = planned_pool_bytes(qwen_store, config, targets=targets)[0]
-    assert planned_pool_bytes(qwen_store, config)[0] == planned + 3 * record  # all targets
-    assert load_bytes(qwen_store, config)[0] == planned
-    assert Budget.of(m, config, targets=targets).pool_bytes == pool_bytes(cache)
-    assert Budget.of(m, config).pool_bytes == pool_bytes(cache)  # every router found
+    plan = plan_memory(qwen_store, config, targets=targets)
+    planned = plan.pool_bytes
+    assert plan_memory(qwen_store, config).pool_bytes == planned + 3 * record  # all targets
+    assert Budget.of(plan).pool_bytes == pool_bytes(cache)
+    assert plan.total == planned + m.dense_bytes and plan.tier_bytes == 0  # no tier on CPU
     # Memory for exactly these pools and the dense weights is enough to open them.
-    monkeypatch.setattr(cache_mod, "available_bytes", lambda: planned + m.dense_bytes)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: planned + m.dense_bytes)
     assert open_cache(qwen_store, config, targets=targets).layer_slots == cache.layer_slots
 
 
 def test_side_rows_wider_than_side_slots_are_refused(qwen_store, monkeypatch):
     """Snapshots are padded to side_slots, and a prediction fills that many rows: the
     native cache refuses a layer given more, naming the bound."""
-    from engine import cache as cache_mod
+    from engine import memory_plan
 
     n = len(qwen_store.manifest.layers)
     wide = ([2] * n, [2] + [1] * (n - 1))
-    monkeypatch.setattr(cache_mod, "layer_rows", lambda *a, **k: wide)
+    monkeypatch.setattr(memory_plan, "held_rows", lambda *a, **k: wide)
     with pytest.raises(ValueError, match=r"side rows per layer must be in \[0, 1\], got 2"):
         open_cache(qwen_store, StreamConfig(expert_slots=2, side_slots=1))
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from engine._ext import AcquireMailbox
 from engine.cache import PLAN_STREAM, PLAN_TABLE, open_cache
-from engine.config import ConfigError, StreamConfig
-from engine.predictor import host_tier_slots
+from engine.config import StreamConfig
+from engine.memory_plan import tier_slot_bytes, tier_slots
 
 from rowcheck import RowChecker
 
@@ -27,6 +27,10 @@ HIDDEN = 16  # any: the requests here carry no hidden state
 
 
 def staged_cache(store, fill_slots=4, tier_slots=0, **config):
+    # Every prediction filled (a fixed degree): these tests are of the fills' staging, and
+    # the adaptive degree of staged fills starts at none until predictions prove useful
+    # (tests/test_prefetch_throttle.py).
+    config.setdefault("adaptive_prefetch", False)
     cache = open_cache(store, StreamConfig(reader_threads=1, **config))
     mailbox = AcquireMailbox(cache, HIDDEN, max_ids=4, fill_slots=fill_slots, tier_slots=tier_slots)
     cache.set_staging(True)
@@ -189,24 +193,19 @@ def test_every_answer_holds_its_experts(
 def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
     cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
     record = cache.staging_slot_bytes
+    assert tier_slot_bytes(qwen_store.manifest.layers) == record  # the cache's own rule
     spec = max(qwen_store.manifest.layers, key=lambda L: L.record_bytes)
     # each segment 16-byte aligned in a 256-byte-aligned slot
     assert record == -(-(spec.record_bytes + 16 * len(spec.segments)) // 256) * 256
     layers, experts = cache.num_layers, cache.num_experts
-    assert host_tier_slots(cache, None) == 0
-    assert host_tier_slots(cache, layers * 3 * record + record - 1) == 3
-    assert host_tier_slots(cache, 10**15) == experts  # never more than every expert
-    assert host_tier_slots(cache, "auto") == experts  # a tiny store fits
-
-
-def test_a_host_tier_above_the_memory_available_is_refused(qwen_store, monkeypatch):
-    import engine.predictor
-
-    cache = open_cache(qwen_store, StreamConfig(expert_slots=2))
-    monkeypatch.setattr(engine.predictor, "available_bytes", lambda: 1000)
-    with pytest.raises(ConfigError, match="host_memory.*1.0 kB of memory available"):
-        host_tier_slots(cache, 4000)
-    assert host_tier_slots(cache, "auto") == 0  # half of 1 kB holds no record
+    left = 10**12
+    assert tier_slots(None, layers, experts, record, left) == 0
+    assert tier_slots(layers * 3 * record + record - 1, layers, experts, record, left) == 3
+    assert tier_slots(10**15, layers, experts, record, left) == experts  # at most every expert
+    assert tier_slots("auto", layers, experts, record, left) == experts  # a tiny store fits
+    # auto: half of what the rest of the plan leaves
+    assert tier_slots("auto", layers, experts, record, 2 * layers * 3 * record) == 3
+    assert tier_slots("auto", layers, experts, record, 1000) == 0  # 500 B hold no record
 
 
 def test_a_layer_completed_while_a_copy_is_staged_takes_an_acquire(qwen_store):

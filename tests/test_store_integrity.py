@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import cache as cache_mod
+from engine import memory_plan
 from engine.cli import main
 from engine.config import ConfigError, StreamConfig
 from engine.convert import convert
@@ -69,7 +70,7 @@ def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypat
     reads. With 1 GB available the load is refused, naming the size and its parts."""
     make_wide_store(store_dir, 2**18)
     assert ExpertStore(store_dir).manifest.layers[0].record_bytes == 37748736
-    monkeypatch.setattr(cache_mod, "available_bytes", lambda: 1_000_000_000)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 1_000_000_000)
     message = (
         r"the expert pools need 1\.7 GB \(4 MoE layers x 10 rows \(expert_slots \+ 2 x "
         r"side_slots \+ scratch_slots\) x records of up to 37\.7 MB\) "
@@ -79,10 +80,12 @@ def test_huge_consistent_store_is_refused_before_allocating(store_dir, monkeypat
     )
     with pytest.raises(cache_mod.PoolMemoryError, match=message):
         load(store_dir, StreamConfig(reader_threads=2))  # the default depends on the CPUs
-    assert main(["generate", "--model", str(store_dir), "--reader-threads", "2"]) == 2
+    # the CLI streams a default that does not fit (expert memory auto), not a size given
+    argv = ["generate", "--model", str(store_dir), "--reader-threads", "2", "--expert-slots", "8"]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the expert pools need 1.7 GB" in err[0]
-    assert err[0].endswith("use --expert-memory auto, or give --expert-slots"), err[0]
+    assert err[0].endswith("lower --expert-slots, or use --expert-memory auto"), err[0]
 
 
 def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypatch):
@@ -110,8 +113,8 @@ def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypa
         ),
     ]
     for config, remedy in cases:
-        pools = cache_mod.planned_pool_bytes(store, config)[0]
-        monkeypatch.setattr(cache_mod, "available_bytes", lambda n=pools + dense - 1: n)
+        pools = memory_plan.plan_memory(store, config, check=False).pool_bytes
+        monkeypatch.setattr(memory_plan, "available_bytes", lambda n=pools + dense - 1: n)
         with pytest.raises(cache_mod.PoolMemoryError) as e:
             cache_mod.open_cache(store, config)
         words = e.value.in_words(flag_names())
@@ -119,10 +122,10 @@ def test_the_dense_weights_count_and_the_flag_given_is_named(store_dir, monkeypa
         assert "the dense weights 62.4 kB" in str(e.value)
         names = {"expert_slots": "expert slots", "expert_memory": "expert memory"}
         assert "--" not in e.value.in_words(names | {"side_slots": "side rows"})
-        monkeypatch.setattr(cache_mod, "available_bytes", lambda n=pools + dense: n)
+        monkeypatch.setattr(memory_plan, "available_bytes", lambda n=pools + dense: n)
         assert cache_mod.open_cache(store, config).num_layers == len(store.manifest.layers)
     # auto: half of 200 kB for 4.6 kB records, plus side and scratch rows, plus dense
-    monkeypatch.setattr(cache_mod, "available_bytes", lambda: 200_000)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 200_000)
     with pytest.raises(cache_mod.PoolMemoryError) as e:
         cache_mod.open_cache(store, StreamConfig(expert_memory="auto", reader_threads=2))
     assert str(e.value).endswith("give expert_memory a size below auto's (50% of that)")
@@ -137,7 +140,7 @@ def test_pools_beyond_any_memory_are_refused(store_dir, monkeypatch):
     config = StreamConfig(expert_slots=2, side_slots=10**9)
     with pytest.raises(ConfigError, match=r"side_slots = 1000000000: must be <= 8, the model's"):
         load(store_dir, config)
-    monkeypatch.setattr(StreamConfig, "check_experts", lambda self, num_experts: None)
+    monkeypatch.setattr(memory_plan, "check_counts", lambda config, num_experts: None)
     with pytest.raises(cache_mod.PoolMemoryError, match=r"the expert pools need \d+\.\d [kMG]?B"):
         load(store_dir, config)
 
@@ -165,8 +168,8 @@ def test_failed_native_allocation_is_an_error(store_dir, monkeypatch):
     """Past the Python checks (here: switched off), the native cache checks every
     allocation: 2**48 bytes cannot be mapped on any machine."""
     make_wide_store(store_dir, 2**18)
-    monkeypatch.setattr(cache_mod, "available_bytes", lambda: None)
-    monkeypatch.setattr(StreamConfig, "check_experts", lambda self, num_experts: None)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: None)
+    monkeypatch.setattr(memory_plan, "check_counts", lambda config, num_experts: None)
     message = r"cannot allocate \d+ bytes for .*layer00\.blob segment gate_proj\.weight"
     with pytest.raises(cache_mod.PoolMemoryError, match=message):
         cache_mod.open_cache(ExpertStore(store_dir), StreamConfig(side_slots=2**24))

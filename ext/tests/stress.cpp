@@ -121,6 +121,9 @@ class Stress {
     // Seeds 1, 4, 5, 8, ...: demand reads through io_uring where the kernel has it;
     // 2, 3, 6, 7, ...: the reader threads (make asan / tsan run one seed of each).
     c.io_uring = (seed / 2) % 2 == 0;
+    // Seeds 1, 4, 7, ...: the adaptive prefetch degree (prefetch_throttle.h); the others
+    // fill every prediction, which keeps more fills in flight to race.
+    c.adaptive_prefetch = seed % 3 == 1;
     cache_ = std::make_unique<es::ExpertCache>(specs_, kExperts, c);
     if (seed % 4 == 3) {
       staging_ = cache_->enable_staging(10, 6, 2);  // a call misses at most 6 experts
