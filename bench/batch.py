@@ -13,6 +13,10 @@ of its own, whose stories run past `--tokens`; else `--prompt` random token ids)
   (the decode rate each conversation sees; 1 / it is the batch's decode step);
 - time to first token: the median and the slowest client's.
 
+Then whether the replies of the most clients at once are the ones each request gets
+alone (greedy: the exactness of the backend's batched kernels, README "Many
+conversations at once"): how many are, and where the first that is not parts.
+
 Then the join: N - 1 clients stream long replies and, once their text flows, one more
 client sends a prompt; its time to first token beside its prompt's prefill (its time to
 first token alone, less one decode step alone) and the batch's decode step, and what it
@@ -27,6 +31,7 @@ store at 100% and at 25% of the experts with the host tier).
 """
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -101,7 +106,7 @@ def join(server: Server, prompts: list[list[int]], tokens: int) -> dict:
         replies = server.stats()["server"]["replies"]
         if len(replies) == len(running) and all(r["generated_tokens"] >= 4 for r in replies):
             break
-        time.sleep(0.01)
+        time.sleep(0.05)  # each look takes the event loop's (and the GIL's) time
     joined = server.complete(prompts[-1], tokens)
     for t in threads:
         t.join()
@@ -112,7 +117,8 @@ def join(server: Server, prompts: list[list[int]], tokens: int) -> dict:
 def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=print) -> dict:
     """The rows of the module docstring for `model` (None: the embedded one; a store
     without a tokenizer is served with one) under `config` (a StreamConfig), served with
-    `max(clients)` replies at once; returns {"rows": {N: figures}, "join": {N: ...}}."""
+    `max(clients)` replies at once; returns {"rows": {N: figures}, "exact": {...},
+    "join": {N: ...}}."""
     from engine.model import load_store_tokenizer, resolve_store
     from engine.resources import default_model_path
     from engine.store import MANIFEST_FILE
@@ -149,29 +155,48 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
                 f"{r['client_tps']:.1f} | {r['ttft_median_s'] * 1e3:.0f} ms | "
                 f"{r['ttft_max_s'] * 1e3:.0f} ms |"
             )
-        [ask] = prompts(1)
-        alone = server.complete(ask, tokens)
-        if alone.decode_tps is None:  # the model ended the reply at once: no step to time
-            return {"rows": rows, "join": joins}
-        alone_prefill = alone.ttft - 1 / alone.decode_tps
+        batch = prompts(max(clients))
+        together = clients_at_once(server, batch, tokens)
+        apart = [server.complete(p, tokens) for p in batch]
+        same = [a.text == b.text for a, b in zip(together, apart, strict=True)]
+        parts = [
+            len(os.path.commonprefix([a.text, b.text]))
+            for a, b, equal in zip(together, apart, same, strict=True)
+            if not equal
+        ]
+        exact = {"clients": len(batch), "same": sum(same), "first_difference_chars": parts}
         log(
-            f"\nA client joining a running batch of N - 1: its time to first token beside "
-            f"its {len(ask)}-token prompt's prefill ({alone_prefill * 1e3:.0f} ms alone) "
-            "and the batch's decode step\n"
+            f"\nReplies of {len(batch)} clients at once equal to each alone: {sum(same)} of "
+            f"{len(batch)}" + (f" (the others part at characters {parts})" if parts else "")
         )
-        log("| clients | join TTFT | batch decode step | beyond the prefill |")
-        log("|---|---|---|---|")
+        log(
+            "\nA client joining a running batch of N - 1: its time to first token beside its "
+            "prompt's prefill (its time to first token alone, less a decode step alone, just "
+            "before) and the batch's decode step\n"
+        )
+        log("| clients | join TTFT | its prefill alone | batch decode step | beyond the prefill |")
+        log("|---|---|---|---|---|")
         for n in [n for n in clients if n > 1]:
-            j = join(server, prompts(n), tokens)
-            steps = (j["join_ttft_s"] - alone_prefill) / j["batch_step_s"]
-            joins[n] = j | {"prefill_s": alone_prefill, "steps_beyond_prefill": steps}
+            runs = []
+            for _ in range(reps):
+                ns = prompts(n)
+                alone = server.complete(ns[-1], tokens)
+                if alone.decode_tps is None:  # the model ended it at once: no step to time
+                    continue
+                j = join(server, ns, tokens)
+                j["prefill_s"] = alone.ttft - 1 / alone.decode_tps
+                j["steps_beyond_prefill"] = (j["join_ttft_s"] - j["prefill_s"]) / j["batch_step_s"]
+                runs.append(j)
+            if not runs:
+                continue
+            joins[n] = j = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             log(
-                f"| {n} | {j['join_ttft_s'] * 1e3:.0f} ms | {j['batch_step_s'] * 1e3:.0f} ms | "
-                f"{steps:.1f} steps |"
+                f"| {n} | {j['join_ttft_s'] * 1e3:.0f} ms | {j['prefill_s'] * 1e3:.0f} ms | "
+                f"{j['batch_step_s'] * 1e3:.0f} ms | {j['steps_beyond_prefill']:.1f} steps |"
             )
     finally:
         server.close()
-    return {"rows": rows, "join": joins}
+    return {"rows": rows, "exact": exact, "join": joins}
 
 
 def main(argv: list[str] | None = None) -> int:

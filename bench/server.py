@@ -43,14 +43,15 @@ def with_tokenizer(store: Path, out: Path) -> Path:
 @dataclass
 class Streamed:
     """One streamed completion seen by its client: when it was sent, when its first and
-    last text chunks came (`time.perf_counter()`, seconds; None: no text came), and its
-    usage's completion and cached tokens."""
+    last text chunks came (`time.perf_counter()`, seconds; None: no text came), its
+    usage's completion and cached tokens, and its text."""
 
     sent: float
     first: float | None
     last: float | None
     tokens: int
     cached: int
+    text: str
 
     @property
     def ttft(self) -> float | None:
@@ -106,7 +107,7 @@ class Server:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        sent, first, last, usage = time.perf_counter(), None, None, None
+        sent, first, last, usage, text = time.perf_counter(), None, None, None, []
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=3600) as r:
             r.raise_for_status()
             for line in r.iter_lines():
@@ -116,10 +117,11 @@ class Server:
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     last = time.perf_counter()
                     first = first or last
+                    text.append(chunk["choices"][0]["text"])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        return Streamed(sent, first, last, usage["completion_tokens"], cached)
+        return Streamed(sent, first, last, usage["completion_tokens"], cached, "".join(text))
 
     def stats(self) -> dict:
         """`/v1/stats`."""

@@ -14,8 +14,9 @@ each generate call (`segments`). Traces come from three places:
   skewed popularity, e.g. at the reuse rate measured on a real trace).
 
 The `.npz` format: `ids` int16 (T, L, k), `segments` int64 (starts of generate calls),
-`prefill` uint8 (T,) (1 for tokens of a forward of several tokens: the prompt, except its
-last token, which mlx-lm feeds alone), `num_experts` int; optionally the router's top-m
+`prefill` uint8 (T,) (1 for tokens of a forward of several tokens of one sequence: the
+prompt, except its last token, which mlx-lm feeds alone; not a decode step of a batch,
+whose rows are one token of each of its sequences), `num_experts` int; optionally the router's top-m
 per (token, layer): `router_ids` int16 (T, L, m) and `router_probs` float32 (T, L, m)
 (softmax over all experts, best first; m = `ROUTER_TOP`, at most the expert count); and
 `real_slots` int64 (L,), the real slots per MoE layer of the cache that recorded it (the
@@ -322,8 +323,8 @@ class TraceRecorder:
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
         # (ids (n, L, k) int16, router ids (n, L, m) int16 and router probs (n, L, m) float32
-        # or None (no router found), starts a segment)
-        self._blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = []
+        # or None (no router found), starts a segment, is a prefill)
+        self._blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool, bool]] = []
         self._tokens = 0  # rows in _blocks
         # forwards not yet copied: [(layer, ids, router ids, router probs arrays), ...]
         self._pending: list[list] = []
@@ -389,7 +390,11 @@ class TraceRecorder:
         for calls in forwards:
             if len(calls) != n_layers:
                 continue  # cut short by a stop: its arrays may never be evaluated
-            rows = calls[0][1].size // k
+            first = calls[0][1]
+            rows = first.size // k
+            # (sequences, tokens, k) ids: several tokens of a sequence make a prefill; a
+            # batch's decode step is one token of each (ids without that axis: rows > 1).
+            prefill = (first.shape[-2] if first.ndim >= 3 else rows) > 1
             block = np.empty((rows, n_layers, k), np.int16)
             for li, (_, ids, _, _) in enumerate(calls):
                 block[:, li] = np.asarray(ids).reshape(rows, k)
@@ -402,7 +407,7 @@ class TraceRecorder:
                     top[:, li] = np.asarray(t).reshape(rows, m)
                     probs[:, li] = np.asarray(p).reshape(rows, m)
             with self._lock:
-                self._blocks.append((block, top, probs, self._segment_next))
+                self._blocks.append((block, top, probs, self._segment_next, prefill))
                 self._tokens += len(block)
                 self._segment_next = False
                 self._trim()
@@ -410,14 +415,14 @@ class TraceRecorder:
     def _trim(self) -> None:
         limit = self.max_tokens
         while limit is not None and self._tokens > limit:
-            block, top, probs, starts = self._blocks[0]
+            block, top, probs, starts, prefill = self._blocks[0]
             over = self._tokens - limit
             if over >= len(block):
                 self._blocks.pop(0)
                 self._tokens -= len(block)
             else:  # keep the tail of a long prefill
                 cut = (None, None) if top is None else (top[over:], probs[over:])
-                self._blocks[0] = (block[over:], *cut, starts)
+                self._blocks[0] = (block[over:], *cut, starts, prefill)
                 self._tokens -= over
 
     def set_max_tokens(self, max_tokens: int | None) -> None:
@@ -454,7 +459,8 @@ class TraceRecorder:
 
     def trace(self, name: str = "recorded") -> Trace:
         """The recorded tokens as a Trace: a forward of n tokens gives n rows (`prefill`
-        1 when n > 1), each generate call starts a segment."""
+        1 where they are several tokens of one sequence), each generate call (or burst of
+        a server's batch) starts a segment."""
         if self._sm is not None and threading.get_ident() == self._thread:
             self.settle()
         n_layers, num_experts, k = self.shape
@@ -472,7 +478,7 @@ class TraceRecorder:
             np.concatenate([b[0] for b in blocks]).astype(np.int32),
             num_experts,
             np.asarray(sorted(segments), np.int64),
-            np.concatenate([np.full(n, n > 1, np.uint8) for n in sizes]),
+            np.concatenate([np.full(len(b[0]), b[4], np.uint8) for b in blocks]),
             np.concatenate([b[1] for b in blocks]).astype(np.int32) if scored else None,
             np.concatenate([b[2] for b in blocks]) if scored else None,
             self._real_slots,

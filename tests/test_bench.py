@@ -351,6 +351,7 @@ def test_the_device_bench_drives_clients_at_once_through_serve(qwen_store, tmp_p
             assert row["tokens"] == 4 * int(clients) and row["total_tps"] > 0, row
             assert 0 < row["ttft_median_s"] <= row["ttft_max_s"]
         assert all(j["join_ttft_s"] > 0 and j["prefill_s"] > 0 for j in out["join"].values())
+        assert out["exact"] == {"clients": 8, "same": 8, "first_difference_chars": []}
     assert "| 8 |" in (tmp_path / "device.md").read_text()
 
 

@@ -71,15 +71,20 @@ def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots):
             futures = [
                 pool.submit(client.completions.create, model="m", **request) for request in REQUESTS
             ]
-            while served.engine.queued() < len(REQUESTS) - 1:  # the first is held
+            # the first held at its start, the others queued
+            while not (served.engine.busy() and served.engine.queued() == len(REQUESTS) - 1):
                 time.sleep(0.01)
             gate.set()
             replies = [f.result() for f in futures]
-        stats = served.stats()["server"]
+        stats = served.stats()
+        stats, overcap = stats["server"], stats["cache"]["overcap_calls"]
     finally:
         gate.set()
         served.close()
     assert stats["mean_batch"] > 2, stats  # they did run side by side
+    # 8 MoE layers: beyond the prefill's one forward, decode steps of the batch whose
+    # union of experts overflowed the slots; none with every expert resident.
+    assert overcap > 8 if slots else overcap == 0
     sm = load(None, StreamConfig(expert_slots=slots))
     for request, reply in zip(REQUESTS, replies, strict=True):
         text, tokens, finish = alone(sm, request)
@@ -131,3 +136,33 @@ def test_a_keyed_sampler_samples_as_the_global_key_seeded(temperature, top_p, se
     mx.random.seed(0)  # the global key does not matter to it
     assert [own(logprobs).item() for _ in range(8)] == want
     assert len(set(want)) > 1
+
+
+def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch, tmp_path):
+    """Two 5-token prompts prefilled together (one forward of 2 x 4 tokens), then decode
+    steps of one token per reply: only the prompts' rows are marked prefill."""
+    import urllib.request
+
+    from engine.trace import load_trace
+
+    served = Served(trace_tokens=4096)
+    gate = hold_replies(monkeypatch)
+    try:
+        client = served.client(max_retries=0, timeout=120)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(client.completions.create, model="m", prompt=ids, max_tokens=6)
+                for ids in ([11, 12, 13, 14, 15], [21, 22, 23, 24, 25])
+            ]
+            while not (served.engine.busy() and served.engine.queued() == 1):  # one held
+                time.sleep(0.01)
+            gate.set()
+            assert [f.result().usage.completion_tokens for f in futures] == [6, 6]
+        with urllib.request.urlopen(f"{served.url}/v1/trace", timeout=60) as r:
+            (tmp_path / "t.npz").write_bytes(r.read())
+    finally:
+        gate.set()
+        served.close()
+    trace = load_trace(tmp_path / "t.npz")
+    assert trace.prefill[:8].tolist() == [1] * 8 and trace.prefill[8:].sum() == 0
+    assert len(trace.prefill) - 8 >= 2 * 6 and trace.segments.tolist() == [0]

@@ -125,7 +125,11 @@ class BatchLoop:
             if job is None:
                 self.closed = True
             elif (reply := self.thread._begin(job)) is not None:
-                self._join(reply)
+                try:
+                    self._join(reply)
+                except Exception as e:  # noqa: BLE001  (the request fails; the server goes on)
+                    reply.fail(e)
+                    self.thread.active.pop(job, None)
 
     def _join(self, reply: Reply) -> None:
         """Puts `reply`'s job into the generator over its prompt's cached prefix."""
@@ -166,11 +170,6 @@ class BatchLoop:
             # A read that failed inside a stream-ordered acquire left row 0 in its place:
             # the step's tokens are wrong, so its error is raised before any is handed out.
             self.sm.cache.raise_stream_error()
-        except GenerationStopped:  # the server is shutting down
-            self._end_all(None)
-        except Exception as e:  # noqa: BLE001  (the batch's requests fail; the server goes on)
-            self._end_all(e)
-        else:
             now = time.monotonic()
             for r in responses:
                 row = self.rows[r.uid]
@@ -181,6 +180,10 @@ class BatchLoop:
                     self.thread.keep(r.all_tokens, r.prompt_cache)
                     self._end(r.uid, r.finish_reason, stopped=False)
             self._drop_stopping()
+        except GenerationStopped:  # the server is shutting down
+            self._end_all(None)
+        except Exception as e:  # noqa: BLE001  (the batch's requests fail; the server goes on)
+            self._end_all(e)
         finally:
             with self.thread.stats.lock:
                 s = self.thread.stats
@@ -237,13 +240,16 @@ class BatchLoop:
         the last forward has ended, the routing recorded so far is copied, the pools are
         written by the host again, and autopin repins."""
         sm = self.sm
-        if (recorder := sm.predictor.recorder) is not None:
-            recorder.settle()
-        mx.synchronize(generation_stream)
-        sm.cache.set_staging(False)
-        if sm.config.autopin_frac > 0:
-            pins = autopin.repin(sm.cache, sm.autopin_budget())
-            autopin.save(sm.pin_path, pins, sm.store.manifest.num_experts)
-        if self.generator is not None:  # the next burst starts afresh (and a trace segment)
-            self.generator.close()
-            self.generator = None
+        try:
+            if (recorder := sm.predictor.recorder) is not None:
+                recorder.settle()
+            mx.synchronize(generation_stream)
+            sm.cache.set_staging(False)
+            if sm.config.autopin_frac > 0:
+                pins = autopin.repin(sm.cache, sm.autopin_budget())
+                autopin.save(sm.pin_path, pins, sm.store.manifest.num_experts)
+        except Exception as e:  # noqa: BLE001  (no reply to fail: /health says it)
+            with self.thread.stats.lock:
+                self.thread.stats.last_error = f"between replies: {type(e).__name__}: {e}"
+        finally:
+            self.generator = None  # the next burst starts afresh (and a trace segment)

@@ -331,7 +331,8 @@ class Job:
             a whole reply's HTTP status, 503 when the server is shutting down, else 500);
             read on the event loop. ("gone",) is put there when the client disconnects (`watch`).
         cancel: set when the client has gone, or the server ends the reply; the
-            generation ends at the next MoE layer.
+            generation ends at the next decode step of the batch (at the next MoE layer
+            of a reply generated alone).
         ended_by: why the server set `cancel` (None: the client went): the reply then
             ends with ("error", message), so a client still reading learns it was cut.
     """

@@ -47,7 +47,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--max-queue",
         type=positive_int,
         default=32,
-        help="requests that may wait while --max-batch generate; more get 503 with Retry-After",
+        help="requests that may wait while the batch is full; more get 503 with Retry-After",
     )
     parser.add_argument(
         "--prefill-step-size",

@@ -122,8 +122,10 @@ def include_usage(data: dict) -> bool:
 
 def jobs_of(served: Served, data: dict, ids: list[int], prompt_name: str, top) -> list[Job]:
     """The jobs of an OpenAI request's prompt `ids` and sampling fields: one per choice
-    (`n`), each a reply of its own (after the first, the prompt comes from the prompt
-    cache); with a `seed`, choice i samples with seed + i, so that they differ and repeat.
+    (`n`), each a reply of its own (generated side by side, or one after another where
+    the server generates one at a time: the prompt then comes from the prompt cache after
+    the first); with a `seed`, choice i samples with seed + i, so that they differ and
+    repeat.
 
     Raises:
         RequestError: naming the field.

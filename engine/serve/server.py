@@ -4,13 +4,14 @@ chat front ends speak: OpenAI's chat completions, completions and Responses
 (engine.serve.anthropic) and Ollama's API (engine.serve.ollama).
 
 Starlette routes run on uvicorn's event loop; one generation thread owns the model (it
-loads it, and only it touches MLX arrays) and serves requests one at a time, in arrival
-order, from a bounded queue (a full queue answers 503 with Retry-After). Every route turns
-its request into the same `Job` (engine.serve.bodies), so every protocol shares the
-queue, the sampling checks and the limits; each writes its own error format. The thread
-sends the reply's text pieces and its end back to the event loop. A client that goes away
-sets the job's cancel flag, which the model polls at every MoE layer call, so its
-generation ends at the next one.
+loads it, and only it touches MLX arrays) and takes requests in arrival order from a
+bounded queue (a full queue answers 503 with Retry-After): up to `max_batch` replies
+generated side by side (engine.serve.batch), or one at a time. Every route turns its
+request into the same `Job` (engine.serve.bodies), so every protocol shares the queue, the
+sampling checks and the limits; each writes its own error format. The thread sends each
+reply's text pieces and its end back to the event loop (engine.serve.reply). A client
+that goes away sets the job's cancel flag: its row leaves the batch at the next step (a
+reply generated alone polls it at every MoE layer call, and ends at the next one).
 
 A prompt cache (mlx-lm's LRUPromptCache, within a byte budget) keeps the KV of recent
 replies: a request whose prompt starts with tokens the server has seen (a conversation
