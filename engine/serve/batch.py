@@ -53,13 +53,14 @@ class Row:
     Attributes:
         reply: its Reply (job, text, events).
         detokenizer: its own streaming detokenizer.
-        seen: its tokens until the first that decodes to text (`restore_space`).
+        seen: its tokens until the first that decodes to text (`restore_space`); None
+            after it.
         first: when its first token came (`time.monotonic()`), or None.
     """
 
     reply: Reply
     detokenizer: object
-    seen: list[int] = field(default_factory=list)
+    seen: list[int] | None = field(default_factory=list)
     first: float | None = None
 
     def text(self, token: int, finish: str | None, tokenizer) -> str:
