@@ -14,7 +14,7 @@ of its own, whose stories run past `--tokens`; else `--prompt` random token ids)
 - time to first token: the median and the slowest client's.
 
 Then whether the replies of the most clients at once are the ones each request gets
-alone (greedy: the exactness of the backend's batched kernels, README "Many
+alone (greedy: the exactness of the backend's batched kernels, docs/server.md "Many
 conversations at once"): how many are, and where the first that is not parts.
 
 Then the join: N - 1 clients stream long replies and, once their text flows, one more

@@ -855,6 +855,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore-chat-template",
         dest="chat",
         action="store_false",
+        default=None,  # --chat's: where the tokenizer has a template
         help="mlx-lm's spelling of --no-chat",
     )
     p.add_argument(

@@ -66,7 +66,7 @@ from .store import (
 )
 from .store_writer import StoreWriter, manifest_text
 from .tokenizer import load_dir_tokenizer
-from .validate import brief, check_against_weights, check_config
+from .validate import DEFAULT_QUANT_MODE, QUANT_MODES, brief, check_against_weights, check_config
 
 # Other weight formats (pickle-based and others): never opened nor copied into a store;
 # named in the error when a model directory has no safetensors.
@@ -569,7 +569,7 @@ def quantize_dense(
             model,
             group_size=quantization["group_size"],
             bits=quantization["bits"],
-            mode=quantization.get("mode", "affine"),
+            mode=quantization.get("mode", DEFAULT_QUANT_MODE),
             class_predicate=predicate,
         )
     except ValueError as e:
@@ -736,11 +736,12 @@ def _quantization(
         params = infer_quant_config(path, linear, weights)
     elif not isinstance(params, dict):
         raise ValueError(f"config quantization[{path!r}] is {params!r} but {path}.scales exists")
-    return {
-        "group_size": int(params["group_size"]),
-        "bits": int(params["bits"]),
-        "mode": params.get("mode", "affine"),
-    }
+    mode = params.get("mode", DEFAULT_QUANT_MODE)
+    if mode not in QUANT_MODES:
+        raise ValueError(
+            f"config quantization[{path!r}] mode {mode!r} is not one of {', '.join(QUANT_MODES)}"
+        )
+    return {"group_size": int(params["group_size"]), "bits": int(params["bits"]), "mode": mode}
 
 
 def _write_store(

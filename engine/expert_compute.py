@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
+from engine.validate import DEFAULT_QUANT_MODE
+
 if TYPE_CHECKING:
     from engine.experts import ExpertMath
 
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 # many (token, expert) pairs per expert of the layer (a prompt's chunk; decode steps and
 # short calls keep mlx-lm's form, faster for them), in tiles of 16 rows up to 32 pairs per
 # expert and of 32 rows from there.
-EXPERT_MAJOR_MODES = ("affine",)
+EXPERT_MAJOR_MODES = (DEFAULT_QUANT_MODE,)
 MIN_PAIRS_PER_EXPERT = 4
 TILE_ROWS = ((32, 32), (0, 16))
 
@@ -68,7 +70,7 @@ def project(
             transpose=True,
             group_size=q["group_size"],
             bits=q["bits"],
-            mode=q.get("mode", "affine"),
+            mode=q.get("mode", DEFAULT_QUANT_MODE),
             global_scale=pool.get(f"{name}.global_scale"),
             sorted_indices=sorted_rows,
         )
@@ -224,7 +226,7 @@ class ExpertMajor:
         if self.mode == "off" or pairs < MIN_PAIRS_PER_EXPERT * self.num_experts:
             return None
         if self.mode == "modes" and not all(
-            q is not None and q.get("mode", "affine") in EXPERT_MAJOR_MODES
+            q is not None and q.get("mode", DEFAULT_QUANT_MODE) in EXPERT_MAJOR_MODES
             for q in quantization.values()
         ):
             return None

@@ -37,7 +37,7 @@ from engine.safetensors_header import (
     is_shape,
     read_header,
 )
-from engine.validate import MAX_EXPERTS, MAX_LAYERS, QUANT_BITS, QUANT_GROUP
+from engine.validate import MAX_EXPERTS, MAX_LAYERS, QUANT_BITS, QUANT_GROUP, QUANT_MODES
 
 FORMAT = "expertstream-store"
 VERSION = 2
@@ -720,6 +720,7 @@ def _parse_quantization(q, has_scales: bool, where: str) -> dict | None:
     group_size = _int(q, "group_size", where, lo=QUANT_GROUP[0], hi=QUANT_GROUP[1])
     bits = _int(q, "bits", where, lo=QUANT_BITS[0], hi=QUANT_BITS[1])
     mode = _str(q, "mode", where)
+    _expect(mode in QUANT_MODES, where, f"mode {mode!r} is not one of {', '.join(QUANT_MODES)}")
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
 

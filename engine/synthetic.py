@@ -43,6 +43,7 @@ from engine.store import (
     stride_for,
 )
 from engine.store_writer import StoreWriter
+from engine.validate import DEFAULT_QUANT_MODE
 
 # The public config.json of Qwen/Qwen3-30B-A3B (fields mlx-lm reads).
 QWEN3_30B_A3B = {
@@ -205,7 +206,7 @@ def write_store(
         "up_proj": config["hidden_size"],
         "down_proj": config["moe_intermediate_size"],
     }
-    quant = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    quant = {"group_size": group_size, "bits": bits, "mode": DEFAULT_QUANT_MODE}
     rng = np.random.default_rng(seed)
     record = np.zeros(record_bytes, np.uint8)
     stride = stride_for(record_bytes)

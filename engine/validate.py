@@ -23,6 +23,10 @@ MAX_LAYERS = 1 << 12
 # Quantization bits and group size: (lowest, highest), in a config and in a manifest.
 QUANT_BITS = (1, 8)
 QUANT_GROUP = (1, 4096)
+# MLX's quantization modes (mx.quantize's `mode`); a config or manifest that names none
+# means the first, mlx-lm's default.
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+DEFAULT_QUANT_MODE = QUANT_MODES[0]
 # Integer fields of the supported families: (lowest, highest) allowed value. The highest
 # are far above any published model (the largest vocabularies have ~260k entries).
 INT_FIELDS = {

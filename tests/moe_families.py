@@ -3,7 +3,7 @@
 Modelled on mlx-lm's tests/test_models.py: hidden 64, expert width 32 (so every weight
 packs at group size 32), 8 experts routed top-2 where the family allows, two or three
 decoder layers of which at least two hold routed experts. `FAMILIES` maps model_type ->
-config.json dict; the README's list of supported model types is checked against its keys.
+config.json dict; docs/models.md's list of supported model types is checked against its keys.
 """
 
 H, FF, E, K, V = 64, 32, 8, 2, 64

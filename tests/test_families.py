@@ -79,10 +79,10 @@ def test_a_dropped_model_is_freed_without_the_garbage_collector(tmp_path):
         gc.enable()
 
 
-def test_readme_lists_the_tested_families():
-    """The README's supported and unsupported model types are exactly the tested ones and
-    engine.experts.UNSUPPORTED."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_models_page_lists_the_tested_families():
+    """docs/models.md's supported and unsupported model types are exactly the tested ones
+    and engine.experts.UNSUPPORTED."""
+    readme = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
 
     def paragraph(heading):
         return readme.split(heading, 1)[1].split("\n\n", 2)[1]

@@ -189,7 +189,7 @@ def test_a_model_is_retrieved_by_its_id(served):
 def test_sampling_fields_the_engine_does_not_apply_are_ignored_on_every_protocol(
     served, route, body, ignored
 ):
-    """One rule (README, "Sampling fields"): top_k, min_p and the penalties are accepted
+    """One rule (docs/server.md, "Sampling fields"): top_k, min_p and the penalties are accepted
     and ignored everywhere; Anthropic's top_k was refused while the others were not."""
     status, plain = http("POST", served.url + route, body)
     assert status == 200

@@ -171,6 +171,12 @@ MUTATIONS = [
     ),
     (("layers", 0, "quantization", "up_proj", "bits"), "4", "bits is '4', expected an integer"),
     (("layers", 0, "quantization", "w9"), None, "unknown keys"),
+    # a mode MLX has no kernels for is refused when the store opens, not at the first matmul
+    (
+        ("layers", 0, "quantization", "up_proj", "mode"),
+        "fp3",
+        r"quantization\.up_proj: mode 'fp3' is not one of affine, mxfp4, mxfp8, nvfp4",
+    ),
 ]
 
 

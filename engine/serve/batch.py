@@ -22,7 +22,7 @@ counted per reply.
 mlx-lm computes each row alone where the rows differ (its own KV, a mask over the left
 padding that aligns them), so a greedy reply in a batch is the one the request gets
 alone wherever the backend's batched kernels give each row the result they give one
-(README: "Many conversations at once").
+(docs/server.md: "Many conversations at once").
 """
 
 import queue
