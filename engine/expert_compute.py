@@ -83,6 +83,34 @@ def project(
     return y
 
 
+def module_math(
+    x: mx.array,
+    pool: dict[str, mx.array],
+    rows: mx.array,
+    quantization: dict,
+    math: "ExpertMath",
+    sorted_rows: bool,
+) -> mx.array:
+    """The streamed module's projections and activation, as its `__call__` applies them:
+    SwitchGLU's `down(activation(up(x), gate(x)))`, SwitchMLP's `fc2(activation(fc1(x)))`,
+    each projection a `project` of x's rows against `rows`.
+
+    Args:
+        x: (..., M, in) inputs; rows: pool rows broadcastable with x's batch shape.
+
+    Returns:
+        (..., M, out) outputs.
+    """
+    if math.kind == "SwitchGLU":
+        x_up = project("up_proj", x, pool, rows, quantization, sorted_rows)
+        x_gate = project("gate_proj", x, pool, rows, quantization, sorted_rows)
+        return project(
+            "down_proj", math.activation(x_up, x_gate), pool, rows, quantization, sorted_rows
+        )
+    y = math.activation(project("fc1", x, pool, rows, quantization, sorted_rows))
+    return project("fc2", y, pool, rows, quantization, sorted_rows)
+
+
 def expert_outputs(
     x: mx.array,
     pool: dict[str, mx.array],
@@ -108,13 +136,7 @@ def expert_outputs(
     idx, inv_order = rows, None
     if do_sort:
         x, idx, inv_order = _gather_sort(x, rows)
-    if math.kind == "SwitchGLU":
-        x_up = project("up_proj", x, pool, idx, quantization, do_sort)
-        x_gate = project("gate_proj", x, pool, idx, quantization, do_sort)
-        x = project("down_proj", math.activation(x_up, x_gate), pool, idx, quantization, do_sort)
-    else:
-        x = math.activation(project("fc1", x, pool, idx, quantization, do_sort))
-        x = project("fc2", x, pool, idx, quantization, do_sort)
+    x = module_math(x, pool, idx, quantization, math, do_sort)
     if do_sort:
         x = _scatter_unsort(x, inv_order, rows.shape)
     return x.squeeze(-2)
@@ -184,13 +206,7 @@ def expert_major_outputs(
     source, tile_rows, place = tile_layout(flat, pool_rows, tile)
     tokens = x.reshape(-1, x.shape[-1])
     xt = tokens[source // k].reshape(-1, tile, x.shape[-1])
-    if math.kind == "SwitchGLU":
-        x_up = project("up_proj", xt, pool, tile_rows, quantization, True)
-        x_gate = project("gate_proj", xt, pool, tile_rows, quantization, True)
-        y = project("down_proj", math.activation(x_up, x_gate), pool, tile_rows, quantization, True)
-    else:
-        y = math.activation(project("fc1", xt, pool, tile_rows, quantization, True))
-        y = project("fc2", y, pool, tile_rows, quantization, True)
+    y = module_math(xt, pool, tile_rows, quantization, math, True)
     y = y.reshape(-1, y.shape[-1])[place]
     return y.reshape(*rows.shape, y.shape[-1])
 
