@@ -215,14 +215,14 @@ class ExpertMajor:
     """Which form computes a call's experts: mlx-lm's (`expert_outputs`) or expert-major
     (`expert_major_outputs`), and the check that keeps the engine's promise of mlx-lm's
     bits. A call is taken expert-major where the mode allows it and it has at least
-    `MIN_PAIRS_PER_EXPERT` pairs per expert of the layer; the first such call of each kind (pool
-    segments' shapes and dtypes, quantization, module kind, input dtype, tile height)
+    `MIN_PAIRS_PER_EXPERT` pairs per expert of the layer; the first such call of each
+    kind (pool segments' shapes and dtypes, quantization, module kind, input dtype, tile height)
     computes both forms and compares every bit (one host wait, once per kind); a kind
     whose forms differ keeps mlx-lm's form from then on, said once in the log.
 
     Args:
-        mode: "on" (every call of at least `MIN_PAIRS_PER_EXPERT` pairs per row, any
-            backend and quantization), "off", or "auto": on MLX CUDA only, for
+        mode: "on" (every call of at least `MIN_PAIRS_PER_EXPERT` pairs per expert,
+            any backend and quantization), "off", or "auto": on MLX CUDA only, for
             `EXPERT_MAJOR_MODES`, where the form is faster and its kernels reduce each
             row alike at any rows per matrix; MLX's CPU computes mlx-lm's form faster,
             and Metal's kernels are not measured.
