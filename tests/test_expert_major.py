@@ -87,11 +87,16 @@ def test_tile_layout_places_every_pair_once_in_a_tile_of_its_row(pool_rows, tile
     assert (tile_rows[place // tile] == rows).all()
     # The tiles' rows are sorted (gather_qmm's sorted_indices), padding last.
     assert (np.diff(tile_rows.astype(np.int64)) >= 0).all()
-    # Every tile but the last of each row is full: no more tiles than the bound.
+    # A row's pairs fill ceil(n / tile) tiles, every one full but the last; the tiles
+    # holding no pair (padding) are the last ones.
     used = np.bincount(place // tile, minlength=tiles)
     for r in np.unique(rows):
-        counts = sorted(used[np.flatnonzero(tile_rows == r)], reverse=True)
-        assert sum(counts) == (rows == r).sum()
+        n = int((rows == r).sum())
+        counts = sorted(used[(tile_rows == r) & (used > 0)], reverse=True)
+        assert len(counts) == -(-n // tile) and sum(counts) == n
+        assert all(c == tile for c in counts[:-1])
+    held = np.flatnonzero(used > 0)
+    assert (held == np.arange(len(held))).all()
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
