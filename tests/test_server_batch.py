@@ -139,8 +139,9 @@ def test_a_keyed_sampler_samples_as_the_global_key_seeded(temperature, top_p, se
 
 
 def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch, tmp_path):
-    """Two 5-token prompts prefilled together (one forward of 2 x 4 tokens), then decode
-    steps of one token per reply: only the prompts' rows are marked prefill."""
+    """Two 5-token prompts prefilled together (one forward of 2 x 5 tokens, whose last
+    positions give the first tokens), then decode steps of one token per reply: only the
+    prompts' rows are marked prefill."""
     import urllib.request
 
     from engine.trace import load_trace
@@ -164,5 +165,5 @@ def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch,
         gate.set()
         served.close()
     trace = load_trace(tmp_path / "t.npz")
-    assert trace.prefill[:8].tolist() == [1] * 8 and trace.prefill[8:].sum() == 0
-    assert len(trace.prefill) - 8 >= 2 * 6 and trace.segments.tolist() == [0]
+    assert trace.prefill[:10].tolist() == [1] * 10 and trace.prefill[10:].sum() == 0
+    assert len(trace.prefill) - 10 >= 2 * 5 and trace.segments.tolist() == [0]

@@ -1,14 +1,32 @@
 """Continuous batching behind `expertstream serve`: the replies of up to `--max-batch`
-requests generated side by side by mlx-lm's own `BatchGenerator` over the streamed model.
+requests generated side by side over the streamed model, in mlx-lm's batch KV caches
+(`BatchKVCache` and its kin: each row its own KV, a mask over the padding that aligns
+them) and with its sampling math.
 
-A request joins the batch between decode steps: the generation thread takes it from the
-queue, finds its prompt's longest known prefix in the prompt cache and hands the rest
-to the generator, which prefills it (with any other prompt that joined) one
-`prefill_step_size` forward per step, so a long prompt holds the others up for one
-such forward at a time, then decodes it with the batch: one forward of every row's last
-token per step. A reply leaves the batch when it ends: at the end-of-sequence token or
-its max_tokens, or at the next step after a stop string cut its text or its client went
-(its KV then goes to the prompt cache, as a whole reply's does).
+Each turn of the generation thread's loop does, in this order:
+
+1. join: the queued jobs, up to `max_batch` rows in all, start prefilling, each over its
+   prompt's longest known prefix in the prompt cache;
+2. prefill: one forward of the next `prefill_step_size` prompt tokens of every row still
+   prefilling, right-padded to the longest (as mlx-lm's `PromptProcessingBatch` pads
+   them), so that a long prompt holds the others up for one such forward at a time. A
+   row whose prompt ends in it samples its first token from the logits of its last
+   prompt position, sends it at once, and joins the decode with that token as its next
+   input, or ends there (its first token is the end-of-sequence token, or max_tokens 1);
+3. decode: one forward of every decoding row's next input, one token a row.
+
+So a joining request's first token comes out of its own prefill: after the decode step
+in flight when it came and its prefill's forwards, with no decode step of the batch
+between. (mlx-lm's `BatchGenerator.next`, driven as it is, prefills all but a prompt's
+last token, forwards that token alone at its next call and hands out the token it gives
+at the call after: two or three decode steps of the batch beyond the prefill.) The
+decode pipelines as mlx-lm's does: a step starts the forward of the tokens the step
+before sampled and hands those out while it runs, so that the host's work (the text, the
+HTTP events, the next step's graph) overlaps the device's.
+
+A reply leaves the batch when it ends: at the end-of-sequence token or its max_tokens,
+or at the next step after a stop string cut its text or its client went (its KV then
+goes to the prompt cache, as a whole reply's does).
 
 Each row keeps what is its own: its sampler and seed (`engine.generate.keyed_sampler`: a
 random key of its own, so a seeded reply repeats whatever else is in the batch), its
@@ -19,25 +37,28 @@ the union fits the slots, the over-capacity path beyond them), so the rows of a 
 share each expert's read. The cache's counters are the server's totals; the tokens are
 counted per reply.
 
-mlx-lm computes each row alone where the rows differ (its own KV, a mask over the left
-padding that aligns them), so a greedy reply in a batch is the one the request gets
-alone wherever the backend's batched kernels give each row the result they give one
-(docs/server.md: "Many conversations at once").
+Each row is computed apart where the rows differ, so a greedy reply in a batch is the
+one the request gets alone wherever the backend's kernels give each row of a batch, and
+the last position of a prefill forward, the result they give the row alone and its
+last prompt token forwarded alone (docs/server.md: "Many conversations at once").
 """
 
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine import autopin
 from engine.generate import keyed_sampler, restore_space
 from engine.predictor import GenerationStopped
-from engine.serve.bodies import Job
 from engine.serve.reply import Reply
+
+# Decode steps between frees of MLX's buffer cache (mlx-lm's generators free it so too).
+CLEAR_CACHE_STEPS = 256
 
 
 def batches(model) -> bool:
@@ -53,6 +74,12 @@ class Row:
     Attributes:
         reply: its Reply (job, text, events).
         detokenizer: its own streaming detokenizer.
+        sample: its sampler: log-probabilities (1, vocab) -> token id (1,).
+        rest: its prompt tokens still to prefill.
+        tokens: the tokens whose KV its cache holds (the prompt cache's key for it).
+        input: its next token to forward, (1,) ids; None while it prefills.
+        logprobs: while `input` is still to be handed out, the log-probabilities
+            (vocab,) it was sampled from; None once it is (a first token).
         seen: its tokens until the first that decodes to text (`restore_space`); None
             after it.
         first: when its first token came (`time.monotonic()`), or None.
@@ -60,6 +87,11 @@ class Row:
 
     reply: Reply
     detokenizer: object
+    sample: Callable[[mx.array], mx.array]
+    rest: list[int]
+    tokens: list[int]
+    input: mx.array | None = None
+    logprobs: mx.array | None = None
     seen: list[int] | None = field(default_factory=list)
     first: float | None = None
 
@@ -80,9 +112,46 @@ class Row:
         return text
 
 
+@dataclass
+class Batch:
+    """Rows side by side and their KV: one of mlx-lm's batch caches per layer, whose row
+    i is `rows[i]`'s."""
+
+    rows: list[Row] = field(default_factory=list)
+    kv: list = field(default_factory=list)
+
+    def add(self, rows: list[Row], caches: list[list]) -> None:
+        """Appends `rows`, each with its KV (mlx-lm's one-sequence caches, one a layer)."""
+        merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+        if self.kv:
+            for mine, theirs in zip(self.kv, merged, strict=True):
+                mine.extend(theirs)
+        else:
+            self.kv = merged
+        self.rows += rows
+
+    def take(self, gone: list[int]) -> list[tuple[Row, list]]:
+        """Takes the rows at the indices `gone` out; returns each with its KV (one-sequence
+        caches, one a layer), in the order of `gone`."""
+        out = [(self.rows[i], [c.extract(i) for c in self.kv]) for i in gone]
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        if keep:
+            for c in self.kv:
+                c.filter(keep)
+        else:
+            self.kv = []
+        self.rows = [self.rows[i] for i in keep]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its KV."""
+        return sum(c.nbytes for c in self.kv)
+
+
 class BatchLoop:
     """The generation thread's loop with `max_batch` above 1: it takes jobs into the
-    batch and runs its steps until the thread is closed (`run`).
+    batch and runs its turns until the thread is closed (`run`).
 
     Args:
         thread: the engine.serve.server.GenerationThread (its model, queue, prompt
@@ -93,24 +162,43 @@ class BatchLoop:
         self.thread = thread
         self.sm = thread.sm
         self.tokenizer = thread.sm.tokenizer
-        self.rows: dict[int, Row] = {}  # generator uid -> row
-        self.generator: BatchGenerator | None = None
+        self.eos = set(self.tokenizer.eos_token_ids)
+        self.prefill = Batch()  # the rows prefilling
+        self.decode = Batch()  # the rows decoding
+        self.steps = 0  # decode steps run
         self.closed = False  # the queue said None: end once the rows have ended
 
+    @property
+    def rows(self) -> list[Row]:
+        """Every row in the batch, prefilling or decoding."""
+        return self.prefill.rows + self.decode.rows
+
     def run(self) -> None:
-        """Serves jobs until the thread is closed. A shutdown (`cancel_all`) ends the
-        step in progress at its next MoE layer."""
+        """Serves jobs until the thread is closed, in bursts: from a job taken while no
+        reply generates until the last reply ends. A shutdown (`cancel_all`) ends the
+        turn in progress at its next MoE layer."""
         self.sm.predictor.should_stop = lambda: self.thread._closing
         try:
-            while True:
-                self._take_jobs()
-                if not self.rows:
-                    if self.closed:
+            with mx.stream(generation_stream):
+                while True:
+                    self._take_jobs()
+                    if self.rows:
+                        self._burst()
+                    elif self.closed:
                         return
-                    continue
-                self._step()
         finally:
             self.sm.predictor.should_stop = None
+
+    def _burst(self) -> None:
+        """Runs turns until the last row ends, then settles as between replies."""
+        if (recorder := self.sm.predictor.recorder) is not None:
+            recorder.begin_segment()
+        with wired_limit(self.sm.model, [generation_stream]):
+            self._turn()
+            while self.rows:
+                self._take_jobs()
+                self._turn()
+        self._idle()
 
     def _take_jobs(self) -> None:
         """Takes queued jobs into the batch, up to `max_batch` rows; waits for one while
@@ -133,66 +221,121 @@ class BatchLoop:
                     self.thread.active.pop(job, None)
 
     def _join(self, reply: Reply) -> None:
-        """Puts `reply`'s job into the generator over its prompt's cached prefix."""
-        job: Job = reply.job
-        if self.generator is None:
-            eos = [[t] for t in self.tokenizer.eos_token_ids]
-            self.generator = BatchGenerator(
-                self.sm.model,
-                stop_tokens=eos,
-                completion_batch_size=self.thread.max_batch,
-                prefill_batch_size=self.thread.max_batch,
-                prefill_step_size=self.thread.prefill_step_size,
-                stream=generation_stream,
-            )
-            if (recorder := self.sm.predictor.recorder) is not None:
-                recorder.begin_segment()
+        """Puts `reply`'s job into the prefill over its prompt's cached prefix."""
+        job = reply.job
+        if not job.prompt:
+            raise ValueError("the prompt is empty: there is no token to generate after")
         cache, cached = self.thread.fetch(job.prompt)
         reply.start(cached)
-        (uid,) = self.generator.insert(
-            [job.prompt[cached:]],
-            max_tokens=[job.max_tokens],
-            caches=[cache],
-            all_tokens=[job.prompt[:cached]],
-            samplers=[keyed_sampler(job.temperature, job.top_p, job.seed)],
+        sample = keyed_sampler(job.temperature, job.top_p, job.seed)
+        row = Row(
+            reply, self.tokenizer.detokenizer, sample, job.prompt[cached:], job.prompt[:cached]
         )
-        self.rows[uid] = Row(reply, self.tokenizer.detokenizer)
+        self.prefill.add([row], [make_prompt_cache(self.sm.model) if cache is None else cache])
         if (prompts := self.thread.prompt_cache) is not None:  # the batch's KV counts too
-            batch = self.generator.prompt_cache_nbytes
+            batch = self.prefill.nbytes + self.decode.nbytes
             prompts.trim_to(n_bytes=max(0, self.thread.prompt_cache_bytes - batch))
 
-    def _step(self) -> None:
-        """One step of the generator (a decode step of the rows decoding, a prefill
-        forward of the rows prefilling), its tokens handed to their replies; ends the
-        rows that are done."""
-        t0, responses = time.monotonic(), []
+    def _turn(self) -> None:
+        """A prefill forward of the rows prefilling, then a decode step of the rows
+        decoding, the rows that are done or stopping ended after each."""
+        t0 = time.monotonic()
         try:
-            _, responses = self.generator.next()
-            # A read that failed inside a stream-ordered acquire left row 0 in its place:
-            # the step's tokens are wrong, so its error is raised before any is handed out.
-            self.sm.cache.raise_stream_error()
-            now = time.monotonic()
-            for r in responses:
-                row = self.rows[r.uid]
-                row.first = row.first or now
-                text = row.text(r.token, r.finish_reason, self.tokenizer)
-                row.reply.respond(r.token, text, r.logprobs)
-                if r.finish_reason is not None:
-                    self.thread.keep(r.all_tokens, r.prompt_cache)
-                    self._end(r.uid, r.finish_reason, stopped=False)
-            self._drop_stopping()
+            if self.prefill.rows:
+                self._prefill()
+                self._drop_stopping()
+            if self.decode.rows:
+                self._decode()
+                self._drop_stopping()
         except GenerationStopped:  # the server is shutting down
             self._end_all(None)
         except Exception as e:  # noqa: BLE001  (the batch's requests fail; the server goes on)
             self._end_all(e)
         finally:
             with self.thread.stats.lock:
-                s = self.thread.stats
-                s.generation_seconds += time.monotonic() - t0
-                s.decode_steps += bool(responses)
-                s.decode_rows += len(responses)
-        if not self.rows:
-            self._idle()
+                self.thread.stats.generation_seconds += time.monotonic() - t0
+
+    def _prefill(self) -> None:
+        """One forward of the next `prefill_step_size` prompt tokens of every row
+        prefilling; each row whose prompt ends in it gets its first token from the logits
+        of its last position, then joins the decode or ends."""
+        batch, step = self.prefill, self.thread.prefill_step_size
+        chunks = [row.rest[:step] for row in batch.rows]
+        lengths = [len(c) for c in chunks]
+        padding = [max(lengths) - n for n in lengths]
+        if any(padding):  # right padding: each cache rolls it to the left of the row's KV
+            for c in batch.kv:
+                c.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([c + [0] * p for c, p in zip(chunks, padding, strict=True)])
+        logits = self.sm.model(tokens, cache=batch.kv)
+        if any(padding):
+            for c in batch.kv:
+                c.finalize()
+        for row, chunk in zip(batch.rows, chunks, strict=True):
+            row.rest = row.rest[len(chunk) :]
+            row.tokens += chunk
+        done = [i for i, row in enumerate(batch.rows) if not row.rest]
+        first, logprobs = [], []
+        if done:  # the others' logits are never evaluated
+            last = logits[mx.array(done), mx.array([lengths[i] - 1 for i in done])]
+            logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
+            first = [batch.rows[i].sample(logprobs[j : j + 1]) for j, i in enumerate(done)]
+        mx.eval(first, logprobs, [c.state for c in batch.kv])
+        mx.clear_cache()
+        self.sm.cache.raise_stream_error()
+        rows, caches = [], []  # those joining the decode
+        for j, (row, cache) in enumerate(batch.take(done)):
+            row.input = first[j]
+            if finish := self._hand_out(row, first[j].item(), logprobs[j]):
+                self.thread.keep(row.tokens, cache)
+                self._end(row, finish, stopped=False)
+            else:
+                rows.append(row)
+                caches.append(cache)
+        if rows:
+            self.decode.add(rows, caches)
+
+    def _decode(self) -> None:
+        """One decode step: starts the forward of every row's next input, then hands out
+        those inputs that the step before sampled while it runs; ends the rows done."""
+        batch = self.decode
+        inputs = mx.concatenate([row.input for row in batch.rows])
+        logits = self.sm.model(inputs[:, None], cache=batch.kv)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = [row.sample(logprobs[i : i + 1]) for i, row in enumerate(batch.rows)]
+        mx.async_eval(sampled, logprobs)
+        tokens = inputs.tolist()
+        # A read that failed inside a stream-ordered acquire left row 0 in its place: the
+        # step's tokens are wrong, so its error is raised before any is handed out.
+        self.sm.cache.raise_stream_error()
+        ended = {}
+        for i, (row, token) in enumerate(zip(batch.rows, tokens, strict=True)):
+            row.tokens.append(token)
+            if row.logprobs is not None and (finish := self._hand_out(row, token, row.logprobs)):
+                ended[i] = finish
+            row.input, row.logprobs = sampled[i], logprobs[i]
+        with self.thread.stats.lock:
+            self.thread.stats.decode_steps += 1
+            self.thread.stats.decode_rows += len(tokens)
+        self.steps += 1
+        if self.steps % CLEAR_CACHE_STEPS == 0:
+            mx.clear_cache()
+        for (row, cache), finish in zip(batch.take(list(ended)), ended.values(), strict=True):
+            self.thread.keep(row.tokens, cache)
+            self._end(row, finish, stopped=False)
+
+    def _hand_out(self, row: Row, token: int, logprobs: mx.array) -> str | None:
+        """Hands `token`, sampled from `logprobs` (vocab,), to `row`'s reply; returns how
+        it ends the reply: "stop" (end of sequence), "length" (max_tokens) or None."""
+        reply = row.reply
+        finish = None
+        if token in self.eos:
+            finish = "stop"
+        elif reply.sent + 1 >= reply.job.max_tokens:
+            finish = "length"
+        row.first = row.first or time.monotonic()
+        reply.respond(token, row.text(token, finish, self.tokenizer), logprobs)
+        return finish
 
     def _rates(self, row: Row) -> tuple[float | None, float | None]:
         """(prefill, decode) tokens/s of `row` so far, by mlx-lm's definitions: prompt
@@ -206,35 +349,32 @@ class BatchLoop:
         decode = reply.sent / (now - row.first) if reply.sent > 1 and now > row.first else None
         return prefill, decode
 
-    def _end(self, uid: int, finish: str | None, stopped: bool) -> None:
-        row = self.rows.pop(uid)
+    def _end(self, row: Row, finish: str | None, stopped: bool) -> None:
+        """Ends `row`'s reply, taken out of the batch."""
         row.reply.end(row.reply.sent, finish, stopped, *self._rates(row))
         self.thread.active.pop(row.reply.job, None)
 
     def _drop_stopping(self) -> None:
-        """Takes the rows whose reply is to end (`Reply.stopping`) out of the batch; their
-        KV goes to the prompt cache."""
-        gone = [uid for uid, row in self.rows.items() if row.reply.stopping()]
-        if not gone:
-            return
-        for cache, tokens in self.generator.remove(gone, return_prompt_caches=True).values():
-            if tokens:
-                self.thread.keep(list(tokens), cache)
-        for uid in gone:
-            self._end(uid, None, stopped=True)
+        """Takes the rows whose reply is to end (`Reply.stopping`) out of the batch,
+        prefilling or decoding; their KV goes to the prompt cache."""
+        for batch in (self.prefill, self.decode):
+            gone = [i for i, row in enumerate(batch.rows) if row.reply.stopping()]
+            for row, cache in batch.take(gone) if gone else []:
+                if row.tokens:
+                    self.thread.keep(row.tokens, cache)
+                self._end(row, None, stopped=True)
 
     def _end_all(self, error: Exception | None) -> None:
-        """Ends every row after a step that did not finish, failed with `error`, or
-        stopped (None: the server is shutting down), and drops the generator: its KV is
+        """Ends every row after a turn that did not finish, failed with `error`, or
+        stopped (None: the server is shutting down), and drops their KV: it is
         mid-forward."""
-        for row in self.rows.values():
+        for row in self.rows:
             if error is None:
                 row.reply.end(row.reply.sent, None, True, *self._rates(row))
             else:
                 row.reply.fail(error)
             self.thread.active.pop(row.reply.job, None)
-        self.rows.clear()
-        self.generator = None
+        self.prefill, self.decode = Batch(), Batch()
 
     def _idle(self) -> None:
         """Between bursts, as between replies generated alone (engine.generate.generate):
@@ -252,5 +392,3 @@ class BatchLoop:
         except Exception as e:  # noqa: BLE001  (no reply to fail: /health says it)
             with self.thread.stats.lock:
                 self.thread.stats.last_error = f"between replies: {type(e).__name__}: {e}"
-        finally:
-            self.generator = None  # the next burst starts afresh (and a trace segment)
