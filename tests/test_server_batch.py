@@ -12,11 +12,13 @@ import pytest
 from engine.config import StreamConfig
 from engine.generate import generate, keyed_sampler, prompt_tokens, sampler
 from engine.model import load
+from engine.serve.batch import BatchLoop
+from engine.serve.reply import Reply
 
 from test_server import PROMPT, Served, hold_replies, http
 
-# Prompts of different lengths and reply limits, so that the rows are padded apart and
-# leave the batch at different steps; two of them sampled, with seeds.
+# Prompts of different lengths (2 to 13 tokens) and reply limits, so that the rows are
+# padded apart and leave the batch at different steps; two of them sampled, with seeds.
 REQUESTS = [
     {"prompt": "Once upon a time", "max_tokens": 30},
     {"prompt": "The little dog ran to the park and", "max_tokens": 12, "stop": ["."]},
@@ -28,6 +30,7 @@ REQUESTS = [
         "seed": 7,
     },
     {"prompt": "Tom", "max_tokens": 7},
+    {"prompt": "The cat sat", "max_tokens": 1},  # ends at its prefill's first token
     {
         "prompt": "A big bear lived in the woods. He liked honey and",
         "max_tokens": 20,
@@ -56,14 +59,23 @@ def alone(sm, request: dict) -> tuple[str, int, str]:
     return text, len(r.tokens), finish
 
 
-@pytest.mark.parametrize("slots", [8, None], ids=["over-capacity", "resident"])
-def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots):
-    """Five requests held in the queue, then let go at once: they prefill together
+@pytest.mark.parametrize(
+    ("slots", "step"),
+    [(8, None), (None, None), (8, 3)],
+    ids=["over-capacity", "resident", "3-token-prefill-forwards"],
+)
+def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots, step):
+    """Six requests held in the queue, then let go at once: they prefill together
     (padded), decode side by side and leave at different steps. With 8 slots a step's
-    union of experts (up to 5 x top-4) exceeds the slots (the over-capacity path); with
-    every expert resident it is the table path. Each reply equals the request alone on
-    the CPU, sampled ones included (each row keeps its own seeded key)."""
+    union of experts (up to 6 x top-4) exceeds the slots (the over-capacity path); with
+    every expert resident it is the table path. With 3 prompt tokens per prefill
+    forward, the short prompts end (and take their first token from a position before
+    the forward's last) and decode while the long ones still prefill. Each reply equals
+    the request alone on the CPU, sampled ones included (each row keeps its own seeded
+    key)."""
     served = Served(expert_slots=slots)
+    if step is not None:
+        served.engine.prefill_step_size = step
     gate = hold_replies(monkeypatch)
     try:
         client = served.client(max_retries=0, timeout=120)
@@ -82,9 +94,10 @@ def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots):
         gate.set()
         served.close()
     assert stats["mean_batch"] > 2, stats  # they did run side by side
-    # 8 MoE layers: beyond the prefill's one forward, decode steps of the batch whose
-    # union of experts overflowed the slots; none with every expert resident.
-    assert overcap > 8 if slots else overcap == 0
+    # 8 MoE layers: beyond the prefill's forwards, decode steps of the batch whose union
+    # of experts overflowed the slots; none with every expert resident.
+    prefill_forwards = 1 if step is None else 5  # the 13-token prompt's
+    assert overcap > 8 * prefill_forwards if slots else overcap == 0
     sm = load(None, StreamConfig(expert_slots=slots))
     for request, reply in zip(REQUESTS, replies, strict=True):
         text, tokens, finish = alone(sm, request)
@@ -123,6 +136,87 @@ def test_a_request_joins_a_running_reply_and_leaves_before_it(served):
     assert (s["cancelled"], s["completed"]) == (before["cancelled"] + 1, before["completed"] + 1)
     assert s["replies"] == [] and s["completion_tokens"] - before["completion_tokens"] < 500
     assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+def test_a_joining_request_gets_its_first_token_out_of_its_prefill(served, monkeypatch):
+    """A request that joins a running reply gets its first token out of its own prefill:
+    between the generation thread taking it and its first token, the running reply gets
+    no token (no decode step of the batch comes between); then both go on side by side.
+    Seen through the thread's own calls, in its order, not through timing."""
+    events = []  # ("taken", job) when the thread takes a job; a job for each token it gets
+    begin, respond = served.engine._begin, Reply.respond
+
+    def taken(job):
+        events.append(("taken", job))
+        return begin(job)
+
+    def responded(self, *args):
+        events.append(self.job)
+        return respond(self, *args)
+
+    monkeypatch.setattr(served.engine, "_begin", taken)
+    monkeypatch.setattr(Reply, "respond", responded)
+    client = served.client(max_retries=0, timeout=120)
+    with client.completions.with_streaming_response.create(
+        model="m", prompt=PROMPT, max_tokens=1500, stream=True
+    ) as response:
+        lines = (line for line in response.iter_lines() if line)
+        next(lines)  # the running reply's text flows
+        short = client.completions.create(model="m", prompt="Tom went to the park", max_tokens=4)
+    assert short.usage.completion_tokens == 4
+    running, joining = [e[1] for e in events if isinstance(e, tuple)]
+    at = events.index(("taken", joining))
+    first = next(i for i in range(at, len(events)) if events[i] is joining)
+    assert [e is running for e in events[at:first]] == [False]  # only the taking
+    assert sum(e is joining for e in events) == 4
+    assert sum(e is running for e in events[first:]) >= 3  # side by side with the others
+
+
+def test_a_request_cancelled_while_it_prefills_leaves_before_its_next_forward(monkeypatch):
+    """With 2 prompt tokens a prefill forward, a 13-token prompt whose job is cancelled
+    after its first forward is in no later one; the prompt cache keeps the KV prefilled
+    so far (the same prompt asked again prefills only the rest), and the reply beside it
+    goes on, equal to the request alone."""
+    served = Served(prompt_cache_bytes=1 << 26)
+    served.engine.prefill_step_size = 2
+    long = REQUESTS[-1]["prompt"]
+    widths = []  # rows of each prefill forward, by prompt length
+    prefill = BatchLoop._prefill
+
+    def cancelling(self):
+        widths.append(sorted(len(row.reply.job.prompt) for row in self.prefill.rows))
+        prefill(self)
+        for row in self.prefill.rows:
+            if len(row.reply.job.prompt) == 13:
+                row.reply.job.cancel.set()
+
+    monkeypatch.setattr(BatchLoop, "_prefill", cancelling)
+    gate = hold_replies(monkeypatch)
+    try:
+        client = served.client(max_retries=0, timeout=120)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(client.completions.create, model="m", prompt=p, max_tokens=8)
+                for p in ("Once upon a time", long)
+            ]
+            while not (served.engine.busy() and served.engine.queued() == 1):
+                time.sleep(0.01)
+            gate.set()
+            kept, cancelled = [f.result() for f in futures]
+        stats = served.stats()["server"]
+        monkeypatch.setattr(BatchLoop, "_prefill", prefill)
+        again = client.completions.create(model="m", prompt=long, max_tokens=8)
+    finally:
+        gate.set()
+        served.close()
+    assert widths == [[5, 13], [5], [5]]  # the long prompt gone after its first forward
+    assert (cancelled.usage.completion_tokens, cancelled.choices[0].finish_reason) == (0, None)
+    assert (stats["completed"], stats["cancelled"]) == (1, 1)
+    assert again.usage.prompt_tokens_details.cached_tokens == 2
+    sm = load(None, StreamConfig(expert_slots=8))
+    for prompt, reply in (("Once upon a time", kept), (long, again)):
+        text, tokens, _ = alone(sm, {"prompt": prompt, "max_tokens": 8})
+        assert (reply.choices[0].text, reply.usage.completion_tokens) == (text, tokens)
 
 
 @pytest.mark.parametrize(("temperature", "top_p", "seed"), [(0.8, 0.9, 7), (1.0, 1.0, 2**64 - 1)])
