@@ -20,8 +20,9 @@ conversations at once"): how many are, and where the first that is not parts.
 Then the join: N - 1 clients stream long replies and, once their text flows, one more
 client sends a prompt; its time to first token beside its prompt's prefill (its time to
 first token alone, less one decode step alone) and the batch's decode step, and what it
-waited beyond the prefill in decode steps of the batch (the step in flight when it
-came, the batch's next step, its own first step).
+waited beyond the prefill in decode steps of the batch: the rest of the step in flight
+when it came (under one step, half on average: its first token comes out of its
+prefill, before the batch's next step).
 
     python -m bench.batch [--model DIR_OR_STORE | --synthetic WORK_DIR] [--clients 1,2,4,8]
         [--tokens 64] [--prompt 64] [--reps 2] [--fraction F] [--host-memory SIZE|auto|off]

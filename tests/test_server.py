@@ -252,14 +252,14 @@ def test_refusals_name_the_field_and_value_as_the_cli_does(served):
 
 
 def test_health_reports_the_last_failure_until_a_reply_succeeds(served, monkeypatch):
-    from mlx_lm.generate import BatchGenerator
+    from engine.serve.batch import BatchLoop
 
     def failing(*args, **kwargs):
         raise ValueError("layer01.blob (layer 1, expert 3): checksum mismatch")
 
     url = f"{served.url}/v1/completions"
     with monkeypatch.context() as m:
-        m.setattr(BatchGenerator, "next", failing)
+        m.setattr(BatchLoop, "_prefill", failing)
         assert http("POST", url, {"prompt": PROMPT, "max_tokens": 2})[0] == 500
         status, health = http("GET", f"{served.url}/health")
     assert status == 200 and health == {

@@ -68,8 +68,8 @@ class ServerStats:
         completion_tokens: tokens generated.
         generation_seconds: wall seconds during which a reply was generating (replies
             generated side by side counted once).
-        decode_steps, decode_rows: steps of the batch that gave tokens, and the tokens
-            they gave (their ratio: the mean batch).
+        decode_steps, decode_rows: the batch's decode steps, and the rows they forwarded
+            (one token each; their ratio: the mean batch).
         prefill_tokens, prefill_seconds, decode_tokens, decode_seconds: what the replies
             prefilled and decoded and how long that took (the queue's wait estimate).
         last_error: why the latest reply failed; None once a later one succeeds.
