@@ -19,7 +19,7 @@ conversations at once"): how many are, and where the first that is not parts.
 
 Then the join: N - 1 clients stream long replies and, once their text flows, one more
 client sends a prompt; its time to first token beside its prompt's prefill (its time to
-first token alone, less one decode step alone) and the batch's decode step, and what it
+first token alone, which comes out of the prefill) and the batch's decode step, and what it
 waited beyond the prefill in decode steps of the batch: the rest of the step in flight
 when it came (under one step, half on average: its first token comes out of its
 prefill, before the batch's next step).
@@ -172,8 +172,8 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
         )
         log(
             "\nA client joining a running batch of N - 1: its time to first token beside its "
-            "prompt's prefill (its time to first token alone, less a decode step alone, just "
-            "before) and the batch's decode step\n"
+            "prompt's prefill (its time to first token alone, just before) and the batch's "
+            "decode step\n"
         )
         log("| clients | join TTFT | its prefill alone | batch decode step | beyond the prefill |")
         log("|---|---|---|---|---|")
@@ -182,14 +182,10 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
             for _ in range(reps):
                 ns = prompts(n)
                 alone = server.complete(ns[-1], tokens)
-                if alone.decode_tps is None:  # the model ended it at once: no step to time
-                    continue
                 j = join(server, ns, tokens)
-                j["prefill_s"] = alone.ttft - 1 / alone.decode_tps
+                j["prefill_s"] = alone.ttft
                 j["steps_beyond_prefill"] = (j["join_ttft_s"] - j["prefill_s"]) / j["batch_step_s"]
                 runs.append(j)
-            if not runs:
-                continue
             joins[n] = j = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             log(
                 f"| {n} | {j['join_ttft_s'] * 1e3:.0f} ms | {j['prefill_s'] * 1e3:.0f} ms | "

@@ -17,12 +17,13 @@ Each turn of the generation thread's loop does, in this order:
 
 So a joining request's first token comes out of its own prefill: after the decode step
 in flight when it came and its prefill's forwards, with no decode step of the batch
-between. (mlx-lm's `BatchGenerator.next`, driven as it is, prefills all but a prompt's
-last token, forwards that token alone at its next call and hands out the token it gives
-at the call after: two or three decode steps of the batch beyond the prefill.) The
-decode pipelines as mlx-lm's does: a step starts the forward of the tokens the step
-before sampled and hands those out while it runs, so that the host's work (the text, the
-HTTP events, the next step's graph) overlaps the device's.
+between, and a join costs no forward beyond its prefill's. (mlx-lm's
+`BatchGenerator.next`, driven as it is, prefills all but a prompt's last token, forwards
+that token alone at its next call and hands out the token it gives at the call after:
+two or three decode steps of the batch beyond the prefill.) The decode pipelines as mlx-
+lm's does: a step starts the forward of the tokens the step before sampled and hands
+those out while it runs, so that the host's work (the text, the HTTP events, the next
+step's graph) overlaps the device's.
 
 A reply leaves the batch when it ends: at the end-of-sequence token or its max_tokens,
 or at the next step after a stop string cut its text or its client went (its KV then
@@ -38,9 +39,9 @@ share each expert's read. The cache's counters are the server's totals; the toke
 counted per reply.
 
 Each row is computed apart where the rows differ, so a greedy reply in a batch is the
-one the request gets alone wherever the backend's kernels give each row of a batch, and
-the last position of a prefill forward, the result they give the row alone and its
-last prompt token forwarded alone (docs/server.md: "Many conversations at once").
+one the request gets alone wherever the backend's kernels compute a row of a batch as
+they compute it alone, and a prompt's last position inside a prefill forward as that
+token forwarded alone (docs/server.md: "Many conversations at once").
 """
 
 import queue
@@ -133,6 +134,8 @@ class Batch:
     def take(self, gone: list[int]) -> list[tuple[Row, list]]:
         """Takes the rows at the indices `gone` out; returns each with its KV (one-sequence
         caches, one a layer), in the order of `gone`."""
+        if not gone:  # a filter keeping every row would still copy the KV
+            return []
         out = [(self.rows[i], [c.extract(i) for c in self.kv]) for i in gone]
         keep = [i for i in range(len(self.rows)) if i not in gone]
         if keep:
@@ -276,7 +279,9 @@ class BatchLoop:
             row.tokens += chunk
         done = [i for i, row in enumerate(batch.rows) if not row.rest]
         first, logprobs = [], []
-        if done:  # the others' logits are never evaluated
+        # Logits are evaluated only in a forward where a prompt ends; mlx-lm's models then
+        # compute them at every position (rows x width x vocab, for the moment).
+        if done:
             last = logits[mx.array(done), mx.array([lengths[i] - 1 for i in done])]
             logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
             first = [batch.rows[i].sample(logprobs[j : j + 1]) for j, i in enumerate(done)]
@@ -299,12 +304,15 @@ class BatchLoop:
         """One decode step: starts the forward of every row's next input, then hands out
         those inputs that the step before sampled while it runs; ends the rows done."""
         batch = self.decode
-        inputs = mx.concatenate([row.input for row in batch.rows])
-        logits = self.sm.model(inputs[:, None], cache=batch.kv)[:, -1, :]
+        inputs = [row.input for row in batch.rows]
+        logits = self.sm.model(mx.concatenate(inputs)[:, None], cache=batch.kv)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = [row.sample(logprobs[i : i + 1]) for i, row in enumerate(batch.rows)]
         mx.async_eval(sampled, logprobs)
-        tokens = inputs.tolist()
+        # The inputs themselves, not their concatenation: that is part of this step's
+        # forward, and waiting for it would wait for the whole forward.
+        mx.eval(inputs)
+        tokens = [t.item() for t in inputs]
         # A read that failed inside a stream-ordered acquire left row 0 in its place: the
         # step's tokens are wrong, so its error is raised before any is handed out.
         self.sm.cache.raise_stream_error()
@@ -359,7 +367,7 @@ class BatchLoop:
         prefilling or decoding; their KV goes to the prompt cache."""
         for batch in (self.prefill, self.decode):
             gone = [i for i, row in enumerate(batch.rows) if row.reply.stopping()]
-            for row, cache in batch.take(gone) if gone else []:
+            for row, cache in batch.take(gone):
                 if row.tokens:
                     self.thread.keep(row.tokens, cache)
                 self._end(row, None, stopped=True)
