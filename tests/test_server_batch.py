@@ -69,10 +69,9 @@ def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots, step):
     (padded), decode side by side and leave at different steps. With 8 slots a step's
     union of experts (up to 6 x top-4) exceeds the slots (the over-capacity path); with
     every expert resident it is the table path. With 3 prompt tokens per prefill
-    forward, the short prompts end (and take their first token from a position before
-    the forward's last) and decode while the long ones still prefill. Each reply equals
-    the request alone on the CPU, sampled ones included (each row keeps its own seeded
-    key)."""
+    forward, the short prompts end their prefill and decode while the long ones still
+    prefill. Each reply equals the request alone on the CPU, sampled ones included (each
+    row keeps its own seeded key)."""
     served = Served(expert_slots=slots)
     if step is not None:
         served.engine.prefill_step_size = step
@@ -94,9 +93,9 @@ def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots, step):
         gate.set()
         served.close()
     assert stats["mean_batch"] > 2, stats  # they did run side by side
-    # 8 MoE layers: beyond the prefill's forwards, decode steps of the batch whose union
+    # 8 MoE layers: beyond the prefill's forwards, steps of one token a row whose union
     # of experts overflowed the slots; none with every expert resident.
-    prefill_forwards = 1 if step is None else 5  # the 13-token prompt's
+    prefill_forwards = 1 if step is None else 4  # the 13-token prompt's 12 tokens
     assert overcap > 8 * prefill_forwards if slots else overcap == 0
     sm = load(None, StreamConfig(expert_slots=slots))
     for request, reply in zip(REQUESTS, replies, strict=True):
@@ -209,7 +208,7 @@ def test_a_request_cancelled_while_it_prefills_leaves_before_its_next_forward(mo
     finally:
         gate.set()
         served.close()
-    assert widths == [[5, 13], [5], [5]]  # the long prompt gone after its first forward
+    assert widths == [[5, 13], [5]]  # the long prompt gone after its first forward
     assert (cancelled.usage.completion_tokens, cancelled.choices[0].finish_reason) == (0, None)
     assert (stats["completed"], stats["cancelled"]) == (1, 1)
     assert again.usage.prompt_tokens_details.cached_tokens == 2
@@ -233,9 +232,8 @@ def test_a_keyed_sampler_samples_as_the_global_key_seeded(temperature, top_p, se
 
 
 def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch, tmp_path):
-    """Two 5-token prompts prefilled together (one forward of 2 x 5 tokens, whose last
-    positions give the first tokens), then decode steps of one token per reply: only the
-    prompts' rows are marked prefill."""
+    """Two 5-token prompts prefilled together (one forward of 2 x 4 tokens), then decode
+    steps of one token per reply: only the prompts' rows are marked prefill."""
     import urllib.request
 
     from engine.trace import load_trace
@@ -259,5 +257,5 @@ def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch,
         gate.set()
         served.close()
     trace = load_trace(tmp_path / "t.npz")
-    assert trace.prefill[:10].tolist() == [1] * 10 and trace.prefill[10:].sum() == 0
-    assert len(trace.prefill) - 10 >= 2 * 5 and trace.segments.tolist() == [0]
+    assert trace.prefill[:8].tolist() == [1] * 8 and trace.prefill[8:].sum() == 0
+    assert len(trace.prefill) - 8 >= 2 * 6 and trace.segments.tolist() == [0]

@@ -5,29 +5,35 @@ them) and with its sampling math.
 
 Each turn of the generation thread's loop does, in this order:
 
-1. join: the queued jobs, up to `max_batch` rows in all, start prefilling, each over its
-   prompt's longest known prefix in the prompt cache;
-2. prefill: one forward of the next `prefill_step_size` prompt tokens of every row still
-   prefilling, right-padded to the longest (as mlx-lm's `PromptProcessingBatch` pads
-   them), so that a long prompt holds the others up for one such forward at a time. A
-   row whose prompt ends in it samples its first token from the logits of its last
-   prompt position, sends it at once, and joins the decode with that token as its next
-   input, or ends there (its first token is the end-of-sequence token, or max_tokens 1);
-3. decode: one forward of every decoding row's next input, one token a row.
+1. prefill: one forward of the next `prefill_step_size` prompt tokens of every row
+   prefilling, all but each prompt's last token, right-padded to the longest (as
+   mlx-lm's `PromptProcessingBatch` pads them), so that a long prompt holds the others
+   up for one such forward at a time;
+2. first tokens: the rows whose prompt has only its last token left forward it, one
+   token a row (as a reply alone forwards it after its prefill), and their first
+   tokens, sampled from its logits, are sent at once; the rows then join the decode,
+   each first token its next input, or end there (an end-of-sequence token, or
+   max_tokens 1);
+3. decode: one forward of every decoding row's next input, one token a row;
+
+then the queued jobs join, up to `max_batch` rows in all, each over its prompt's longest
+known prefix in the prompt cache.
 
 So a joining request's first token comes out of its own prefill: after the decode step
-in flight when it came and its prefill's forwards, with no decode step of the batch
-between, and a join costs no forward beyond its prefill's. (mlx-lm's
-`BatchGenerator.next`, driven as it is, prefills all but a prompt's last token, forwards
-that token alone at its next call and hands out the token it gives at the call after:
-two or three decode steps of the batch beyond the prefill.) The decode pipelines as mlx-
-lm's does: a step starts the forward of the tokens the step before sampled and hands
-those out while it runs, so that the host's work (the text, the HTTP events, the next
-step's graph) overlaps the device's.
+in flight when it came, its prefill's forwards and its last token's, with no decode step
+of the batch between. (mlx-lm's `BatchGenerator.next`, driven as it is, forwards that
+last token at its next call, after a decode step of the batch, and hands out the token
+it gives at the call after, after another.) The last token is forwarded apart, as alone,
+rather than at the end of the prefill's last forward: mlx-lm's models compute the logits
+of every position a forward takes, and a prefill forward's (rows x width x vocab) take
+memory beside its KV, and compute of the scale of a forward of one token a row. The
+decode pipelines as mlx-lm's does: a step starts the forward of the tokens the step
+before sampled and hands those out while it runs, so that the host's work (the text, the
+HTTP events, the next step's graph) overlaps the device's.
 
 A reply leaves the batch when it ends: at the end-of-sequence token or its max_tokens,
-or at the next step after a stop string cut its text or its client went (its KV then
-goes to the prompt cache, as a whole reply's does).
+or at the end of the turn in which a stop string cut its text or its client went (its
+KV then goes to the prompt cache, as a whole reply's does).
 
 Each row keeps what is its own: its sampler and seed (`engine.generate.keyed_sampler`: a
 random key of its own, so a seeded reply repeats whatever else is in the batch), its
@@ -40,8 +46,7 @@ counted per reply.
 
 Each row is computed apart where the rows differ, so a greedy reply in a batch is the
 one the request gets alone wherever the backend's kernels compute a row of a batch as
-they compute it alone, and a prompt's last position inside a prefill forward as that
-token forwarded alone (docs/server.md: "Many conversations at once").
+they compute it alone (docs/server.md: "Many conversations at once").
 """
 
 import queue
@@ -76,9 +81,9 @@ class Row:
         reply: its Reply (job, text, events).
         detokenizer: its own streaming detokenizer.
         sample: its sampler: log-probabilities (1, vocab) -> token id (1,).
-        rest: its prompt tokens still to prefill.
+        rest: its prompt tokens not forwarded yet.
         tokens: the tokens whose KV its cache holds (the prompt cache's key for it).
-        input: its next token to forward, (1,) ids; None while it prefills.
+        input: its next token to forward, (1,) ids; None before its first token.
         logprobs: while `input` is still to be handed out, the log-probabilities
             (vocab,) it was sampled from; None once it is (a first token).
         seen: its tokens until the first that decodes to text (`restore_space`); None
@@ -123,13 +128,20 @@ class Batch:
 
     def add(self, rows: list[Row], caches: list[list]) -> None:
         """Appends `rows`, each with its KV (mlx-lm's one-sequence caches, one a layer)."""
-        merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+        if rows:
+            merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+            self.extend(Batch(rows, merged))
+
+    def extend(self, other: "Batch") -> None:
+        """Appends the rows of `other` and their KV."""
+        if not other.rows:
+            return
         if self.kv:
-            for mine, theirs in zip(self.kv, merged, strict=True):
+            for mine, theirs in zip(self.kv, other.kv, strict=True):
                 mine.extend(theirs)
         else:
-            self.kv = merged
-        self.rows += rows
+            self.kv = other.kv
+        self.rows += other.rows
 
     def take(self, gone: list[int]) -> list[tuple[Row, list]]:
         """Takes the rows at the indices `gone` out; returns each with its KV (one-sequence
@@ -167,14 +179,20 @@ class BatchLoop:
         self.tokenizer = thread.sm.tokenizer
         self.eos = set(self.tokenizer.eos_token_ids)
         self.prefill = Batch()  # the rows prefilling
+        self.ready = Batch()  # the rows whose prompt has only its last token left
         self.decode = Batch()  # the rows decoding
         self.steps = 0  # decode steps run
         self.closed = False  # the queue said None: end once the rows have ended
 
     @property
+    def batches(self) -> tuple[Batch, Batch, Batch]:
+        """The rows prefilling, ready for their first token, and decoding."""
+        return self.prefill, self.ready, self.decode
+
+    @property
     def rows(self) -> list[Row]:
-        """Every row in the batch, prefilling or decoding."""
-        return self.prefill.rows + self.decode.rows
+        """Every row in the batch."""
+        return [row for batch in self.batches for row in batch.rows]
 
     def run(self) -> None:
         """Serves jobs until the thread is closed, in bursts: from a job taken while no
@@ -234,22 +252,24 @@ class BatchLoop:
         row = Row(
             reply, self.tokenizer.detokenizer, sample, job.prompt[cached:], job.prompt[:cached]
         )
-        self.prefill.add([row], [make_prompt_cache(self.sm.model) if cache is None else cache])
+        joins = self.prefill if len(row.rest) > 1 else self.ready
+        joins.add([row], [make_prompt_cache(self.sm.model) if cache is None else cache])
         if (prompts := self.thread.prompt_cache) is not None:  # the batch's KV counts too
-            batch = self.prefill.nbytes + self.decode.nbytes
+            batch = sum(b.nbytes for b in self.batches)
             prompts.trim_to(n_bytes=max(0, self.thread.prompt_cache_bytes - batch))
 
     def _turn(self) -> None:
-        """A prefill forward of the rows prefilling, then a decode step of the rows
-        decoding, the rows that are done or stopping ended after each."""
+        """A prefill forward, the first tokens of the rows ready for them, then a decode
+        step; the rows that are done, or whose reply is to end, leave the batch."""
         t0 = time.monotonic()
         try:
             if self.prefill.rows:
                 self._prefill()
-                self._drop_stopping()
+            if self.ready.rows:
+                self._first_tokens()
             if self.decode.rows:
                 self._decode()
-                self._drop_stopping()
+            self._drop_stopping()
         except GenerationStopped:  # the server is shutting down
             self._end_all(None)
         except Exception as e:  # noqa: BLE001  (the batch's requests fail; the server goes on)
@@ -260,54 +280,53 @@ class BatchLoop:
 
     def _prefill(self) -> None:
         """One forward of the next `prefill_step_size` prompt tokens of every row
-        prefilling; each row whose prompt ends in it gets its first token from the logits
-        of its last position, then joins the decode or ends."""
+        prefilling, all but its prompt's last token; the rows left with only that token
+        are ready for their first token."""
         batch, step = self.prefill, self.thread.prefill_step_size
-        chunks = [row.rest[:step] for row in batch.rows]
+        chunks = [row.rest[: min(step, len(row.rest) - 1)] for row in batch.rows]
         lengths = [len(c) for c in chunks]
         padding = [max(lengths) - n for n in lengths]
         if any(padding):  # right padding: each cache rolls it to the left of the row's KV
             for c in batch.kv:
                 c.prepare(lengths=lengths, right_padding=padding)
-        tokens = mx.array([c + [0] * p for c, p in zip(chunks, padding, strict=True)])
-        logits = self.sm.model(tokens, cache=batch.kv)
+        tokens = [c + [0] * p for c, p in zip(chunks, padding, strict=True)]
+        self.sm.model(mx.array(tokens), cache=batch.kv)
         if any(padding):
             for c in batch.kv:
                 c.finalize()
+        mx.eval([c.state for c in batch.kv])
+        mx.clear_cache()
         for row, chunk in zip(batch.rows, chunks, strict=True):
             row.rest = row.rest[len(chunk) :]
             row.tokens += chunk
-        done = [i for i, row in enumerate(batch.rows) if not row.rest]
-        first, logprobs = [], []
-        # Logits are evaluated only in a forward where a prompt ends; mlx-lm's models then
-        # compute them at every position (rows x width x vocab, for the moment).
-        if done:
-            last = logits[mx.array(done), mx.array([lengths[i] - 1 for i in done])]
-            logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
-            first = [batch.rows[i].sample(logprobs[j : j + 1]) for j, i in enumerate(done)]
-        mx.eval(first, logprobs, [c.state for c in batch.kv])
-        mx.clear_cache()
-        self.sm.cache.raise_stream_error()
-        rows, caches = [], []  # those joining the decode
-        for j, (row, cache) in enumerate(batch.take(done)):
-            row.input = first[j]
-            if finish := self._hand_out(row, first[j].item(), logprobs[j]):
-                self.thread.keep(row.tokens, cache)
-                self._end(row, finish, stopped=False)
-            else:
-                rows.append(row)
-                caches.append(cache)
-        if rows:
-            self.decode.add(rows, caches)
+        ready = batch.take([i for i, row in enumerate(batch.rows) if len(row.rest) == 1])
+        self.ready.add([row for row, _ in ready], [cache for _, cache in ready])
+
+    def _first_tokens(self) -> None:
+        """Forwards the last prompt token of every row ready for its first token, and
+        hands out the first tokens at once; the rows then join the decode, each first
+        token its next input."""
+        batch = self.ready
+        inputs = [row.rest.pop() for row in batch.rows]
+        sampled, logprobs = self._forward(batch, mx.array(inputs))
+        mx.eval(sampled, logprobs)
+        self.sm.cache.raise_stream_error()  # as after a decode step (`_decode`)
+        ended = {}
+        for i, (row, token) in enumerate(zip(batch.rows, inputs, strict=True)):
+            row.tokens.append(token)
+            row.input = sampled[i]
+            if finish := self._hand_out(row, row.input.item(), logprobs[i]):
+                ended[i] = finish
+        self._end_rows(batch, ended)
+        self.decode.extend(batch)
+        self.ready = Batch()
 
     def _decode(self) -> None:
         """One decode step: starts the forward of every row's next input, then hands out
         those inputs that the step before sampled while it runs; ends the rows done."""
         batch = self.decode
         inputs = [row.input for row in batch.rows]
-        logits = self.sm.model(mx.concatenate(inputs)[:, None], cache=batch.kv)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = [row.sample(logprobs[i : i + 1]) for i, row in enumerate(batch.rows)]
+        sampled, logprobs = self._forward(batch, mx.concatenate(inputs))
         mx.async_eval(sampled, logprobs)
         # The inputs themselves, not their concatenation: that is part of this step's
         # forward, and waiting for it would wait for the whole forward.
@@ -328,9 +347,15 @@ class BatchLoop:
         self.steps += 1
         if self.steps % CLEAR_CACHE_STEPS == 0:
             mx.clear_cache()
-        for (row, cache), finish in zip(batch.take(list(ended)), ended.values(), strict=True):
-            self.thread.keep(row.tokens, cache)
-            self._end(row, finish, stopped=False)
+        self._end_rows(batch, ended)
+
+    def _forward(self, batch: Batch, inputs: mx.array) -> tuple[list[mx.array], mx.array]:
+        """One forward of `inputs` (rows,), a token a row of `batch`, lazy: each row's
+        next token sampled by its own sampler ((1,) each), and the log-probabilities
+        (rows, vocab) they were sampled from."""
+        logits = self.sm.model(inputs[:, None], cache=batch.kv)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return [row.sample(logprobs[i : i + 1]) for i, row in enumerate(batch.rows)], logprobs
 
     def _hand_out(self, row: Row, token: int, logprobs: mx.array) -> str | None:
         """Hands `token`, sampled from `logprobs` (vocab,), to `row`'s reply; returns how
@@ -357,6 +382,13 @@ class BatchLoop:
         decode = reply.sent / (now - row.first) if reply.sent > 1 and now > row.first else None
         return prefill, decode
 
+    def _end_rows(self, batch: Batch, ended: dict[int, str]) -> None:
+        """Ends the replies of the rows of `batch` at the indices of `ended` (their finish
+        reasons) and takes them out; their KV goes to the prompt cache."""
+        for (row, cache), finish in zip(batch.take(list(ended)), ended.values(), strict=True):
+            self.thread.keep(row.tokens, cache)
+            self._end(row, finish, stopped=False)
+
     def _end(self, row: Row, finish: str | None, stopped: bool) -> None:
         """Ends `row`'s reply, taken out of the batch."""
         row.reply.end(row.reply.sent, finish, stopped, *self._rates(row))
@@ -364,8 +396,8 @@ class BatchLoop:
 
     def _drop_stopping(self) -> None:
         """Takes the rows whose reply is to end (`Reply.stopping`) out of the batch,
-        prefilling or decoding; their KV goes to the prompt cache."""
-        for batch in (self.prefill, self.decode):
+        wherever they are; their KV goes to the prompt cache."""
+        for batch in self.batches:
             gone = [i for i, row in enumerate(batch.rows) if row.reply.stopping()]
             for row, cache in batch.take(gone):
                 if row.tokens:
@@ -382,7 +414,7 @@ class BatchLoop:
             else:
                 row.reply.fail(error)
             self.thread.active.pop(row.reply.job, None)
-        self.prefill, self.decode = Batch(), Batch()
+        self.prefill, self.ready, self.decode = Batch(), Batch(), Batch()
 
     def _idle(self) -> None:
         """Between bursts, as between replies generated alone (engine.generate.generate):
