@@ -84,8 +84,8 @@ class Row:
         rest: its prompt tokens not forwarded yet.
         tokens: the tokens whose KV its cache holds (the prompt cache's key for it).
         input: its next token to forward, (1,) ids; None before its first token.
-        logprobs: while `input` is still to be handed out, the log-probabilities
-            (vocab,) it was sampled from; None once it is (a first token).
+        logprobs: the log-probabilities (vocab,) `input` was sampled from while it is
+            still to be handed out; None once it has been (a first token is at once).
         seen: its tokens until the first that decodes to text (`restore_space`); None
             after it.
         first: when its first token came (`time.monotonic()`), or None.
@@ -242,7 +242,8 @@ class BatchLoop:
                     self.thread.active.pop(job, None)
 
     def _join(self, reply: Reply) -> None:
-        """Puts `reply`'s job into the prefill over its prompt's cached prefix."""
+        """Puts `reply`'s job into the prefill over its prompt's cached prefix (among
+        the rows ready for their first token when only the last prompt token is left)."""
         job = reply.job
         if not job.prompt:
             raise ValueError("the prompt is empty: there is no token to generate after")
