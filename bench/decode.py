@@ -429,8 +429,10 @@ def prefill_suite(
         seconds) and "ttft_s_spread" [min, max], "prefill_tps" (prompt tokens / median
         ttft), "ratio" (the baseline's median ttft / this one's: its prefill rate as a
         fraction of the baseline's), and for the engine "fraction", "overcap_calls",
-        "bytes_read", "reading_s" (seconds with a read in flight: `reading_seconds`) and
-        "MBps_while_reading" (bytes_read / reading_s; 0 with nothing read), of the median
+        "bytes_read", "reading_s" (seconds with a read in flight: `reading_seconds`),
+        "MBps_while_reading" (bytes_read / reading_s; 0 with nothing read),
+        "host_tier_bytes" (copied from the host tier) and "load_s" (the host's seconds in
+        the calls' acquires and loads: reads waited for, tier copies), of the median
         repetition; "same_tokens": every repetition's first token equals the baseline's
         first repetition's; "same_logits": and its logits, every bit. The baseline is
         the first row: resident, or for an expert store (no mlx-lm model) the engine at
@@ -498,6 +500,9 @@ def prefill_suite(
                 "bytes_read": read,
                 "reading_s": o["reading_s"],
                 "MBps_while_reading": read / o["reading_s"] / 1e6 if o["reading_s"] else 0.0,
+                "host_tier_bytes": o["whole"]["host_bytes"],
+                # the host's time in the calls' loads (reads waited for, tier copies)
+                "load_s": o["whole"]["acquire_seconds"],
             }
         rows.append(row)
         reads = (
@@ -506,6 +511,11 @@ def prefill_suite(
             if row.get("bytes_read")
             else ""
         )
+        if row.get("host_tier_bytes"):
+            reads += (
+                f"; {row['host_tier_bytes'] / 1e6:.0f} MB copied from the host tier, "
+                f"{row['load_s'] * 1e3:.0f} ms of the host in the layers' loads"
+            )
         log(
             f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})"
             + reads

@@ -31,9 +31,11 @@ from engine._ext import AcquireMailbox, Router
 ANSWER_TIMEOUT_S = 600
 
 _BLOCK = 256
-# Blocks of the copy kernel: enough to keep the host-to-device path busy with the records
-# of a layer's misses and fills; a kernel with nothing to copy exits at once.
-_COPY_BLOCKS = 64
+# Blocks of the copy kernel. Every block reads every record's header from mapped host
+# memory and walks every record for its chunks, so each block added costs reads over the
+# bus as well as copy bandwidth: the count is the fastest one measured (docs/benchmarks.md,
+# "Decode on a GPU"). A kernel with nothing to copy exits at once.
+_COPY_BLOCKS = 16
 
 # The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
 # copies]), not as literals: the source is then the same for every cache, and MLX

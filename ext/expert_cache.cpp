@@ -256,7 +256,7 @@ bool ExpertCache::stage_from_tier(int li, int expert, int row) {
 }
 
 bool ExpertCache::copy_from_tier(int li, int expert, const std::vector<Span>& to) {
-  return staged_ && staged_->copy_cached(li, expert, to, writer_);
+  return staged_ && staged_->copy_cached(li, {expert}, {to}, writer_)[0];
 }
 
 void ExpertCache::copy_record(int li, int expert, const uint8_t* buf, int row, Write how) {
@@ -304,13 +304,25 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
   const size_t n = loads.size();
   landed.assign(n, 0);
   if (n == 0) return nullptr;
-  // What the host tier holds is staged from there; the rest is read.
+  // What the host tier holds is staged from there (copied at once, in one write, where
+  // staging is off); the rest is read.
+  std::vector<uint8_t> from_tier(n, 0);
+  if (how != Write::kDirect && staging_on()) {
+    for (size_t i = 0; i < n; ++i)
+      from_tier[i] = stage_from_tier(li, loads[i].first, loads[i].second);
+  } else if (staged_) {
+    std::vector<int> experts;
+    std::vector<std::vector<Span>> to;
+    for (const auto& [e, row] : loads) {
+      experts.push_back(e);
+      to.push_back(row_spans(li, row));
+    }
+    from_tier = staged_->copy_cached(li, experts, to, writer_);
+  }
   std::vector<std::pair<int, int>> rest;
   std::vector<size_t> at;
   for (size_t i = 0; i < n; ++i) {
-    const bool staged = how != Write::kDirect && staging_on();
-    if (staged ? stage_from_tier(li, loads[i].first, loads[i].second)
-               : copy_from_tier(li, loads[i].first, row_spans(li, loads[i].second))) {
+    if (from_tier[i]) {
       landed[i] = kLandedFromTier;
     } else {
       rest.push_back(loads[i]);

@@ -281,11 +281,15 @@ std::vector<uint8_t> LayerScratch::fetch(int li, const std::shared_ptr<ScratchBa
                                          const std::vector<int>& rows,
                                          std::vector<uint8_t>& staged, Load& out) {
   std::vector<uint8_t> in_row(experts.size(), 0);
+  if (tier_) {  // one write for every expert the tier holds
+    std::vector<std::vector<Span>> to;
+    for (int r : rows) to.push_back(bank->row(r));
+    in_row = tier_->copy_cached(li, experts, to, io_.writer);
+  }
   std::vector<int> reads, read_rows;
   std::vector<size_t> at;  // [j]: the index of reads[j] in experts
   for (size_t i = 0; i < experts.size(); ++i) {
-    if (copy_from_tier(li, experts[i], bank->row(rows[i]))) {
-      in_row[i] = 1;
+    if (in_row[i]) {
       ++out.host_hits;
     } else {
       reads.push_back(experts[i]);
@@ -324,10 +328,6 @@ std::exception_ptr LayerScratch::copy(int li, const std::vector<Span>& copies) c
     return std::make_exception_ptr(ReadError(L.path + " (layer " + std::to_string(L.layer) +
                                              ", layer scratch): " + e.what()));
   }
-}
-
-bool LayerScratch::copy_from_tier(int li, int e, const std::vector<Span>& to) const {
-  return tier_ && tier_->copy_cached(li, e, to, io_.writer);
 }
 
 int LayerScratch::read_ahead(int li, int bank, const std::vector<int>& experts, bool by_id) {

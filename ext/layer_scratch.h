@@ -191,8 +191,6 @@ class LayerScratch {
   // Makes the copies into (and within) layer li's bank; returns their failure as a
   // ReadError naming the layer's file, or null.
   std::exception_ptr copy(int li, const std::vector<Span>& copies) const;
-  // Whether expert e of layer li was copied from the host tier into `to`.
-  bool copy_from_tier(int li, int e, const std::vector<Span>& to) const;
   // Gives `ra` up and reports the records it landed (unused_); leaves it empty.
   void retire(ReadAhead& ra);
 

@@ -112,35 +112,44 @@ bool StagedCopies::holds(int layer, int expert) const {
   return at >= 0 && !filling_[static_cast<size_t>(layer * tier_slots_ + at)];
 }
 
-bool StagedCopies::copy_cached(int layer, int expert, const std::vector<Span>& spans,
-                               const PoolWriter& writer) {
-  int slot;
+std::vector<uint8_t> StagedCopies::copy_cached(int layer, const std::vector<int>& experts,
+                                               const std::vector<std::vector<Span>>& spans,
+                                               const PoolWriter& writer) {
+  if (experts.size() != spans.size())
+    throw std::invalid_argument("copy_cached: " + std::to_string(experts.size()) +
+                                " experts and " + std::to_string(spans.size()) + " span lists");
+  std::vector<uint8_t> copied(experts.size(), 0);
+  std::vector<int> slots;  // taken: no eviction while they are read
+  std::vector<Span> from;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return false;
+    if (tier_slots_ == 0 || layer < 0 || layer >= static_cast<int>(tier_.size())) return copied;
     auto& R = tier_[static_cast<size_t>(layer)];
-    const int at = R.slot_of(expert);
-    if (at < 0) return false;
-    slot = layer * tier_slots_ + at;
-    if (filling_[static_cast<size_t>(slot)]) return false;
-    R.use({expert}, ++tick_, CallContext{});
-    R.end_call();
-    ++refs_[static_cast<size_t>(slot)];  // no eviction while it is read
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const int at = R.slot_of(experts[i]);
+      if (at < 0) continue;
+      const int slot = layer * tier_slots_ + at;
+      if (filling_[static_cast<size_t>(slot)]) continue;
+      R.use({experts[i]}, ++tick_, CallContext{});
+      R.end_call();
+      ++refs_[static_cast<size_t>(slot)];
+      slots.push_back(slot);
+      copied[i] = 1;
+      size_t off = 0;
+      for (const auto& s : spans[i]) {
+        from.push_back({s.dst, slot_memory(slot) + off, s.bytes});
+        off += (s.bytes + 15) / 16 * 16;
+      }
+    }
   }
-  std::vector<Span> from;
-  size_t off = 0;
-  for (const auto& s : spans) {
-    from.push_back({s.dst, slot_memory(slot) + off, s.bytes});
-    off += (s.bytes + 15) / 16 * 16;
-  }
-  bool copied = true;
+  if (slots.empty()) return copied;
   try {
     writer.copy(from);
   } catch (const std::exception&) {
-    copied = false;  // the caller reads the record instead
+    copied.assign(copied.size(), 0);  // the caller reads the records instead
   }
   std::lock_guard<std::mutex> lk(mu_);
-  release(slot);
+  for (int slot : slots) release(slot);
   return copied;
 }
 

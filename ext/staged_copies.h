@@ -113,11 +113,14 @@ class StagedCopies {
   // stage_record), counting a use for the tier's policy. False when no tier slot holds
   // it (or one is still being filled).
   bool stage_cached(int layer, int expert, const std::vector<Span>& spans);
-  // Host paths (staging off): copies expert `expert` of `layer` from the tier slot that
-  // holds it into `spans`' destinations with `writer` now, counting a use; false when
-  // none holds it or the copy failed (the caller then reads the record).
-  bool copy_cached(int layer, int expert, const std::vector<Span>& spans,
-                   const PoolWriter& writer);
+  // Host paths (staging off): copies each of `experts` of `layer` that a tier slot holds
+  // into the destinations of its `spans` (as for stage_cached) with `writer` now, counting
+  // a use each, in one write: one wait for all of them, not one per expert. Returns, per
+  // expert, whether it was copied; none is where the write failed (the caller then reads
+  // those records). Throws std::invalid_argument when the two lists differ in length.
+  std::vector<uint8_t> copy_cached(int layer, const std::vector<int>& experts,
+                                   const std::vector<std::vector<Span>>& spans,
+                                   const PoolWriter& writer);
   // Whether a tier slot of `layer` holds expert `expert` now (filled, not filling).
   bool holds(int layer, int expert) const;
   // Host paths: keeps a record written directly (`spans` with host sources, as for

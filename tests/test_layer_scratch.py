@@ -167,6 +167,23 @@ def test_the_host_tier_serves_the_layer_scratch_and_keeps_what_it_read(qwen_stor
     del mailbox
 
 
+def test_a_whole_layer_copies_every_expert_the_host_tier_holds(qwen_store):
+    """A whole-layer load takes every record the tier holds from there, all in one write
+    (StagedCopies.copy_cached), reads only the others, and each row holds its expert."""
+    cache = open_cache(qwen_store, StreamConfig(expert_slots=1, side_slots=0, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
+    checker = RowChecker(qwen_store, cache)
+    stride = qwen_store.manifest.layers[1].stride
+    cache.load_layer(1, [2, 3, 5, 7])  # read, kept in the tier; 2 takes the slot
+    cache.load_whole(1, 0)  # 2 from its slot, 3, 5 and 7 from the tier, 5 others read
+    for e in range(8):
+        assert scratch_bytes(cache, 1, e) == checker.records[(1, e)]
+    s = stats(cache, 1)
+    assert (s["host_hits"], s["bytes_read"]) == (3, (4 + 4) * stride)
+    assert cache.host_tier[:2] == (8, 8)  # what was read the second time is kept too
+    del mailbox
+
+
 @pytest.mark.parametrize("slots", [1, 3])
 def test_a_prefill_through_the_layer_scratch_gives_the_resident_logits(model_dirs, slots):
     """Every layer over capacity, the next layer's misses read ahead from the router's
