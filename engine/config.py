@@ -301,12 +301,12 @@ class StreamConfig:
 
 
 class PoolMemoryError(ValueError):
-    """The memory plan of `config` (pools, layer scratch, host tier and dense weights)
-    does not fit in the memory available (`engine.memory_plan.plan_memory`), or the
-    pools' allocation failed: `what` says how much was asked for, why (layers x rows x
-    record size) and what is left; the
-    message adds which setting to change, naming StreamConfig fields as ConfigError
-    does. Front ends name them their own way with `in_words`."""
+    """The memory plan of `config` (pools, layer scratch, acquire staging, host tier and
+    dense weights) does not fit in the memory available (`engine.memory_plan.
+    plan_memory`), or the pools' allocation failed: `what` says how much was asked for,
+    why (layers x rows x record size) and what is left; the message adds which setting
+    to change, naming StreamConfig fields as ConfigError does. Front ends name them their
+    own way with `in_words`."""
 
     def __init__(self, what: str, config: StreamConfig):
         super().__init__(f"{what}: {_pool_remedy(config, {})}")

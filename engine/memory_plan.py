@@ -5,9 +5,10 @@ sized together against the memory available, once.
 `MemoryPlan` when a model loads (`engine.model.load`): the real slots of each MoE layer
 (expert_slots, or expert_memory split by record size: `layer_slots`), the side rows
 (`held_rows`), the scratch rows, the reader threads and their read buffers, the layer
-scratch where the pools are CUDA memory, the host tier (`StreamConfig.host_memory`) and
-the dense weights; each "auto" by the one rule (`auto_bytes`), and their sum checked
-once against `engine.memory.available_bytes`. The cache (`engine.cache.open_planned`),
+scratch where the pools are CUDA memory, the acquire mailbox's staging and the host tier
+(`StreamConfig.host_memory`) where the device acquire runs, and the dense weights; each
+"auto" by the one rule (`auto_bytes`), and their sum checked once against
+`engine.memory.available_bytes`. The cache (`engine.cache.open_planned`),
 the predictor and the mailbox are built from the plan, and the front ends word their
 messages from it (`MemoryPlan.words`): nothing sizes memory again after it.
 """
@@ -45,6 +46,9 @@ class MemoryPlan:
         pool_bytes: the pools, expert tables and read buffers (`engine._ext.planned_bytes`).
         layer_scratch_bytes: the layer scratch where the pools are CUDA memory (two banks
             of every expert of each segment layout), else 0.
+        staging_bytes: the acquire mailbox's page-locked staging (`mailbox_ids` slots
+            for a request's misses and `mailbox_fill_slots` for prefetch fills, each a
+            tier slot's size) where the device acquire runs (MLX CUDA), else 0.
         tier_slots: host-tier slots per MoE layer (0: no tier; only on MLX CUDA with the
             device acquire, where the pools are not host memory).
         tier_bytes: the host tier's page-locked bytes, all layers.
@@ -66,6 +70,7 @@ class MemoryPlan:
     io_uring_depth: int
     pool_bytes: int
     layer_scratch_bytes: int
+    staging_bytes: int
     tier_slots: int
     tier_bytes: int
     dense_bytes: int
@@ -74,8 +79,9 @@ class MemoryPlan:
 
     @property
     def expert_bytes(self) -> int:
-        """The bytes the plan holds for experts: pools, layer scratch and host tier."""
-        return self.pool_bytes + self.layer_scratch_bytes + self.tier_bytes
+        """The bytes the plan holds for experts: pools, layer scratch, the mailbox's
+        staging and the host tier."""
+        return self.pool_bytes + self.layer_scratch_bytes + self.staging_bytes + self.tier_bytes
 
     @property
     def total(self) -> int:
@@ -126,6 +132,8 @@ class MemoryPlan:
         ]
         if self.layer_scratch_bytes:
             parts.append(f"layer scratch {human_bytes(self.layer_scratch_bytes)}")
+        if self.staging_bytes:
+            parts.append(f"acquire staging {human_bytes(self.staging_bytes)}")
         if self.tier_slots:
             parts.append(
                 f"host tier {self.tier_slots} slots per layer {human_bytes(self.tier_bytes)}"
@@ -311,6 +319,21 @@ def tier_slot_bytes(specs: Sequence[LayerSpec]) -> int:
     return max((_ext.staging_slot_size(s.record_bytes, len(s.segments)) for s in specs), default=0)
 
 
+def mailbox_ids(ids: int) -> int:
+    """The most expert ids one request to the acquire mailbox takes, for requests of `ids`
+    ids (a decode step's: top_k x max_batch): twice that, at least 16 (room for a call a
+    little wider than planned), at most `AcquireMailbox.MAX_IDS`. Each takes a staging
+    slot, so that every miss of a request finds one."""
+    return min(_ext.AcquireMailbox.MAX_IDS, max(2 * ids, 16))
+
+
+def mailbox_fill_slots(budget: int) -> int:
+    """Staging slots of the acquire mailbox for prefetch fills of `budget` experts per
+    prediction (`Predictor.budget`): twice that (a layer's fills land while the next
+    layer's are staged), at least 16."""
+    return max(16, 2 * budget)
+
+
 def tier_slots(
     host_memory: int | str | None, layers: int, num_experts: int, slot: int, left: int | None
 ) -> int:
@@ -402,8 +425,12 @@ def _plan(store, config, specs, targets, available) -> MemoryPlan:
     scratch_bytes = layer_scratch_bytes(specs, m.num_experts) if cuda else 0
     dense = m.dense_bytes * len(specs) // max(1, len(m.layers))
     slot = tier_slot_bytes(specs)
-    left = None if available is None else available - pools - scratch_bytes - dense
-    tier = 0
+    staging = tier = 0
+    if cuda and config.device_acquire:
+        budget = min(config.side_slots, m.num_experts)
+        ids = mailbox_ids(m.top_k * config.max_batch)
+        staging = (ids + mailbox_fill_slots(budget)) * slot
+    left = None if available is None else available - pools - scratch_bytes - staging - dense
     if cuda and config.device_acquire:
         tier = tier_slots(config.host_memory, len(specs), m.num_experts, slot, left)
     return MemoryPlan(
@@ -417,6 +444,7 @@ def _plan(store, config, specs, targets, available) -> MemoryPlan:
         io_uring_depth=depth,
         pool_bytes=pools,
         layer_scratch_bytes=scratch_bytes,
+        staging_bytes=staging,
         tier_slots=tier,
         tier_bytes=tier * len(specs) * slot,
         dense_bytes=dense,
@@ -435,6 +463,11 @@ def _too_large(store: ExpertStore, plan: MemoryPlan, specs: Sequence[LayerSpec])
         f"scratch_slots) x records of up to {human_bytes(largest)}"
         f"{', and the layer scratch' if plan.layer_scratch_bytes else ''})"
     ]
+    if plan.staging_bytes:
+        parts.append(
+            f"the acquire staging {human_bytes(plan.staging_bytes)} (for max_batch x top_k "
+            "ids and the prefetch fills)"
+        )
     if plan.tier_bytes:
         parts.append(
             f"the host tier {human_bytes(plan.tier_bytes)} ({plan.tier_slots} slots per layer)"

@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine._ext import AcquireMailbox, Router
+from engine._ext import Router
 from engine.config import StreamConfig
 from engine.device_acquire import DeviceAcquire
+from engine.memory_plan import mailbox_fill_slots, mailbox_ids
 
 # Ids per expert from which an over-capacity call on the layer scratch takes every expert
 # of its layer as routed (`Predictor.takes_whole`): a call of n ids leaves a given expert
@@ -224,9 +225,9 @@ class Predictor:
             self._make_device(hidden, n)
 
     def _make_device(self, hidden: int, n: int) -> None:
-        max_ids = min(AcquireMailbox.MAX_IDS, max(2 * n, 16))
+        # Sized as the load's memory plan counted its staging.
         self._device = DeviceAcquire(
-            self.cache, hidden, max_ids, max(16, 2 * self.budget), self.tier_slots
+            self.cache, hidden, mailbox_ids(n), mailbox_fill_slots(self.budget), self.tier_slots
         )
 
     @property

@@ -80,6 +80,26 @@ def test_real_regions_below_top_k_are_refused_only_for_a_front_end(qwen_store):
         plan_memory(qwen_store, config, strict=True)
 
 
+def test_the_acquire_staging_is_planned_where_the_device_acquire_runs(qwen_store, monkeypatch):
+    """The acquire mailbox's page-locked staging (a slot per id of a request, twice a
+    decode step's top_k x max_batch and at least 16, plus twice the prefetch budget of
+    fills, at least 16) is counted with the pools, before the tier takes its share;
+    none without the device acquire or off CUDA."""
+    m = qwen_store.manifest
+    slot = tier_slot_bytes(m.layers)
+    base = StreamConfig(expert_slots=2, reader_threads=2, io_uring=False, host_memory=0)
+    assert plan_memory(qwen_store, base).staging_bytes == 0  # the CPU: no mailbox
+    monkeypatch.setattr(memory_plan, "cuda_pools", lambda: True)
+    one = plan_memory(qwen_store, base)
+    assert m.top_k == 2 and one.staging_bytes == (16 + 16) * slot
+    assert f"acquire staging {memory_plan.human_bytes(32 * slot)}" in one.words()
+    wide = plan_memory(qwen_store, base.replace(max_batch=8, side_slots=3, prefetch=True))
+    assert wide.staging_bytes == (2 * 2 * 8 + 16) * slot
+    assert wide.total - one.total == wide.pool_bytes - one.pool_bytes + 16 * slot
+    off = plan_memory(qwen_store, base.replace(device_acquire=False))
+    assert off.staging_bytes == 0
+
+
 def test_the_host_tier_is_planned_with_the_pools_and_checked_together(qwen_store, monkeypatch):
     """Where the pools are CUDA memory (forced here: only the plan is made), the tier
     takes auto's share of what the pools, layer scratch and dense weights leave, and a
