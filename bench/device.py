@@ -43,6 +43,7 @@ Figures go to stdout, DIR/device.json and DIR/device.md, each section's as it en
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -63,6 +64,8 @@ from engine.model import load
 from engine.streamed_layer import StreamedExperts
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+# What --batch's server and clients import (`bench.server`): checked before anything runs.
+SERVE_MODULES = ("starlette", "uvicorn", "httpx")
 
 
 def decode(model, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
@@ -598,6 +601,12 @@ def main(argv=None) -> int:
     }
     if args.no_decode and not (args.prefill or args.batch):
         p.error("--no-decode leaves nothing to run without --prefill or --batch")
+    missing = [m for m in SERVE_MODULES if args.batch and importlib.util.find_spec(m) is None]
+    if missing:
+        p.error(
+            f"--batch serves through `expertstream serve`, which needs {', '.join(missing)}: "
+            "pip install 'expertstream[serve]'"
+        )
     if not any(sections.values()):
         p.error("nothing to run: give --synthetic STORE, or leave out --skip-embedded")
     if args.synthetic and not list(args.synthetic.glob("layer*.blob")):

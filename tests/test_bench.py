@@ -380,6 +380,23 @@ def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
+def test_the_device_bench_names_the_server_packages_batch_needs(tmp_path, capsys, monkeypatch):
+    """A device without the server's packages is told which before anything runs."""
+    import importlib.util
+
+    import bench.device as device
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "uvicorn" else find(name)
+    )
+    with pytest.raises(SystemExit) as e:
+        device.main(["--out", str(tmp_path / "out"), "--batch", "--no-decode"])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert "--batch serves through `expertstream serve`, which needs uvicorn:" in err
+
+
 def test_the_device_bench_refuses_more_side_rows_than_experts(qwen_store, tmp_path, capsys):
     import bench.device as device
 
