@@ -374,7 +374,7 @@ def test_full_queue_answers_503_with_retry_after(monkeypatch):
     """A second server whose queue holds one job: with one reply generating (held at a
     gate) and one waiting, the third request is refused and told when to retry; the two
     accepted ones are answered once the gate opens."""
-    small = Served(max_queue=1)
+    small = Served(max_queue=1, max_batch=1)
     gate = hold_replies(monkeypatch)
     try:
         client = small.client(max_retries=0)

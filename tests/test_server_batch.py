@@ -259,3 +259,35 @@ def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch,
     trace = load_trace(tmp_path / "t.npz")
     assert trace.prefill[:8].tolist() == [1] * 8 and trace.prefill[8:].sum() == 0
     assert len(trace.prefill) - 8 >= 2 * 6 and trace.segments.tolist() == [0]
+
+
+def test_requests_wait_beyond_the_queue_only_while_the_batch_is_full(monkeypatch):
+    """--max-queue counts the requests that wait while the batch is full: with one reply
+    generating (held at its start, as in a long prefill forward) and 3 of 4 rows free, a
+    server of queue 1 takes 3 requests for the free rows and 1 to wait, and refuses the
+    next with 503; every accepted one is answered once the reply goes on. The queue
+    alone used to be the bound, refusing a request while rows were free."""
+    small = Served(max_queue=1, max_batch=4)
+    gate = hold_replies(monkeypatch)
+    try:
+        client = small.client(max_retries=0, timeout=120)
+        with ThreadPoolExecutor(5) as pool:
+            accepted = [pool.submit(client.completions.create, model="m", prompt=PROMPT)]
+            while not small.engine.busy():
+                time.sleep(0.01)
+            for n in range(1, 5):
+                accepted.append(
+                    pool.submit(client.completions.create, model="m", prompt=PROMPT, max_tokens=n)
+                )
+                while small.engine.queued() < n and not accepted[-1].done():  # done: refused
+                    time.sleep(0.01)
+            status, refused = http("POST", f"{small.url}/v1/completions", {"prompt": PROMPT})
+            gate.set()
+            tokens = [f.result().usage.completion_tokens for f in accepted]
+        assert status == 503 and refused["error"]["type"] == "server_busy", refused
+        assert tokens[1:] == [1, 2, 3, 4]
+        s = small.stats()["server"]
+        assert (s["requests"], s["requests_refused"], s["completed"]) == (5, 1, 5)
+    finally:
+        gate.set()
+        small.close()

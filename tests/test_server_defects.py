@@ -211,7 +211,7 @@ def test_every_protocol_shares_the_queue_and_refuses_in_its_own_format(monkeypat
     """One generation queue behind every route: with one reply generating (held at a
     gate) and one waiting, each protocol's next request gets 503, a Retry-After, and its
     own error body."""
-    small = Served(max_queue=1)
+    small = Served(max_queue=1, max_batch=1)
     gate = hold_replies(monkeypatch)
     url = small.url
     try:

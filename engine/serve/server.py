@@ -5,8 +5,9 @@ chat front ends speak: OpenAI's chat completions, completions and Responses
 
 Starlette routes run on uvicorn's event loop; one generation thread owns the model (it
 loads it, and only it touches MLX arrays) and takes requests in arrival order from a
-bounded queue (a full queue answers 503 with Retry-After): up to `max_batch` replies
-generated side by side (engine.serve.batch), or one at a time. Every route turns its
+bounded queue (the batch's free rows, then `max_queue` more; beyond, 503 with
+Retry-After): up to `max_batch` replies generated side by side (engine.serve.batch), or
+one at a time. Every route turns its
 request into the same `Job` (engine.serve.bodies), so every protocol shares the queue, the
 sampling checks and the limits; each writes its own error format. The thread sends each
 reply's text pieces and its end back to the event loop (engine.serve.reply). A client
@@ -107,7 +108,7 @@ class GenerationThread:
 
     Args:
         load: called on the thread; returns the StreamedModel.
-        max_queue: jobs that may wait (beyond those generating); more are refused.
+        max_queue: jobs that may wait while the batch is full; more are refused.
         trace_tokens: keep the routing of the last this many tokens (`recorder`, an
             engine.trace.TraceRecorder; 0: none).
         prompt_cache_bytes: the prompt cache's budget, bytes of KV (0: no prompt cache).
@@ -148,7 +149,7 @@ class GenerationThread:
         self._load = load
         self._trace_tokens = trace_tokens
         self.recorder = None
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._jobs: queue.Queue = queue.Queue()  # `submit` bounds it
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.active: dict[Job, Reply] = {}  # the jobs generating and their replies
@@ -170,18 +171,21 @@ class GenerationThread:
             raise self._load_error
 
     def submit(self, job: Job) -> None:
-        """Queues `job`.
+        """Queues `job`: up to the batch's free rows (`max_batch` less the replies
+        generating), which it joins at the thread's next turn, and then `max_queue` more,
+        which wait for a row. (A job the thread has taken but not yet begun counts in
+        neither, for that moment.)
 
         Raises:
-            queue.Full: `max_queue` jobs are waiting already (counted in
+            queue.Full: the free rows and `max_queue` are taken already (counted in
                 `requests_refused`).
         """
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
+        free = max(0, self.max_batch - len(self.active))
+        if self._jobs.qsize() >= self.max_queue + free:
             with self.stats.lock:
                 self.stats.requests_refused += 1
-            raise
+            raise queue.Full
+        self._jobs.put_nowait(job)
         with self.stats.lock:
             self.stats.requests += 1
 
@@ -305,6 +309,7 @@ class GenerationThread:
         if self.max_batch > 1 and batches(self.sm.model):
             BatchLoop(self).run()
         else:
+            self.max_batch = 1  # one reply at a time: the queue's bound and /v1/stats say so
             self._one_at_a_time()
         self.sm = self.prompt_cache = None  # the model's arrays are freed here, on their thread
 
