@@ -7,12 +7,12 @@ Starlette routes run on uvicorn's event loop; one generation thread owns the mod
 loads it, and only it touches MLX arrays) and takes requests in arrival order from a
 bounded queue (the batch's free rows, then `max_queue` more; beyond, 503 with
 Retry-After): up to `max_batch` replies generated side by side (engine.serve.batch), or
-one at a time. Every route turns its
-request into the same `Job` (engine.serve.bodies), so every protocol shares the queue, the
-sampling checks and the limits; each writes its own error format. The thread sends each
-reply's text pieces and its end back to the event loop (engine.serve.reply). A client
-that goes away sets the job's cancel flag: its row leaves the batch at the next step (a
-reply generated alone polls it at every MoE layer call, and ends at the next one).
+one at a time. Every route turns its request into the same `Job` (engine.serve.bodies), so
+every protocol shares the queue, the sampling checks and the limits; each writes its own
+error format. The thread sends each reply's text pieces and its end back to the event loop
+(engine.serve.reply). A client that goes away sets the job's cancel flag: its row leaves
+the batch at the next step (a reply generated alone polls it at every MoE layer call, and
+ends at the next one).
 
 A prompt cache (mlx-lm's LRUPromptCache, within a byte budget) keeps the KV of recent
 replies: a request whose prompt starts with tokens the server has seen (a conversation
