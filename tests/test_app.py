@@ -761,6 +761,6 @@ def four_layers(layer_slots, tier_slots=0):
         config=StreamConfig(expert_slots=8), real_slots=(8,) * 4,
         layer_slots=tuple(layer_slots), side_rows=(4,) * 4, scratch_rows=4,
         record_bytes=(1000,) * 4, reader_threads=2, io_uring_depth=0, pool_bytes=0,
-        layer_scratch_bytes=0, tier_slots=tier_slots, tier_bytes=tier_slots * 4 * 1000,
-        dense_bytes=0, available=None,
+        layer_scratch_bytes=0, staging_bytes=0, tier_slots=tier_slots,
+        tier_bytes=tier_slots * 4 * 1000, dense_bytes=0, available=None,
     )  # fmt: skip

@@ -211,6 +211,7 @@ def model_info(host_tier: bool = False) -> ModelInfo:
         io_uring_depth=0,
         pool_bytes=0,
         layer_scratch_bytes=0,
+        staging_bytes=0,
         tier_slots=tier,
         tier_bytes=tier * 4 * 1000,
         dense_bytes=0,
