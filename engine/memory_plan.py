@@ -321,9 +321,9 @@ def tier_slot_bytes(specs: Sequence[LayerSpec]) -> int:
 
 def mailbox_ids(ids: int) -> int:
     """The most expert ids one request to the acquire mailbox takes, for requests of `ids`
-    ids (a decode step's: top_k x max_batch): twice that, at least 16 (room for a call a
-    little wider than planned), at most `AcquireMailbox.MAX_IDS`. Each takes a staging
-    slot, so that every miss of a request finds one."""
+    ids (a decode step's: top_k x max_batch): twice that, at least 16, at most
+    `AcquireMailbox.MAX_IDS`. Each takes a staging slot, so that every miss of a request
+    finds one."""
     return min(_ext.AcquireMailbox.MAX_IDS, max(2 * ids, 16))
 
 

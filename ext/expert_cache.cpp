@@ -310,7 +310,7 @@ std::exception_ptr ExpertCache::demand_read(int li, const std::vector<std::pair<
   if (how != Write::kDirect && staging_on()) {
     for (size_t i = 0; i < n; ++i)
       from_tier[i] = stage_from_tier(li, loads[i].first, loads[i].second);
-  } else if (staged_) {
+  } else if (staged_ && staged_->tier_slots() > 0) {
     std::vector<int> experts;
     std::vector<std::vector<Span>> to;
     for (const auto& [e, row] : loads) {

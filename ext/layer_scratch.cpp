@@ -281,7 +281,7 @@ std::vector<uint8_t> LayerScratch::fetch(int li, const std::shared_ptr<ScratchBa
                                          const std::vector<int>& rows,
                                          std::vector<uint8_t>& staged, Load& out) {
   std::vector<uint8_t> in_row(experts.size(), 0);
-  if (tier_) {  // one write for every expert the tier holds
+  if (tier_ && tier_->tier_slots() > 0) {  // one write for every expert the tier holds
     std::vector<std::vector<Span>> to;
     for (int r : rows) to.push_back(bank->row(r));
     in_row = tier_->copy_cached(li, experts, to, io_.writer);

@@ -193,12 +193,7 @@ def test_cancelled_stream_stops_generating(served, client):
         lines = response.iter_lines()
         got = [line for line, _ in zip(lines, range(6), strict=False) if line]
     assert got and json.loads(got[0].removeprefix("data: "))["choices"]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        s = served.stats()["server"]
-        if s["cancelled"] > before["cancelled"] and not s["generating"]:
-            break
-        time.sleep(0.05)
+    s = wait_cancelled(served, before, 20)
     assert s["cancelled"] == before["cancelled"] + 1 and not s["generating"]
     assert s["completion_tokens"] - before["completion_tokens"] < 500
     assert client.completions.create(model="any", prompt=PROMPT, max_tokens=2).usage
@@ -359,6 +354,19 @@ def test_load_16_clients_4_requests_each(served):
     assert after["server"]["failed"] == before["failed"]
     assert after["server"]["queued"] == 0 and after["cache"]["hits"] > 0
     assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
+
+
+def wait_cancelled(served, before: dict, seconds: float) -> dict:
+    """The server's stats (`/v1/stats`' "server") once a reply more than in `before` was
+    cancelled and none generates, or after `seconds`, whichever comes first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        s = served.stats()["server"]
+        if (s["cancelled"] > before["cancelled"] and not s["generating"]) or (
+            time.monotonic() >= deadline
+        ):
+            return s
+        time.sleep(0.05)
 
 
 def hold_replies(monkeypatch) -> threading.Event:

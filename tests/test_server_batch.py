@@ -15,7 +15,7 @@ from engine.model import load
 from engine.serve.batch import BatchLoop
 from engine.serve.reply import Reply
 
-from test_server import PROMPT, Served, hold_replies, http
+from test_server import PROMPT, Served, hold_replies, http, wait_cancelled
 
 # Prompts of different lengths (2 to 13 tokens) and reply limits, so that the rows are
 # padded apart and leave the batch at different steps; two of them sampled, with seeds.
@@ -59,6 +59,19 @@ def alone(sm, request: dict) -> tuple[str, int, str]:
     return text, len(r.tokens), finish
 
 
+def held_at_once(served, gate, requests: list[dict]) -> list:
+    """`requests` (completions arguments) sent together while every reply's start is
+    held (`hold_replies`): the first is taken and held, the rest queued, then the gate
+    opens; their replies, in order."""
+    client = served.client(max_retries=0, timeout=120)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(client.completions.create, model="m", **r) for r in requests]
+        while not (served.engine.busy() and served.engine.queued() == len(requests) - 1):
+            time.sleep(0.01)
+        gate.set()
+        return [f.result() for f in futures]
+
+
 @pytest.mark.parametrize(
     ("slots", "step"),
     [(8, None), (None, None), (8, 3)],
@@ -77,16 +90,7 @@ def test_replies_in_a_batch_equal_each_request_alone(monkeypatch, slots, step):
         served.engine.prefill_step_size = step
     gate = hold_replies(monkeypatch)
     try:
-        client = served.client(max_retries=0, timeout=120)
-        with ThreadPoolExecutor(len(REQUESTS)) as pool:
-            futures = [
-                pool.submit(client.completions.create, model="m", **request) for request in REQUESTS
-            ]
-            # the first held at its start, the others queued
-            while not (served.engine.busy() and served.engine.queued() == len(REQUESTS) - 1):
-                time.sleep(0.01)
-            gate.set()
-            replies = [f.result() for f in futures]
+        replies = held_at_once(served, gate, REQUESTS)
         stats = served.stats()
         stats, overcap = stats["server"], stats["cache"]["overcap_calls"]
     finally:
@@ -126,12 +130,7 @@ def test_a_request_joins_a_running_reply_and_leaves_before_it(served):
     sm = load(None, StreamConfig(expert_slots=8))
     text, tokens, finish = alone(sm, {"prompt": "Tom went", "max_tokens": 8})
     assert (short.choices[0].text, short.usage.completion_tokens) == (text, tokens)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        s = served.stats()["server"]
-        if s["cancelled"] > before["cancelled"] and not s["generating"]:
-            break
-        time.sleep(0.05)
+    s = wait_cancelled(served, before, 20)
     assert (s["cancelled"], s["completed"]) == (before["cancelled"] + 1, before["completed"] + 1)
     assert s["replies"] == [] and s["completion_tokens"] - before["completion_tokens"] < 500
     assert http("GET", f"{served.url}/health") == (200, {"status": "ok"})
@@ -192,19 +191,13 @@ def test_a_request_cancelled_while_it_prefills_leaves_before_its_next_forward(mo
     monkeypatch.setattr(BatchLoop, "_prefill", cancelling)
     gate = hold_replies(monkeypatch)
     try:
-        client = served.client(max_retries=0, timeout=120)
-        with ThreadPoolExecutor(2) as pool:
-            futures = [
-                pool.submit(client.completions.create, model="m", prompt=p, max_tokens=8)
-                for p in ("Once upon a time", long)
-            ]
-            while not (served.engine.busy() and served.engine.queued() == 1):
-                time.sleep(0.01)
-            gate.set()
-            kept, cancelled = [f.result() for f in futures]
+        asked = [{"prompt": p, "max_tokens": 8} for p in ("Once upon a time", long)]
+        kept, cancelled = held_at_once(served, gate, asked)
         stats = served.stats()["server"]
         monkeypatch.setattr(BatchLoop, "_prefill", prefill)
-        again = client.completions.create(model="m", prompt=long, max_tokens=8)
+        again = served.client(max_retries=0, timeout=120).completions.create(
+            model="m", prompt=long, max_tokens=8
+        )
     finally:
         gate.set()
         served.close()
@@ -241,16 +234,9 @@ def test_the_routing_trace_of_a_batch_marks_only_prompts_as_prefill(monkeypatch,
     served = Served(trace_tokens=4096)
     gate = hold_replies(monkeypatch)
     try:
-        client = served.client(max_retries=0, timeout=120)
-        with ThreadPoolExecutor(2) as pool:
-            futures = [
-                pool.submit(client.completions.create, model="m", prompt=ids, max_tokens=6)
-                for ids in ([11, 12, 13, 14, 15], [21, 22, 23, 24, 25])
-            ]
-            while not (served.engine.busy() and served.engine.queued() == 1):  # one held
-                time.sleep(0.01)
-            gate.set()
-            assert [f.result().usage.completion_tokens for f in futures] == [6, 6]
+        prompts = ([11, 12, 13, 14, 15], [21, 22, 23, 24, 25])
+        replies = held_at_once(served, gate, [{"prompt": p, "max_tokens": 6} for p in prompts])
+        assert [r.usage.completion_tokens for r in replies] == [6, 6]
         with urllib.request.urlopen(f"{served.url}/v1/trace", timeout=60) as r:
             (tmp_path / "t.npz").write_bytes(r.read())
     finally:
@@ -266,7 +252,7 @@ def test_requests_wait_beyond_the_queue_only_while_the_batch_is_full(monkeypatch
     generating (held at its start, as in a long prefill forward) and 3 of 4 rows free, a
     server of queue 1 takes 3 requests for the free rows and 1 to wait, and refuses the
     next with 503; every accepted one is answered once the reply goes on. The queue
-    alone used to be the bound, refusing a request while rows were free."""
+    alone is not the bound: a request finds a free row while one is free."""
     small = Served(max_queue=1, max_batch=4)
     gate = hold_replies(monkeypatch)
     try:

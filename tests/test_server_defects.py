@@ -21,7 +21,7 @@ from engine.model import load
 from engine.serve.bodies import Job
 from engine.serve.server import GenerationThread, uvicorn_server
 
-from test_server import PROMPT, Served, hold_replies, http, raw_post
+from test_server import PROMPT, Served, hold_replies, http, raw_post, wait_cancelled
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, 1e-38])
@@ -111,12 +111,7 @@ def test_a_disconnect_cancels_a_whole_reply(served):
     client = served.client(max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(model="m", prompt=PROMPT, max_tokens=1500)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        s = served.stats()["server"]
-        if s["cancelled"] > before["cancelled"] and not s["generating"]:
-            break
-        time.sleep(0.05)
+    s = wait_cancelled(served, before, 30)
     assert (s["cancelled"], s["completed"]) == (before["cancelled"] + 1, before["completed"])
     assert s["completion_tokens"] - before["completion_tokens"] < 500
 
