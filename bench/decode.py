@@ -431,8 +431,9 @@ def prefill_suite(
         fraction of the baseline's), and for the engine "fraction", "overcap_calls",
         "bytes_read", "reading_s" (seconds with a read in flight: `reading_seconds`),
         "MBps_while_reading" (bytes_read / reading_s; 0 with nothing read),
-        "host_tier_bytes" (copied from the host tier) and "load_s" (the host's seconds in
-        the calls' acquires and loads: reads waited for, tier copies), of the median
+        "host_tier_bytes" (copied from the host tier), "load_s" (the host's seconds in
+        the calls' acquires and loads: reads waited for, tier copies) and "copy_s" (of
+        those, the seconds in the loads' copies into the layer scratch), of the median
         repetition; "same_tokens": every repetition's first token equals the baseline's
         first repetition's; "same_logits": and its logits, every bit. The baseline is
         the first row: resident, or for an expert store (no mlx-lm model) the engine at
@@ -503,6 +504,7 @@ def prefill_suite(
                 "host_tier_bytes": o["whole"]["host_bytes"],
                 # the host's time in the calls' loads (reads waited for, tier copies)
                 "load_s": o["whole"]["acquire_seconds"],
+                "copy_s": o["whole"]["copy_seconds"],
             }
         rows.append(row)
         reads = (
@@ -514,7 +516,8 @@ def prefill_suite(
         if row.get("host_tier_bytes"):
             reads += (
                 f"; {row['host_tier_bytes'] / 1e6:.0f} MB copied from the host tier, "
-                f"{row['load_s'] * 1e3:.0f} ms of the host in the layers' loads"
+                f"{row['load_s'] * 1e3:.0f} ms of the host in the layers' loads, "
+                f"{row['copy_s'] * 1e3:.0f} ms of them in copies"
             )
         log(
             f"{name}: time to first token {ttft * 1e3:.0f} ms ({row['ratio']:.2f}x {names[0]})"

@@ -915,6 +915,7 @@ void ExpertCache::finish_load(int li, const LayerScratch::Load& load,
   st.host_hits += load.host_hits;
   st.host_bytes += load.host_hits * static_cast<uint64_t>(L.record_bytes);
   st.read_seconds_us += load.read_micros;
+  st.copy_seconds_us += load.copy_micros;
   st.acquire_seconds_us += micros_since(t0);
   if (load.error) std::rethrow_exception(load.error);
 }

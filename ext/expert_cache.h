@@ -120,6 +120,9 @@ struct LayerStats {
   // Records (demand loads and prefetch fills) copied from the host tier instead of read
   // (counted among loads, not in bytes_read), and their bytes.
   uint64_t host_hits = 0, host_bytes = 0;
+  // Wall time of the layer scratch's loads in copies into a bank (from the host tier,
+  // staged records, resident rows), within acquire_seconds.
+  uint64_t copy_seconds_us = 0;
 };
 
 // The counters of LayerStats by name, in the order snapshots report them (the one list:
@@ -151,6 +154,7 @@ inline constexpr StatField kStatFields[] = {
     {"io_uring_reads", &LayerStats::io_uring_reads, false},
     {"host_hits", &LayerStats::host_hits, false},
     {"host_bytes", &LayerStats::host_bytes, false},
+    {"copy_seconds", &LayerStats::copy_seconds_us, true},
 };
 
 struct LayerSnapshot {

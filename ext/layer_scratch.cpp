@@ -284,7 +284,9 @@ std::vector<uint8_t> LayerScratch::fetch(int li, const std::shared_ptr<ScratchBa
   if (tier_ && tier_->tier_slots() > 0) {  // one write for every expert the tier holds
     std::vector<std::vector<Span>> to;
     for (int r : rows) to.push_back(bank->row(r));
+    const auto t0 = std::chrono::steady_clock::now();
     in_row = tier_->copy_cached(li, experts, to, io_.writer);
+    out.copy_micros += micros_since(t0);
   }
   std::vector<int> reads, read_rows;
   std::vector<size_t> at;  // [j]: the index of reads[j] in experts
@@ -319,9 +321,12 @@ std::vector<uint8_t> LayerScratch::fetch(int li, const std::shared_ptr<ScratchBa
   return in_row;
 }
 
-std::exception_ptr LayerScratch::copy(int li, const std::vector<Span>& copies) const {
+std::exception_ptr LayerScratch::copy(int li, const std::vector<Span>& copies,
+                                      Load& out) const {
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     io_.writer.copy(copies);
+    out.copy_micros += micros_since(t0);
     return nullptr;
   } catch (const std::exception& e) {
     const auto& L = io_.layers[static_cast<size_t>(li)];
@@ -396,7 +401,7 @@ LayerScratch::Load LayerScratch::load_layer(int li, const std::vector<int>& miss
       }
       resident_at.push_back(r);
     }
-    out.error = copy(li, copies);
+    out.error = copy(li, copies, out);
   }
   for (int e : missing) out.rows.push_back(row_of[static_cast<size_t>(e)]);
   out.rows.insert(out.rows.end(), resident_at.begin(), resident_at.end());
@@ -438,7 +443,7 @@ LayerScratch::Load LayerScratch::load_whole(int li, int bank_index, const Source
   if (!out.error) {
     std::vector<Span> copies = bank->upload(staged);
     for (const auto& [e, from] : resident) add_copies(copies, bank->row(e), from);
-    out.error = copy(li, copies);
+    out.error = copy(li, copies, out);
   }
   if (!out.error) {
     out.loads = out.host_hits + static_cast<uint64_t>(std::count(staged.begin(), staged.end(), 1));

@@ -142,6 +142,7 @@ class LayerScratch {
     uint64_t records_read = 0;  // read from the blob (read-ahead included, used or not)
     uint64_t host_hits = 0;     // copied from the host tier
     uint64_t read_micros = 0;   // waiting for reads
+    uint64_t copy_micros = 0;   // in copies into the bank: the host tier's, staged, resident
   };
   // ExpertCache::load_layer on bank 0: `missing` from records read ahead, the host tier
   // or read now; `resident` copied from their pool rows. Throws as stage_reads does (a
@@ -182,15 +183,15 @@ class LayerScratch {
                                          const std::vector<int>& rows, bool ahead);
   // Puts experts[i] of layer li into row rows[i] of `bank` now: copied from the host tier
   // where it holds the record, else read into the staging and waited for (staged[rows[i]]
-  // set where it landed). Adds to out's host_hits, records_read, read_micros and
+  // set where it landed). Adds to out's host_hits, records_read, read_micros, copy_micros and
   // read_errors, and sets out.error to the first failed read (or timeout) unless one is
   // set. Returns, per expert, whether its row now holds it.
   std::vector<uint8_t> fetch(int li, const std::shared_ptr<ScratchBank>& bank,
                              const std::vector<int>& experts, const std::vector<int>& rows,
                              std::vector<uint8_t>& staged, Load& out);
-  // Makes the copies into (and within) layer li's bank; returns their failure as a
-  // ReadError naming the layer's file, or null.
-  std::exception_ptr copy(int li, const std::vector<Span>& copies) const;
+  // Makes the copies into (and within) layer li's bank, adding their time to out's
+  // copy_micros; returns their failure as a ReadError naming the layer's file, or null.
+  std::exception_ptr copy(int li, const std::vector<Span>& copies, Load& out) const;
   // Gives `ra` up and reports the records it landed (unused_); leaves it empty.
   void retire(ReadAhead& ra);
 
