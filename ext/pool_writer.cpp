@@ -1,5 +1,6 @@
 #include "pool_writer.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -134,6 +135,24 @@ void on_stream(int device, F&& issue) {
 
 }  // namespace
 
+std::vector<Span> coalesced(std::vector<Span> spans) {
+  const auto at = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p); };
+  std::sort(spans.begin(), spans.end(),
+            [&](const Span& a, const Span& b) { return at(a.dst) < at(b.dst); });
+  std::vector<Span> out;
+  out.reserve(spans.size());
+  for (const auto& s : spans) {
+    if (s.bytes == 0) continue;
+    Span* last = out.empty() ? nullptr : &out.back();
+    if (last && at(last->dst) + last->bytes == at(s.dst) &&
+        at(last->src) + last->bytes == at(s.src))
+      last->bytes += s.bytes;
+    else
+      out.push_back(s);
+  }
+  return out;
+}
+
 PoolWriter::PoolWriter(const void* probe) {
   const Cuda* c = cuda();
   if (!c || !probe) return;
@@ -143,12 +162,13 @@ PoolWriter::PoolWriter(const void* probe) {
 }
 
 void PoolWriter::copy(const std::vector<Span>& spans) const {
+  const std::vector<Span> runs = coalesced(spans);
   if (device_ < 0) {
-    for (const auto& s : spans) std::memcpy(s.dst, s.src, s.bytes);
+    for (const auto& s : runs) std::memcpy(s.dst, s.src, s.bytes);
     return;
   }
   on_stream(device_, [&](Stream st) {
-    for (const auto& s : spans)
+    for (const auto& s : runs)
       check(cuda()->memcpy_async(s.dst, s.src, s.bytes, 4, st), "cudaMemcpyAsync");
   });
 }

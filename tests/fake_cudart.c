@@ -3,7 +3,8 @@
  * native core), so that the CUDA write path runs on a machine without a GPU. Every
  * pointer is device memory of device 0; a copy is queued on its stream and done only when
  * the stream is synchronized, as a DMA may run any time until then; fake_fail_at(n) makes
- * the n-th cudaMemcpyAsync from now fail. fake_pending() counts queued copies. */
+ * the n-th cudaMemcpyAsync from now fail. fake_pending() counts queued copies,
+ * fake_copies() every cudaMemcpyAsync so far. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +13,7 @@ struct attrs { int type, device; void *dptr, *hptr; };
 struct copy { void* dst; const void* src; size_t n; int stream; struct copy* next; };
 
 static struct copy* queued;
-static int streams, fail_at, calls;
+static int streams, fail_at, calls, copies;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 int cudaPointerGetAttributes(struct attrs* a, const void* p) {
@@ -32,6 +33,7 @@ int cudaStreamCreateWithFlags(void** s, unsigned flags) {
 int cudaMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* s) {
   (void)kind;
   pthread_mutex_lock(&mu);
+  ++copies;
   const int fail = fail_at > 0 && ++calls == fail_at;
   if (!fail) {
     struct copy* c = malloc(sizeof *c);
@@ -75,6 +77,12 @@ int fake_pending(void) {
   int n = 0;
   pthread_mutex_lock(&mu);
   for (struct copy* c = queued; c; c = c->next) ++n;
+  pthread_mutex_unlock(&mu);
+  return n;
+}
+int fake_copies(void) {
+  pthread_mutex_lock(&mu);
+  const int n = copies;
   pthread_mutex_unlock(&mu);
   return n;
 }

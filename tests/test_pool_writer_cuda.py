@@ -68,3 +68,36 @@ def test_a_failed_device_copy_leaves_no_copy_queued(fake_cudart, qwen_store, io_
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["writes cuda", "raised True", "pending 0"]
+
+
+COALESCED = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    from engine.cache import open_cache
+    from engine.config import StreamConfig
+    from engine.store import ExpertStore
+
+    store = ExpertStore(sys.argv[2])
+    cache = open_cache(store, StreamConfig(expert_slots=4, side_slots=0, io_uring=False))
+    before = fake.fake_copies()
+    cache.load_whole(1, 0)
+    print(fake.fake_copies() - before, len(store.manifest.layers[1].segments), flush=True)
+    """
+)
+
+
+def test_rows_that_continue_each_other_are_copied_as_one_span(fake_cudart, qwen_store):
+    """A whole-layer load into an empty cache reads every expert into the bank's staging
+    and fills the four empty slots with experts 0-3 from bank rows 0-3: one runtime copy
+    per segment for the upload (consecutive rows) and one per segment for the fill
+    (consecutive rows into consecutive slots), not one per expert and segment."""
+    out = subprocess.run(
+        [sys.executable, "-c", COALESCED, str(fake_cudart), str(qwen_store.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    copies, segments = map(int, out.stdout.split())
+    assert copies == 2 * segments
