@@ -133,8 +133,10 @@ void on_stream(int device, F&& issue) {
   streams().give(s, device);
 }
 
-}  // namespace
-
+// `spans` (not overlapping) ordered by destination, each run of spans that continue one
+// another in both destination and source made one span (rows of consecutive slots copied
+// to consecutive rows: one span per segment), empty ones left out: a device copy costs
+// the runtime a call and the copy engine a transfer setup each, whatever its size.
 std::vector<Span> coalesced(std::vector<Span> spans) {
   const auto at = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p); };
   std::sort(spans.begin(), spans.end(),
@@ -152,6 +154,8 @@ std::vector<Span> coalesced(std::vector<Span> spans) {
   }
   return out;
 }
+
+}  // namespace
 
 PoolWriter::PoolWriter(const void* probe) {
   const Cuda* c = cuda();

@@ -36,22 +36,16 @@ inline void add_copies(std::vector<Span>& copies, const std::vector<Span>& to,
   for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].src, to[s].bytes});
 }
 
-// `spans` (not overlapping) ordered by destination, each run of spans that continue one
-// another in both destination and source made one span (rows of consecutive slots copied
-// to consecutive rows: one span per segment), empty ones left out. A device copy costs the
-// runtime a call and the copy engine a transfer setup each, whatever its size.
-std::vector<Span> coalesced(std::vector<Span> spans);
-
 class PoolWriter {
  public:
   // Chooses how to write memory allocated like `probe` (any pool pointer): through the
   // CUDA runtime when `probe` is CUDA managed or device memory, else memcpy.
   explicit PoolWriter(const void* probe);
 
-  // Copies every span (as `coalesced` runs) and returns once the bytes are visible to
-  // every device that reads the pools. Spans must not overlap, and none may read what
-  // another writes (they run in any order). Throws std::runtime_error naming the CUDA
-  // error when a device copy fails.
+  // Copies every span (a run of spans that continue one another as one copy) and returns
+  // once the bytes are visible to every device that reads the pools. Spans must not
+  // overlap, and none may read what another writes (they run in any order). Throws
+  // std::runtime_error naming the CUDA error when a device copy fails.
   void copy(const std::vector<Span>& spans) const;
 
   // Sets `bytes` bytes at `dst` to zero, like copy().
