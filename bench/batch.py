@@ -148,7 +148,7 @@ def suite(model, config, clients=CLIENTS, tokens=64, prompt=64, reps=2, log=prin
         log("| clients | total tok/s | × 1 client | tok/s per client | TTFT median | TTFT max |")
         log("|---|---|---|---|---|---|")
         for n in clients:
-            # Discarded: a batch size's first steps pay its one-time costs (kernels for its shapes).
+            # Discarded: a batch size's first steps may pay one-time costs the later ones do not.
             clients_at_once(server, prompts(n), 4)
             runs = [figures(clients_at_once(server, prompts(n), tokens)) for _ in range(reps)]
             rows[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

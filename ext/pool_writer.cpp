@@ -135,8 +135,8 @@ void on_stream(int device, F&& issue) {
 
 // `spans` (not overlapping) ordered by destination, each run of spans that continue one
 // another in both destination and source made one span (rows of consecutive slots copied
-// to consecutive rows: one span per segment), empty ones left out: a device copy costs
-// the runtime a call and the copy engine a transfer setup each, whatever its size.
+// to consecutive rows: one span per segment), empty ones left out: each device copy
+// costs the runtime microseconds of the host's time, whatever its size.
 std::vector<Span> coalesced(std::vector<Span> spans) {
   const auto at = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p); };
   std::sort(spans.begin(), spans.end(),
@@ -166,11 +166,11 @@ PoolWriter::PoolWriter(const void* probe) {
 }
 
 void PoolWriter::copy(const std::vector<Span>& spans) const {
-  const std::vector<Span> runs = coalesced(spans);
-  if (device_ < 0) {
-    for (const auto& s : runs) std::memcpy(s.dst, s.src, s.bytes);
+  if (device_ < 0) {  // a host memcpy costs nothing per call: no merging
+    for (const auto& s : spans) std::memcpy(s.dst, s.src, s.bytes);
     return;
   }
+  const std::vector<Span> runs = spans.size() > 1 ? coalesced(spans) : spans;
   on_stream(device_, [&](Stream st) {
     for (const auto& s : runs)
       check(cuda()->memcpy_async(s.dst, s.src, s.bytes, 4, st), "cudaMemcpyAsync");

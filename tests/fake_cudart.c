@@ -4,16 +4,18 @@
  * pointer is device memory of device 0; a copy is queued on its stream and done only when
  * the stream is synchronized, as a DMA may run any time until then; fake_fail_at(n) makes
  * the n-th cudaMemcpyAsync from now fail. fake_pending() counts queued copies,
- * fake_copies() every cudaMemcpyAsync so far. */
+ * fake_copies() every cudaMemcpyAsync so far, fake_sync_delay_us(n) makes each stream
+ * synchronisation take n microseconds more (a transfer's time). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct attrs { int type, device; void *dptr, *hptr; };
 struct copy { void* dst; const void* src; size_t n; int stream; struct copy* next; };
 
 static struct copy* queued;
-static int streams, fail_at, calls, copies;
+static int streams, fail_at, calls, copies, sync_delay_us;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 int cudaPointerGetAttributes(struct attrs* a, const void* p) {
@@ -49,6 +51,7 @@ int cudaMemsetAsync(void* dst, int v, size_t n, void* s) {
   return 0;
 }
 int cudaStreamSynchronize(void* s) {
+  if (sync_delay_us > 0) usleep((useconds_t)sync_delay_us);
   pthread_mutex_lock(&mu);
   for (struct copy** p = &queued; *p;) {
     struct copy* c = *p;
@@ -86,3 +89,4 @@ int fake_copies(void) {
   pthread_mutex_unlock(&mu);
   return n;
 }
+void fake_sync_delay_us(int n) { sync_delay_us = n; }

@@ -181,9 +181,6 @@ def test_a_whole_layer_copies_every_expert_the_host_tier_holds(qwen_store):
     s = stats(cache, 1)
     assert (s["host_hits"], s["bytes_read"]) == (3, (4 + 4) * stride)
     assert cache.host_tier[:2] == (8, 8)  # what was read the second time is kept too
-    # The copies' time is a share of the loads' (the tier's, the staged reads', the slot's).
-    seconds = cache.snapshot(1)["stats"]
-    assert 0 < float(seconds["copy_seconds"]) <= float(seconds["acquire_seconds"])
     del mailbox
 
 

@@ -81,8 +81,11 @@ COALESCED = textwrap.dedent(
     store = ExpertStore(sys.argv[2])
     cache = open_cache(store, StreamConfig(expert_slots=4, side_slots=0, io_uring=False))
     before = fake.fake_copies()
+    fake.fake_sync_delay_us(100000)  # every write waits 100 ms for its stream
     cache.load_whole(1, 0)
     print(fake.fake_copies() - before, len(store.manifest.layers[1].segments), flush=True)
+    stats = cache.snapshot(1)["stats"]
+    print(float(stats["copy_seconds"]), float(stats["acquire_seconds"]))
     """
 )
 
@@ -91,7 +94,9 @@ def test_rows_that_continue_each_other_are_copied_as_one_span(fake_cudart, qwen_
     """A whole-layer load into an empty cache reads every expert into the bank's staging
     and fills the four empty slots with experts 0-3 from bank rows 0-3: one runtime copy
     per segment for the upload (consecutive rows) and one per segment for the fill
-    (consecutive rows into consecutive slots), not one per expert and segment."""
+    (consecutive rows into consecutive slots), not one per expert and segment. The
+    upload's write (one wait for its stream) is the load's `copy_seconds`; the fill's,
+    made for the real region, is in `acquire_seconds` only."""
     out = subprocess.run(
         [sys.executable, "-c", COALESCED, str(fake_cudart), str(qwen_store.path)],
         capture_output=True,
@@ -99,5 +104,8 @@ def test_rows_that_continue_each_other_are_copied_as_one_span(fake_cudart, qwen_
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    copies, segments = map(int, out.stdout.split())
+    counts, seconds = out.stdout.splitlines()
+    copies, segments = map(int, counts.split())
     assert copies == 2 * segments
+    copy_s, acquire_s = map(float, seconds.split())
+    assert 0.1 <= copy_s < 0.2 and acquire_s >= copy_s + 0.1
