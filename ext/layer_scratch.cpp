@@ -379,8 +379,11 @@ LayerScratch::Load LayerScratch::load_layer(int li, const std::vector<int>& miss
     free_rows.pop_back();
     return r;
   };
-  std::vector<int> now, now_rows;  // the misses not read ahead, and the rows they take
-  for (int e : missing)
+  // The misses not read ahead, and the rows they take: in id order, so that experts that
+  // follow one another in the host tier take rows that do too (one copy per segment).
+  std::vector<int> now, now_rows, by_id = missing;
+  std::sort(by_id.begin(), by_id.end());
+  for (int e : by_id)
     if (row_of[static_cast<size_t>(e)] < 0) {
       now.push_back(e);
       now_rows.push_back(take_row());

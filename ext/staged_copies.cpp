@@ -49,15 +49,35 @@ void StagedCopies::release(int slot) {
     free_.push_back(slot);  // a tier slot keeps its record
 }
 
-void StagedCopies::add_copies(int slot, const std::vector<Span>& spans) {
+std::vector<uint8_t*> StagedCopies::segments(int slot, const std::vector<Span>& spans) const {
+  std::vector<uint8_t*> at;
+  const int tier_total = static_cast<int>(filling_.size());
+  // A transient slot: one record's segments in order, so (t, T) = (0, 1) from its start.
+  uint8_t* base = slot_memory(slot);
+  size_t t = 0, T = 1;
+  if (slot < tier_total) {
+    T = static_cast<size_t>(tier_slots_);
+    t = static_cast<size_t>(slot % tier_slots_);
+    base = slot_memory(slot - static_cast<int>(t));  // the layer's first tier slot
+  }
   size_t off = 0;
   for (const auto& s : spans) {
+    const size_t aligned = (s.bytes + 15) / 16 * 16;  // 16-byte aligned for the kernels
+    at.push_back(base + T * off + t * aligned);
+    off += aligned;
+  }
+  return at;
+}
+
+void StagedCopies::add_copies(int slot, const std::vector<Span>& spans) {
+  const auto from = segments(slot, spans);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const auto& s = spans[i];
     drop_target(s.dst);
     // A row copy still pending that writes this row was staged earlier: it runs first
     // (row copies go before records), so it may stay.
-    pending_.push_back({s.dst, slot_memory(slot) + off, s.bytes, slot, true});
+    pending_.push_back({s.dst, from[i], s.bytes, slot, true});
     ++refs_[static_cast<size_t>(slot)];
-    off += (s.bytes + 15) / 16 * 16;  // each span 16-byte aligned for the kernels
   }
 }
 
@@ -70,7 +90,10 @@ int StagedCopies::take_tier_slot(int layer, int expert) {
   for (int s = 0; s < tier_slots_; ++s)
     busy[static_cast<size_t>(s)] = refs_[static_cast<size_t>(base + s)] > 0;
   R.use({expert}, ++tick_, CallContext{});
-  const int victim = R.choose_victim(busy);
+  // Where the tier holds every expert, slot e is expert e's while empty (see the layout).
+  const bool own = tier_slots_ >= num_experts_ && expert < tier_slots_ &&
+                   R.expert_at(expert) < 0 && !busy[static_cast<size_t>(expert)];
+  const int victim = own ? expert : R.choose_victim(busy);
   R.end_call();
   if (victim < 0) return -1;
   R.assign(victim, expert, tick_);
@@ -81,12 +104,8 @@ int StagedCopies::take_tier_slot(int layer, int expert) {
 }
 
 void StagedCopies::fill_slot(int slot, const std::vector<Span>& spans) {
-  uint8_t* base = slot_memory(slot);
-  size_t off = 0;
-  for (const auto& s : spans) {
-    std::memcpy(base + off, s.src, s.bytes);
-    off += (s.bytes + 15) / 16 * 16;
-  }
+  const auto to = segments(slot, spans);
+  for (size_t i = 0; i < spans.size(); ++i) std::memcpy(to[i], spans[i].src, spans[i].bytes);
 }
 
 void StagedCopies::keep(const std::vector<Span>& spans, int layer, int expert) {
@@ -135,11 +154,9 @@ std::vector<uint8_t> StagedCopies::copy_cached(int layer, const std::vector<int>
       ++refs_[static_cast<size_t>(slot)];
       slots.push_back(slot);
       copied[i] = 1;
-      size_t off = 0;
-      for (const auto& s : spans[i]) {
-        from.push_back({s.dst, slot_memory(slot) + off, s.bytes});
-        off += (s.bytes + 15) / 16 * 16;
-      }
+      const auto seg = segments(slot, spans[i]);
+      for (size_t j = 0; j < spans[i].size(); ++j)
+        from.push_back({spans[i][j].dst, seg[j], spans[i][j].bytes});
     }
   }
   if (slots.empty()) return copied;

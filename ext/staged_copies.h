@@ -27,6 +27,14 @@
 // transient slot. The host paths, while staging is off, copy from the tier
 // themselves (copy_cached) and keep what they read in it (keep).
 //
+// A layer's tier slots are segment-major: segment s of tier slot t of a layer with T tier
+// slots is at layer_base + T * offset_s + t * aligned_s (aligned_s: the segment's bytes
+// rounded up to 16, offset_s: the sum of the earlier ones), as the layer scratch's rows
+// are. Where the tier holds every expert, an empty slot takes the expert of its own
+// index, so the copies of consecutive experts into consecutive rows are one copy per
+// segment (PoolWriter::copy merges them): each device copy costs the host microseconds.
+// A transient slot holds its record's segments one after another.
+//
 // Where the pools are host memory (the CPU backend, tests) the slots are plain host
 // memory and `execute` performs a delivery on the host, as the kernels would.
 #pragma once
@@ -166,6 +174,9 @@ class StagedCopies {
   uint8_t* slot_memory(int slot) const {
     return memory_->data() + static_cast<size_t>(slot) * slot_bytes_;
   }
+  // Where `slot` keeps each of a record's segments, whose sizes `spans` gives (see the
+  // layout above).
+  std::vector<uint8_t*> segments(int slot, const std::vector<Span>& spans) const;
   // Adds the copies of `spans` from `slot`'s segments (a reference each).
   void add_copies(int slot, const std::vector<Span>& spans);
   void release(int slot);

@@ -109,3 +109,54 @@ def test_rows_that_continue_each_other_are_copied_as_one_span(fake_cudart, qwen_
     assert copies == 2 * segments
     copy_s, acquire_s = map(float, seconds.split())
     assert 0.1 <= copy_s < 0.2 and acquire_s >= copy_s + 0.1
+
+
+TIER = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    import numpy as np
+    from engine.cache import open_cache
+    from engine.config import StreamConfig
+    from engine.device_acquire import AcquireMailbox
+    from engine.store import ExpertStore
+
+    store = ExpertStore(sys.argv[2])
+    layer = store.manifest.layers[1]
+    experts = store.manifest.num_experts
+    cache = open_cache(store, StreamConfig(expert_slots=2, side_slots=0, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=experts)
+    cache.load_whole(1, 0)  # every expert read and kept; 0 and 1 take the real slots
+    before = fake.fake_copies()
+    cache.load_whole(1, 1)  # 0 and 1 from their slots, the others from the host tier
+    after = fake.fake_copies()
+    ok = all(
+        b"".join(np.array(a[e]).tobytes() for a in cache.layer_scratch(1, 1))
+        == store.read_record(layer, e)
+        for e in range(experts)
+    )
+    stats = cache.snapshot(1)["stats"]
+    print(after - before, len(layer.segments), int(stats["host_hits"]), experts, ok)
+    """
+)
+
+
+def test_experts_that_follow_one_another_in_the_host_tier_are_copied_as_one_span(
+    fake_cudart, qwen_store
+):
+    """With a host tier that holds every expert, a whole-layer load copies the experts
+    the real slots do not hold from the tier in one runtime copy per segment (tier slots
+    are segment-major, expert e in slot e), as the resident ones from their slots: two
+    copies per segment in all, not one per expert and segment, and every row holds its
+    expert's record."""
+    out = subprocess.run(
+        [sys.executable, "-c", TIER, str(fake_cudart), str(qwen_store.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    copies, segments, host_hits, experts, ok = out.stdout.split()
+    assert int(copies) == 2 * int(segments)
+    assert int(host_hits) == int(experts) - 2
+    assert ok == "True"
