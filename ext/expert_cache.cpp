@@ -245,7 +245,7 @@ std::vector<Span> ExpertCache::row_spans(int li, int row) const {
   for (size_t s = 0; s < L.segments.size(); ++s) {
     const auto& seg = L.segments[s];
     spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(row) * seg.nbytes, nullptr,
-                     static_cast<size_t>(seg.nbytes)});
+                     static_cast<size_t>(seg.nbytes), static_cast<int>(s)});
   }
   return spans;
 }
@@ -289,7 +289,7 @@ void ExpertCache::copy_row(int li, int from, int to, Write how) {
   for (size_t s = 0; s < L.segments.size(); ++s) {
     const auto n = static_cast<size_t>(L.segments[s].nbytes);
     spans.push_back({pool_ptrs_[li][s] + static_cast<size_t>(to) * n,
-                     pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n});
+                     pool_ptrs_[li][s] + static_cast<size_t>(from) * n, n, static_cast<int>(s)});
   }
   if (how != Write::kDirect && staging_on_.load(std::memory_order_acquire))
     staged_->stage_rows(spans);

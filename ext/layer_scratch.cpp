@@ -46,7 +46,8 @@ std::vector<Span> ScratchBank::upload(const std::vector<uint8_t>& staged) const 
     for (size_t s = 0; s < offsets.size(); ++s)
       spans.push_back({device[s] + first * nbytes[s],
                        host->data() + rows * offsets[s] + first * nbytes[s],
-                       static_cast<size_t>(end - first) * static_cast<size_t>(nbytes[s])});
+                       static_cast<size_t>(end - first) * static_cast<size_t>(nbytes[s]),
+                       static_cast<int>(s)});
     first = end;
   }
   return spans;
@@ -55,7 +56,8 @@ std::vector<Span> ScratchBank::upload(const std::vector<uint8_t>& staged) const 
 std::vector<Span> ScratchBank::row(int r) const {
   std::vector<Span> spans;
   for (size_t s = 0; s < offsets.size(); ++s)
-    spans.push_back({device[s] + r * nbytes[s], nullptr, static_cast<size_t>(nbytes[s])});
+    spans.push_back({device[s] + r * nbytes[s], nullptr, static_cast<size_t>(nbytes[s]),
+                     static_cast<int>(s)});
   return spans;
 }
 
@@ -63,7 +65,7 @@ std::vector<Span> ScratchBank::staged(int r) const {
   std::vector<Span> spans;
   for (size_t s = 0; s < offsets.size(); ++s)
     spans.push_back({nullptr, host->data() + rows * offsets[s] + r * nbytes[s],
-                     static_cast<size_t>(nbytes[s])});
+                     static_cast<size_t>(nbytes[s]), static_cast<int>(s)});
   return spans;
 }
 

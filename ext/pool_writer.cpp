@@ -133,10 +133,10 @@ void on_stream(int device, F&& issue) {
   streams().give(s, device);
 }
 
-// `spans` (not overlapping) ordered by destination, each run of spans that continue one
-// another in both destination and source made one span (rows of consecutive slots copied
-// to consecutive rows: one span per segment), empty ones left out: each device copy
-// costs the runtime microseconds of the host's time, whatever its size.
+// `spans` (not overlapping) ordered by destination, each run of spans of one segment that
+// continue one another in both destination and source made one span (rows of consecutive
+// slots copied to consecutive rows: one span per segment), empty ones left out: each
+// device copy costs the runtime microseconds of the host's time, whatever its size.
 std::vector<Span> coalesced(std::vector<Span> spans) {
   const auto at = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p); };
   std::sort(spans.begin(), spans.end(),
@@ -146,8 +146,8 @@ std::vector<Span> coalesced(std::vector<Span> spans) {
   for (const auto& s : spans) {
     if (s.bytes == 0) continue;
     Span* last = out.empty() ? nullptr : &out.back();
-    if (last && at(last->dst) + last->bytes == at(s.dst) &&
-        at(last->src) + last->bytes == at(s.src))
+    if (last && s.segment >= 0 && last->segment == s.segment &&
+        at(last->dst) + last->bytes == at(s.dst) && at(last->src) + last->bytes == at(s.src))
       last->bytes += s.bytes;
     else
       out.push_back(s);

@@ -18,22 +18,28 @@
 namespace es {
 
 // One span to copy: `bytes` bytes from `src` (host or pool memory) to `dst` (pool memory).
+// `segment`: the index, in its layer's records, of the segment whose row it copies (-1:
+// none). Each segment's rows are an array of their own, and two arrays may lie end to end
+// in memory, where one device copy may not run from one into the other: copy() merges
+// only spans of one segment.
 struct Span {
   uint8_t* dst;
   const uint8_t* src;
   size_t bytes;
+  int segment = -1;
 };
 
 // `spans` with their destinations as sources (destinations unset): rows to copy from.
 inline std::vector<Span> as_sources(std::vector<Span> spans) {
-  for (auto& s : spans) s = {nullptr, s.dst, s.bytes};
+  for (auto& s : spans) s = {nullptr, s.dst, s.bytes, s.segment};
   return spans;
 }
 // Appends the copies from `from`'s sources into `to`'s destinations, span by span (one
 // row's segments into another's).
 inline void add_copies(std::vector<Span>& copies, const std::vector<Span>& to,
                        const std::vector<Span>& from) {
-  for (size_t s = 0; s < to.size(); ++s) copies.push_back({to[s].dst, from[s].src, to[s].bytes});
+  for (size_t s = 0; s < to.size(); ++s)
+    copies.push_back({to[s].dst, from[s].src, to[s].bytes, to[s].segment});
 }
 
 class PoolWriter {
@@ -42,8 +48,8 @@ class PoolWriter {
   // CUDA runtime when `probe` is CUDA managed or device memory, else memcpy.
   explicit PoolWriter(const void* probe);
 
-  // Copies every span (on a device, a run of spans that continue one another as one
-  // copy) and returns once the bytes are visible to every device that reads the pools.
+  // Copies every span (on a device, a run of spans of one segment that continue one
+  // another as one copy) and returns once the bytes are visible to every device that reads the pools.
   // Spans must not overlap, and none may read what another writes (they run in any
   // order). Throws std::runtime_error naming the CUDA error when a device copy fails.
   void copy(const std::vector<Span>& spans) const;

@@ -156,7 +156,7 @@ std::vector<uint8_t> StagedCopies::copy_cached(int layer, const std::vector<int>
       copied[i] = 1;
       const auto seg = segments(slot, spans[i]);
       for (size_t j = 0; j < spans[i].size(); ++j)
-        from.push_back({spans[i][j].dst, seg[j], spans[i][j].bytes});
+        from.push_back({spans[i][j].dst, seg[j], spans[i][j].bytes, spans[i][j].segment});
     }
   }
   if (slots.empty()) return copied;
