@@ -76,7 +76,7 @@ void StagedCopies::add_copies(int slot, const std::vector<Span>& spans) {
     drop_target(s.dst);
     // A row copy still pending that writes this row was staged earlier: it runs first
     // (row copies go before records), so it may stay.
-    pending_.push_back({s.dst, from[i], s.bytes, slot, true});
+    pending_.push_back({s.dst, from[i], s.bytes, slot, true, s.segment});
     ++refs_[static_cast<size_t>(slot)];
   }
 }
@@ -236,7 +236,7 @@ void StagedCopies::stage_rows(const std::vector<Span>& spans) {
     const Pending* from = nullptr;
     for (const auto& p : pending_)
       if (p.live && p.slot >= 0 && p.dst == s.src) from = &p;
-    Pending copy{s.dst, s.src, s.bytes, -1, true};
+    Pending copy{s.dst, s.src, s.bytes, -1, true, s.segment};
     if (from) {
       copy.src = from->src;
       copy.slot = from->slot;
@@ -287,10 +287,10 @@ void StagedCopies::flush(const PoolWriter& writer) {
   // Row copies one at a time in order (a later one may read what an earlier wrote),
   // then the records.
   for (const auto& p : todo)
-    if (p.live && p.slot < 0) writer.copy({{p.dst, p.src, p.bytes}});
+    if (p.live && p.slot < 0) writer.copy({{p.dst, p.src, p.bytes, p.segment}});
   std::vector<Span> records;
   for (const auto& p : todo)
-    if (p.live && p.slot >= 0) records.push_back({p.dst, p.src, p.bytes});
+    if (p.live && p.slot >= 0) records.push_back({p.dst, p.src, p.bytes, p.segment});
   std::exception_ptr err;
   try {
     if (!records.empty()) writer.copy(records);

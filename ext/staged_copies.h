@@ -169,6 +169,7 @@ class StagedCopies {
     size_t bytes;
     int slot;            // -1: a row copy
     bool live;
+    int segment;         // Span::segment: flush() merges copies of one segment
   };
   uint64_t device(const uint8_t* p) const;
   uint8_t* slot_memory(int slot) const {

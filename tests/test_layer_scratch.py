@@ -184,6 +184,45 @@ def test_a_whole_layer_copies_every_expert_the_host_tier_holds(qwen_store):
     del mailbox
 
 
+@pytest.fixture(scope="module")
+def padded_store(model_dirs, tmp_path_factory):
+    """A float olmoe store with expert biases, whose bias segments (136 and 264 bytes) are
+    not multiples of 16: the host tier pads each segment to 16 bytes, so there the tier's
+    layout and the rows' differ."""
+    from engine.convert import convert
+
+    model = model_dirs("olmoe", quantized=False, hidden=66, moe_intermediate=34, expert_bias=True)
+    return ExpertStore(convert(model, tmp_path_factory.mktemp("stores") / "padded"))
+
+
+@pytest.mark.parametrize("tier_slots", [3, 8])
+@pytest.mark.parametrize("which", ["qwen", "padded"])
+def test_every_row_holds_its_expert_whatever_the_host_tier_holds(request, which, tier_slots):
+    """Loads of random misses and whole layers through a host tier of fewer slots than
+    experts (placed by its policy) or of one per expert (expert e in slot e), on records
+    whose segments are and are not multiples of 16 bytes: every row the loads return holds
+    its expert's record, byte for byte."""
+    store = request.getfixturevalue("qwen_store" if which == "qwen" else "padded_store")
+    cache = open_cache(store, StreamConfig(expert_slots=1, side_slots=0, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=tier_slots)
+    checker = RowChecker(store, cache)
+    experts = store.manifest.num_experts
+    rng = np.random.default_rng(tier_slots)
+    for i in range(12):
+        missing = rng.choice(experts, int(rng.integers(1, experts)), replace=False).tolist()
+        for e, r in zip(missing, cache.load_layer(1, missing), strict=True):
+            assert scratch_bytes(cache, 1, r) == checker.records[(1, e)]
+        if i % 6 == 5:
+            bank = i // 6
+            cache.load_whole(1, bank)
+            for e in range(experts):
+                got = b"".join(np.array(a[e]).tobytes() for a in cache.layer_scratch(1, bank))
+                assert got == checker.records[(1, e)]
+    assert int(stats(cache, 1)["host_hits"]) > 0
+    assert cache.check() == ""
+    del mailbox
+
+
 @pytest.mark.parametrize("slots", [1, 3])
 def test_a_prefill_through_the_layer_scratch_gives_the_resident_logits(model_dirs, slots):
     """Every layer over capacity, the next layer's misses read ahead from the router's
