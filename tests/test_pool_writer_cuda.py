@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,32 @@ def test_experts_that_follow_one_another_in_the_host_tier_are_copied_as_one_span
     assert int(copies) == 2 * int(segments)
     assert int(host_hits) == int(experts) - 2
     assert ok == "True"
+
+
+def test_rows_of_two_segments_are_never_one_copy(fake_cudart, tmp_path):
+    """Two segments' arrays can lie end to end in CUDA memory, and a device copy from one
+    into the other fails: the last row of segment 0 and the first of segment 1, continuing
+    each other in destination and source, are two runtime copies; the same spans as rows
+    of one segment are one. Built from ext/pool_writer.cpp alone with a driver of its own."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the driver")
+    tests = Path(__file__).parent
+    driver = tmp_path / "merge"
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O1",
+            f"-I{tests.parent / 'ext'}",
+            "-o",
+            str(driver),
+            str(tests / "pool_writer_merge.cpp"),
+            str(tests.parent / "ext" / "pool_writer.cpp"),
+            "-ldl",
+        ],
+        check=True,
+    )
+    out = subprocess.run([str(driver), str(fake_cudart)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cuda", "2", "1", "1"]
