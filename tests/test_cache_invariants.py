@@ -233,6 +233,9 @@ def test_concurrent_soak(qwen_store, io_uring):
                 if free + int((s["side_state"] != ROW_FREE).sum()) != 2 * cache.side_slots:
                     violations.append("side rows do not add up")
             polls[0] += 1
+            # A pause without the GIL: two pollers that only wait for it between calls
+            # starve the thread under test of it on a two-core machine.
+            stop.wait(0.0005)
 
     pollers = [threading.Thread(target=poll) for _ in range(2)]
     for t in pollers:
