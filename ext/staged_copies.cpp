@@ -90,10 +90,14 @@ int StagedCopies::take_tier_slot(int layer, int expert) {
   for (int s = 0; s < tier_slots_; ++s)
     busy[static_cast<size_t>(s)] = refs_[static_cast<size_t>(base + s)] > 0;
   R.use({expert}, ++tick_, CallContext{});
-  // Where the tier holds every expert, slot e is expert e's while empty (see the layout).
-  const bool own = tier_slots_ >= num_experts_ && expert < tier_slots_ &&
-                   R.expert_at(expert) < 0 && !busy[static_cast<size_t>(expert)];
-  const int victim = own ? expert : R.choose_victim(busy);
+  // Where the tier holds every expert, slot e is expert e's and no other's (see the
+  // layout): while copies still read an earlier record there (after clear_tier), the
+  // record is not kept, rather than taking another expert's slot for good.
+  int victim;
+  if (tier_slots_ >= num_experts_ && expert < tier_slots_)
+    victim = R.expert_at(expert) < 0 && !busy[static_cast<size_t>(expert)] ? expert : -1;
+  else
+    victim = R.choose_victim(busy);
   R.end_call();
   if (victim < 0) return -1;
   R.assign(victim, expert, tick_);

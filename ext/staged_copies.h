@@ -30,9 +30,9 @@
 // A layer's tier slots are segment-major: segment s of tier slot t of a layer with T tier
 // slots is at layer_base + T * offset_s + t * aligned_s (aligned_s: the segment's bytes
 // rounded up to 16, offset_s: the sum of the earlier ones), as the layer scratch's rows
-// are. Where the tier holds every expert, an empty slot takes the expert of its own
-// index, so the copies of consecutive experts into consecutive rows are one copy per
-// segment (PoolWriter::copy merges them): each device copy costs the host microseconds.
+// are. Where the tier holds every expert, expert e is kept only in slot e, so the copies
+// of consecutive experts into consecutive rows are one copy per segment (PoolWriter::copy
+// merges them): each device copy costs the host microseconds.
 // A transient slot holds its record's segments one after another.
 //
 // Where the pools are host memory (the CPU backend, tests) the slots are plain host
