@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <string>
 
 #include "errors.h"
@@ -398,13 +399,22 @@ LayerScratch::Load LayerScratch::load_layer(int li, const std::vector<int>& miss
     // The staged records, and the resident experts from their pool rows (a hit that was
     // read ahead too keeps its staged row): the call then computes from the bank alone.
     std::vector<Span> copies = bank->upload(staged);
-    for (const auto& [e, from] : resident) {
+    // Rows taken in the order of the experts' pool rows, so that experts in consecutive
+    // slots land in consecutive rows (one copy per segment).
+    std::vector<size_t> by_slot(resident.size());
+    std::iota(by_slot.begin(), by_slot.end(), size_t{0});
+    std::sort(by_slot.begin(), by_slot.end(), [&](size_t a, size_t b) {
+      return resident[a].second.front().src < resident[b].second.front().src;
+    });
+    resident_at.assign(resident.size(), -1);
+    for (size_t i : by_slot) {
+      const auto& [e, from] = resident[i];
       int r = row_of[static_cast<size_t>(e)];
       if (r < 0) {
         r = take_row();
         add_copies(copies, bank->row(r), from);
       }
-      resident_at.push_back(r);
+      resident_at[i] = r;
     }
     out.error = copy(li, copies, out);
   }

@@ -190,3 +190,50 @@ def test_rows_of_two_segments_are_never_one_copy(fake_cudart, tmp_path):
     out = subprocess.run([str(driver), str(fake_cudart)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cuda", "2", "1", "1"]
+
+
+SLOT_ORDER = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    import numpy as np
+    from engine.cache import open_cache
+    from engine.config import StreamConfig
+    from engine.store import ExpertStore
+
+    store = ExpertStore(sys.argv[2])
+    layer = store.manifest.layers[1]
+    cache = open_cache(store, StreamConfig(expert_slots=4, side_slots=0, io_uring=False))
+    for e in (3, 2, 1, 0):  # slot 0 takes expert 3, ..., slot 3 expert 0
+        cache.acquire(1, np.array([[e]], np.int32))
+    slots = [int(cache.acquire(1, np.array([[e]], np.int32))[0][0, 0]) for e in range(4)]
+    before = fake.fake_copies()
+    rows = cache.load_layer(1, [4, 5], [0, 1, 2, 3], slots)
+    after = fake.fake_copies()
+    ok = all(
+        b"".join(np.array(a[r]).tobytes() for a in cache.layer_scratch(1))
+        == store.read_record(layer, e)
+        for e, r in zip([4, 5, 0, 1, 2, 3], rows)
+    )
+    print(after - before, len(layer.segments), slots, ok)
+    """
+)
+
+
+def test_resident_experts_in_consecutive_slots_are_copied_as_one_span(fake_cudart, qwen_store):
+    """An over-capacity call's resident experts take layer-scratch rows in the order of
+    their slots: experts 0-3 in slots 3-0 are one runtime copy per segment, as the two
+    misses read into consecutive rows are (two per segment in all, not five), and every
+    row holds its expert's record."""
+    out = subprocess.run(
+        [sys.executable, "-c", SLOT_ORDER, str(fake_cudart), str(qwen_store.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    copies, segments, rest = out.stdout.strip().split(maxsplit=2)
+    slots, ok = rest.rsplit(" ", 1)
+    assert slots == "[3, 2, 1, 0]"
+    assert int(copies) == 2 * int(segments)
+    assert ok == "True"
