@@ -49,9 +49,10 @@ class PoolWriter {
   explicit PoolWriter(const void* probe);
 
   // Copies every span (on a device, a run of spans of one segment that continue one
-  // another as one copy) and returns once the bytes are visible to every device that reads the pools.
-  // Spans must not overlap, and none may read what another writes (they run in any
-  // order). Throws std::runtime_error naming the CUDA error when a device copy fails.
+  // another as one copy) and returns once the bytes are visible to every device that
+  // reads the pools. Spans must not overlap, and none may read what another writes (they
+  // run in any order). Throws std::runtime_error naming the CUDA error when a device copy
+  // fails.
   void copy(const std::vector<Span>& spans) const;
 
   // Sets `bytes` bytes at `dst` to zero, like copy().

@@ -26,9 +26,9 @@ from engine.store import ExpertStore
 from rowcheck import RowChecker
 
 
-def scratch_bytes(cache, li, row):
-    """The record in layer-scratch row `row` of MoE layer `li`, as bytes."""
-    return b"".join(np.array(a[row]).tobytes() for a in cache.layer_scratch(li))
+def scratch_bytes(cache, li, row, bank=0):
+    """The record in row `row` of layer-scratch bank `bank` of MoE layer `li`, as bytes."""
+    return b"".join(np.array(a[row]).tobytes() for a in cache.layer_scratch(li, bank))
 
 
 def stats(cache, li):
@@ -216,8 +216,7 @@ def test_every_row_holds_its_expert_whatever_the_host_tier_holds(request, which,
             bank = i // 6
             cache.load_whole(1, bank)
             for e in range(experts):
-                got = b"".join(np.array(a[e]).tobytes() for a in cache.layer_scratch(1, bank))
-                assert got == checker.records[(1, e)]
+                assert scratch_bytes(cache, 1, e, bank) == checker.records[(1, e)]
     assert int(stats(cache, 1)["host_hits"]) > 0
     assert cache.check() == ""
     del mailbox

@@ -49,26 +49,27 @@ def fake_cudart(tmp_path_factory):
     return out
 
 
-def test_a_failed_device_copy_leaves_no_copy_queued(fake_cudart, qwen_store, io_uring):
-    """A record whose second segment's copy fails raises ExpertReadError naming the CUDA
-    error, and copy() has waited for the first segment's copy before it returns: none is
-    left queued to read the read buffer after it is reused, or to write the row after the
-    row has another owner."""
+def run_with(fake_cudart, script: str, *args: str) -> str:
+    """Runs `script` in a fresh interpreter with the stand-in runtime's path and `args` as
+    its arguments; returns what it printed (the core looks the runtime up once per
+    process)."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            SCRIPT,
-            str(fake_cudart),
-            str(qwen_store.path),
-            "1" if io_uring else "0",
-        ],
+        [sys.executable, "-c", script, str(fake_cudart), *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == ["writes cuda", "raised True", "pending 0"]
+    return out.stdout
+
+
+def test_a_failed_device_copy_leaves_no_copy_queued(fake_cudart, qwen_store, io_uring):
+    """A record whose second segment's copy fails raises ExpertReadError naming the CUDA
+    error, and copy() has waited for the first segment's copy before it returns: none is
+    left queued to read the read buffer after it is reused, or to write the row after the
+    row has another owner."""
+    out = run_with(fake_cudart, SCRIPT, str(qwen_store.path), "1" if io_uring else "0")
+    assert out.split("\n")[:3] == ["writes cuda", "raised True", "pending 0"]
 
 
 COALESCED = textwrap.dedent(
@@ -98,14 +99,8 @@ def test_rows_that_continue_each_other_are_copied_as_one_span(fake_cudart, qwen_
     (consecutive rows into consecutive slots), not one per expert and segment. The
     upload's write (one wait for its stream) is the load's `copy_seconds`; the fill's,
     made for the real region, is in `acquire_seconds` only."""
-    out = subprocess.run(
-        [sys.executable, "-c", COALESCED, str(fake_cudart), str(qwen_store.path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    counts, seconds = out.stdout.splitlines()
+    out = run_with(fake_cudart, COALESCED, str(qwen_store.path))
+    counts, seconds = out.splitlines()
     copies, segments = map(int, counts.split())
     assert copies == 2 * segments
     copy_s, acquire_s = map(float, seconds.split())
@@ -150,14 +145,8 @@ def test_experts_that_follow_one_another_in_the_host_tier_are_copied_as_one_span
     are segment-major, expert e in slot e), as the resident ones from their slots: two
     copies per segment in all, not one per expert and segment, and every row holds its
     expert's record."""
-    out = subprocess.run(
-        [sys.executable, "-c", TIER, str(fake_cudart), str(qwen_store.path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    copies, segments, host_hits, experts, ok = out.stdout.split()
+    out = run_with(fake_cudart, TIER, str(qwen_store.path))
+    copies, segments, host_hits, experts, ok = out.split()
     assert int(copies) == 2 * int(segments)
     assert int(host_hits) == int(experts) - 2
     assert ok == "True"
@@ -225,14 +214,8 @@ def test_resident_experts_in_consecutive_slots_are_copied_as_one_span(fake_cudar
     their slots: experts 0-3 in slots 3-0 are one runtime copy per segment, as the two
     misses read into consecutive rows are (two per segment in all, not five), and every
     row holds its expert's record."""
-    out = subprocess.run(
-        [sys.executable, "-c", SLOT_ORDER, str(fake_cudart), str(qwen_store.path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    copies, segments, rest = out.stdout.strip().split(maxsplit=2)
+    out = run_with(fake_cudart, SLOT_ORDER, str(qwen_store.path))
+    copies, segments, rest = out.strip().split(maxsplit=2)
     slots, ok = rest.rsplit(" ", 1)
     assert slots == "[3, 2, 1, 0]"
     assert int(copies) == 2 * int(segments)
