@@ -11,7 +11,7 @@ namespace es {
 StagedCopies::StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slots, int reserve,
                            int layers, int tier_slots, int num_experts, Policy policy)
     : writer_(writer), slot_bytes_(slot_bytes), reserve_(reserve),
-      tier_slots_(layers > 0 ? tier_slots : 0), num_experts_(num_experts), policy_(policy) {
+      tier_slots_(layers > 0 ? tier_slots : 0), num_experts_(num_experts), policy_(tier_policy(policy)) {
   if (tier_slots < 0)
     throw std::invalid_argument("host tier: " + std::to_string(tier_slots) + " slots per layer");
   if (reserve < 1 || slots <= reserve)
@@ -27,7 +27,21 @@ StagedCopies::StagedCopies(const PoolWriter& writer, size_t slot_bytes, int slot
   for (int s = total - 1; s >= tier_total; --s) free_.push_back(s);
   filling_.assign(static_cast<size_t>(tier_total), 0);
   if (tier_slots_ > 0)
-    for (int li = 0; li < layers; ++li) tier_.emplace_back(tier_slots_, num_experts, policy, 256);
+    for (int li = 0; li < layers; ++li) tier_.emplace_back(tier_slots_, num_experts, policy_, 256);
+}
+
+Policy StagedCopies::tier_policy(Policy policy) {
+  // The tier sees one expert at a time, with no router, no layers above and no token: the
+  // next-use model's context features are empty there, and scoring every resident at each
+  // use cost the answer's thread more than the copies it staged. Its popularity and
+  // recency features are what LFU keeps.
+  return policy == Policy::kPredictive ? Policy::kLFU : policy;
+}
+
+void StagedCopies::count_use(RealRegion& R, int expert) {
+  if (tier_slots_ >= num_experts_) return;  // expert e stays in slot e: nothing is evicted
+  R.use({expert}, ++tick_, CallContext{});
+  R.end_call();
 }
 
 size_t StagedCopies::capacity(size_t spans_per_record, size_t row_copies) const {
@@ -89,7 +103,7 @@ int StagedCopies::take_tier_slot(int layer, int expert) {
   std::vector<uint8_t> busy(static_cast<size_t>(tier_slots_));
   for (int s = 0; s < tier_slots_; ++s)
     busy[static_cast<size_t>(s)] = refs_[static_cast<size_t>(base + s)] > 0;
-  R.use({expert}, ++tick_, CallContext{});
+  count_use(R, expert);
   // Where the tier holds every expert, slot e is expert e's and no other's (see the
   // layout): while copies still read an earlier record there (after clear_tier), the
   // record is not kept, rather than taking another expert's slot for good.
@@ -98,7 +112,6 @@ int StagedCopies::take_tier_slot(int layer, int expert) {
     victim = R.expert_at(expert) < 0 && !busy[static_cast<size_t>(expert)] ? expert : -1;
   else
     victim = R.choose_victim(busy);
-  R.end_call();
   if (victim < 0) return -1;
   R.assign(victim, expert, tick_);
   const int slot = base + victim;
@@ -153,8 +166,7 @@ std::vector<uint8_t> StagedCopies::copy_cached(int layer, const std::vector<int>
       if (at < 0) continue;
       const int slot = layer * tier_slots_ + at;
       if (filling_[static_cast<size_t>(slot)]) continue;
-      R.use({experts[i]}, ++tick_, CallContext{});
-      R.end_call();
+      count_use(R, experts[i]);
       ++refs_[static_cast<size_t>(slot)];
       slots.push_back(slot);
       copied[i] = 1;
@@ -182,8 +194,7 @@ bool StagedCopies::stage_cached(int layer, int expert, const std::vector<Span>& 
   if (at < 0) return false;
   const int slot = layer * tier_slots_ + at;
   if (filling_[static_cast<size_t>(slot)]) return false;
-  R.use({expert}, ++tick_, CallContext{});
-  R.end_call();
+  count_use(R, expert);
   add_copies(slot, spans);
   return true;
 }

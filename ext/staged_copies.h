@@ -20,10 +20,10 @@
 // run, which the mailbox learns from the next request (`completed`).
 //
 // Host-RAM tier: with tier_slots > 0, each MoE layer also owns that many slots that keep
-// the records read into them after their copies ran, chosen by the cache's eviction
-// policy (a RealRegion per layer). A miss whose record a tier slot holds is staged from
-// that slot (stage_cached): no read, and no host copy; the kernels copy it from host
-// memory at the host-to-device rate. Without a free tier slot a record goes through a
+// the records read into them after their copies ran, evicted by the cache's eviction
+// policy, LFU where that is predictive (tier_policy; a RealRegion per layer). A miss
+// whose record a tier slot holds is staged from that slot (stage_cached): no read, and
+// no host copy; the kernels copy it from host memory at the host-to-device rate. Without a free tier slot a record goes through a
 // transient slot. The host paths, while staging is off, copy from the tier
 // themselves (copy_cached) and keep what they read in it (keep).
 //
@@ -187,6 +187,11 @@ class StagedCopies {
   int take_tier_slot(int layer, int expert);
   // Copies `spans`' sources into `slot`, each 16-byte aligned (the slot is held).
   void fill_slot(int slot, const std::vector<Span>& spans);
+  // The tier's eviction policy for the cache's `policy`: LFU for predictive.
+  static Policy tier_policy(Policy policy);
+  // Under mu_: a use of `expert` for the tier's policy (none where the tier holds every
+  // expert: it never evicts).
+  void count_use(RealRegion& R, int expert);
 
   PoolWriter writer_;
   size_t slot_bytes_;
@@ -199,7 +204,7 @@ class StagedCopies {
   // The host tier: slots [0, layers * tier_slots_), layer li's from li * tier_slots_.
   int tier_slots_ = 0;
   int num_experts_ = 0;
-  Policy policy_ = Policy::kLRU;
+  Policy policy_ = Policy::kLRU;  // the tier's (tier_policy)
   std::vector<RealRegion> tier_;     // per layer
   std::vector<uint8_t> filling_;     // per tier slot: its bytes are being copied in
   uint64_t tick_ = 0;
