@@ -806,6 +806,12 @@ class AcquireMailbox:
         """Requests answered since creation."""
 
     @property
+    def answer_seconds(self) -> float:
+        """
+        Seconds the mailbox's thread spent answering since creation, from reading a request to publishing its reply: what a posting kernel waits beyond the hand-offs (the prefetch after a reply is not counted).
+        """
+
+    @property
     def sequence(self) -> tuple[int, int]:
         """
         (request, reply): the sequence numbers of the latest request and the latest answer; equal when no request waits.

@@ -1046,6 +1046,11 @@ NB_MODULE(_ext, m) {
           "answered", [](const MailboxHandle& b) { return b.impl->answered(); },
           "Requests answered since creation.")
       .def_prop_ro(
+          "answer_seconds", [](const MailboxHandle& b) { return b.impl->answer_seconds(); },
+          "Seconds the mailbox's thread spent answering since creation, from reading a "
+          "request to publishing its reply: what a posting kernel waits beyond the "
+          "hand-offs (the prefetch after a reply is not counted).")
+      .def_prop_ro(
           "sequence", [](const MailboxHandle& b) { return b.impl->sequence(); },
           "(request, reply): the sequence numbers of the latest request and the latest "
           "answer; equal when no request waits.")

@@ -155,6 +155,7 @@ void AcquireMailbox::run() {
 }
 
 void AcquireMailbox::answer(uint32_t seq) {
+  const auto t0 = Clock::now();
   // The kernel that posted this request runs after the kernels of every earlier answer,
   // so the copies those delivered are done: their staging slots are free again.
   staged_->completed();
@@ -197,6 +198,10 @@ void AcquireMailbox::answer(uint32_t seq) {
     word(kChunks)[0] = static_cast<int32_t>(delivery.chunks);
   }
   store(word(kReply), static_cast<int32_t>(seq));
+  answer_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                 Clock::now() - t0)
+                                                 .count()),
+                       std::memory_order_relaxed);
   answered_.fetch_add(1, std::memory_order_relaxed);
   if (!valid || !has_x) return;
   // After the answer, while the device computes this layer: the next request waits for

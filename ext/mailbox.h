@@ -118,6 +118,13 @@ class AcquireMailbox {
   // Requests answered since creation.
   uint64_t answered() const { return answered_.load(std::memory_order_relaxed); }
 
+  // Seconds this thread spent answering requests since creation, from reading a request
+  // to publishing its reply (the time a posting kernel waits beyond the hand-offs; the
+  // prefetch that follows a reply is not counted).
+  double answer_seconds() const {
+    return static_cast<double>(answer_ns_.load(std::memory_order_relaxed)) * 1e-9;
+  }
+
  private:
   struct Target {
     int layer;
@@ -148,6 +155,7 @@ class AcquireMailbox {
 
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> answered_{0};
+  std::atomic<uint64_t> answer_ns_{0};
   std::thread thread_;
 };
 

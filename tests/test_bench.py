@@ -479,3 +479,28 @@ def test_prefetch_bench_compares_the_adaptive_degree_with_fixed_side_rows(qwen_s
     assert 0 <= adaptive["degree"] <= 4 and adaptive["threshold"] in (0.0, 0.1, 0.2)
     for row in rows.values():
         assert row["decode_tps"] > 0 and 0 <= row["hit_rate"] <= 1 and row["reps"] == 1
+
+
+def test_the_answer_bench_times_the_mailboxs_answers_from_the_host_tier(tmp_path):
+    """bench.answer: every miss of a request is staged from the host tier (it holds every
+    expert), and the acquire is timed inside the answer that the mailbox's thread times."""
+    from bench.answer import answer_cost, shaped_store, suite
+
+    shapes = {"num_hidden_layers": 2, "num_experts": 16, "num_experts_per_tok": 2}
+    lines = []
+    rows = suite(tmp_path, (1, 3, 5), (0.5,), ("predictive", "lru"), 10, shapes, lines.append)
+    # 5 rows of 2 ids exceed 8 slots: over capacity, not a mailbox request.
+    assert [(r["slots"], r["rows"], r["policy"]) for r in rows] == [
+        (8, 1, "predictive"),
+        (8, 1, "lru"),
+        (8, 3, "predictive"),
+        (8, 3, "lru"),
+    ]
+    for r in rows:
+        assert r["misses"] > 0 and r["host_hits"] == r["misses"]
+        assert 0 < r["acquire_us"] <= r["answer_us"] <= r["post_us"]
+    # Three rows miss more than one row does.
+    assert rows[2]["misses"] > rows[0]["misses"]
+    assert len(lines) == 3 + len(rows)
+    with pytest.raises(ValueError, match="5 rows of top-2 ids exceed 8 slots"):
+        answer_cost(shaped_store(tmp_path, 2, 16, 2), 8, 5, "lru")
