@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import _ext
 from engine.cache import open_cache, snapshot
 from engine.config import EVICTION_POLICIES, StreamConfig
+from engine.device_acquire import AcquireMailbox
 from engine.flags import positive_int
 from engine.store import ExpertStore, is_store
 from engine.synthetic import QWEN3_30B_A3B, tiny_config, write_store
@@ -71,7 +71,7 @@ def answer_cost(
         store, StreamConfig(expert_slots=slots, side_slots=0, policy=policy, io_uring=False)
     )
     ids_per_request = rows * k
-    mailbox = _ext.AcquireMailbox(
+    mailbox = AcquireMailbox(
         cache, HIDDEN, max_ids=max(16, 2 * ids_per_request), fill_slots=16, tier_slots=experts
     )
     for li in range(layers):  # staging off: each record read once and kept in the tier
