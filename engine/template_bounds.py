@@ -105,16 +105,22 @@ def _printf_size(fmt: str, right) -> int:
 def _format_size(fmt: str, args, kwargs) -> int:
     """The most characters `fmt.format(*args, **kwargs)` can produce: the format's own
     text, every number in its fields' specs (widths, precisions) and each field as long
-    as the longest argument."""
-    try:
-        fields = list(string.Formatter().parse(fmt))
-    except ValueError:
-        return len(fmt)  # the call raises its own error
-    widths = sum(_number(d) for _, _, spec, _ in fields if spec for d in re.findall(r"\d+", spec))
+    as the longest argument; counting stops once past the bound, so a format of millions
+    of fields is refused without holding them all (`string.Formatter.parse` yields them
+    one at a time)."""
     values = [*args, *kwargs.values()]
     if len(values) == 1 and isinstance(values[0], dict):  # format_map
         values = list(values[0].values())
-    return len(fmt) + widths + len(fields) * max(_longest(values), MAX_NUMBER_CHARS)
+    field = max(_longest(values), MAX_NUMBER_CHARS)
+    size = len(fmt)
+    try:
+        for _, _, spec, _ in string.Formatter().parse(fmt):
+            size += field + (sum(_number(d) for d in re.findall(r"\d+", spec)) if spec else 0)
+            if size > MAX_TEMPLATE_CHARS:
+                break
+    except ValueError:
+        return len(fmt)  # the call raises its own error
+    return size
 
 
 def _replace_size(s: str, old, new, count=None) -> int:
