@@ -8,6 +8,7 @@ synthetic one) is served through a copy of its directory of links plus a word-le
 tokenizer of its vocabulary (`with_tokenizer`), so that the server can decode replies.
 """
 
+import dataclasses
 import json
 import threading
 import time
@@ -84,6 +85,9 @@ class Server:
         from engine.model import load
         from engine.serve.server import GenerationThread, build_app
 
+        # As `expertstream serve --max-batch` loads it: the acquire kernels' requests and
+        # staging are sized at load for max_batch rows of top-k ids.
+        config = dataclasses.replace(config, max_batch=max_batch)
         self.engine = GenerationThread(
             lambda: load(model, config), max_queue, 0, cache_bytes, max_batch
         )

@@ -504,3 +504,18 @@ def test_the_answer_bench_times_the_mailboxs_answers_from_the_host_tier(tmp_path
     assert len(lines) == 3 + len(rows)
     with pytest.raises(ValueError, match="5 rows of top-2 ids exceed 8 slots"):
         answer_cost(shaped_store(tmp_path, 2, 16, 2), 8, 5, "lru")
+
+
+def test_the_bench_server_loads_the_model_for_its_batch(qwen_store, tmp_path):
+    """bench.server.Server loads as `expertstream serve --max-batch N` does: the config's
+    max_batch is the server's, so the acquire kernels are sized for N rows of top-k ids
+    (a config of 1 sent every batched step of a GPU down the host path)."""
+    from bench.server import Server, with_tokenizer
+
+    model = with_tokenizer(qwen_store.path, tmp_path / "served")
+    server = Server(model, StreamConfig(expert_slots=2), max_batch=4)
+    try:
+        assert server.engine.sm.config.max_batch == 4
+        assert server.engine.max_batch == 4
+    finally:
+        server.close()
