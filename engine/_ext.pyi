@@ -762,6 +762,11 @@ class AcquireMailbox:
     CHUNKS: Final[int] = ...
     """Word: the record copies' chunks in all."""
 
+    FAST: Final[int] = ...
+    """
+    Word: 1 when the kernel took the rows from the hit table and does not wait for the answer.
+    """
+
     IDS: Final[int] = ...
     """First word of the ids (int32)."""
 
@@ -802,8 +807,25 @@ class AcquireMailbox:
         """The hidden size (floats) of a request's hidden state."""
 
     @property
+    def hit_table_address(self) -> int:
+        """
+        The device address of the cache's hit table: (MoE layers, experts) int32, the real slot a kernel may take without asking, else -1 (ExpertCache::hit_table_address in ext/expert_cache.h).
+        """
+
+    @property
     def answered(self) -> int:
         """Requests answered since creation."""
+
+    @property
+    def fast_answers(self) -> int:
+        """
+        Requests answered since creation that were posted FAST: rows from the hit table, not waited for.
+        """
+
+    def wait(self) -> None:
+        """
+        Waits until the mailbox's thread has answered every request posted so far (the cache's set_staging(False) and reset() do first).
+        """
 
     @property
     def answer_seconds(self) -> float:
@@ -835,10 +857,11 @@ class AcquireMailbox:
         Posts a request as the kernel does and returns its rows.
 
         Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
-        max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None), publishes
-        the request, waits for the answer and performs the pool copies it delivers. The host's
-        stand-in for the kernels (tests, pools in host memory): never while kernels post to this
-        mailbox.
+        max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None) and
+        publishes the request. Where the hit table has every id, the rows are its entries and the
+        request is posted FAST (answered later, not waited for: `wait`); else it waits for the
+        answer and performs the pool copies it delivers. The host's stand-in for the kernels
+        (tests, pools in host memory): never while kernels post to this mailbox.
 
         Returns:
             (len(ids),) int32 pool rows (all 0 after a failed acquire, whose error

@@ -7,8 +7,11 @@ layer, hit or miss. Here a kernel on the GPU's stream writes the ids (and, for a
 prefetch source, the last token's hidden state) into the cache's `AcquireMailbox` in
 mapped host memory and spins until the mailbox's thread has answered with their pool
 rows; the thread runs the same `ExpertCache.acquire` (hits, side hits, demand reads) and
-then the prefetch the hidden state predicts (ext/mailbox.h). A layer whose experts are
-all cached costs a kernel and a host round trip through memory, not a stream hop.
+then the prefetch the hidden state predicts (ext/mailbox.h). A layer whose experts all
+have real slots does not wait for the thread at all: the kernel takes their rows from the
+cache's hit table (mapped host memory the host keeps) and posts the request for the
+thread to count later; the next request's kernel waits for that answer, by which time
+the device has computed the layer.
 
 Neither that thread nor a reader thread may call the CUDA runtime while a kernel spins
 (a runtime call can wait for work queued behind it), so the cache stages its pool writes
@@ -38,11 +41,13 @@ _BLOCK = 256
 _COPY_BLOCKS = 16
 
 # The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
-# copies]), not as literals: the source is then the same for every cache, and MLX
-# compiles each kernel once per process (its JIT modules are keyed by name and source).
+# copies, hit table, experts]), not as literals: the source is then the same for every
+# cache, and MLX compiles each kernel once per process (its JIT modules are keyed by name
+# and source).
 _HEADER = """
 #define ES_WORD(i) (reinterpret_cast<volatile int*>(es_words)[(i)])
 #define ES_COPY(i, f) (reinterpret_cast<volatile unsigned long long*>(es_copies)[4 * (i) + (f)])
+#define ES_HIT(i) (reinterpret_cast<volatile int*>(es_hits)[(i)])
 __device__ __forceinline__ unsigned long long es_now() {{
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -89,32 +94,44 @@ __device__ void es_wait_reply(unsigned long long es_words, int seq) {{
 """
 
 # One block: thread 0 waits for the previous request's answer (normally already there),
-# every thread writes its share of the ids and hidden state, and after a system fence
-# thread 0 publishes the sequence number and, for an acquire, waits for the rows.
+# every thread writes its share of the ids and hidden state and looks its ids up in the
+# hit table, and after a system fence thread 0 publishes the sequence number and, for an
+# acquire with an id the table lacks, waits for the rows. `es_fast` stays 1 only where
+# every id has an entry (threads only ever write 0 to it).
 _POST = """
   const unsigned long long es_words = box[0];
   const unsigned long long es_copies = box[1];
+  const unsigned long long es_hits = box[2];
+  const int es_experts = static_cast<int>(box[3]);
   __shared__ int seq;
+  __shared__ int es_fast;
+  __shared__ int es_rows[{max_ids}];
   const int tid = threadIdx.x;
   if (tid == 0) {{
     const int previous = ES_WORD({request});
     es_wait_reply(es_words, previous);
     seq = previous + 1;
+    es_fast = {lookup};
   }}
   __syncthreads();
+  __threadfence_system();
   {copy_ids}
   {copy_x}
+  __syncthreads();
   if (tid == 0) {{
     ES_WORD({layer_word}) = layer[0];
     ES_WORD({count}) = {n};
     ES_WORD({has_x}) = {with_x};
+    ES_WORD({fast_word}) = es_fast;
   }}
   __threadfence_system();
   __syncthreads();
   if (tid == 0) {{
     ES_WORD({request}) = seq;
     __threadfence_system();
-    {wait}
+    if (!es_fast) {{
+      {wait}
+    }}
   }}
   __syncthreads();
   {out}
@@ -130,7 +147,11 @@ _COPY_IDS = """
       off += (long long)(rest % ids_shape[d]) * ids_strides[d];
       rest /= ids_shape[d];
     }}
-    ES_WORD({ids_word} + i) = static_cast<int>(ids[off]);
+    const int id = static_cast<int>(ids[off]);
+    ES_WORD({ids_word} + i) = id;
+    const int row = id >= 0 && id < es_experts ? ES_HIT(layer[0] * es_experts + id) : -1;
+    if (row < 0) es_fast = 0;
+    else es_rows[i] = row;
   }}
 """
 
@@ -147,18 +168,24 @@ _COPY_X = """
 
 # After the answer: its row copies one at a time (a later one may read an earlier's
 # target), then the head the copy kernel reads: [row copies, record copies, chunks, rows].
+# Rows from the hit table come with no copies.
 _HEAD_OUT = """
-  const int row_copies = ES_WORD({row_copies});
-  for (int c = 0; c < row_copies; ++c) {{
-    es_copy(ES_COPY(c, 0), ES_COPY(c, 1), 0, ES_COPY(c, 2), tid, blockDim.x);
-    __syncthreads();
+  if (es_fast) {{
+    if (tid == 0) head[0] = head[1] = head[2] = 0;
+    for (int i = tid; i < n; i += blockDim.x) head[3 + i] = es_rows[i];
+  }} else {{
+    const int row_copies = ES_WORD({row_copies});
+    for (int c = 0; c < row_copies; ++c) {{
+      es_copy(ES_COPY(c, 0), ES_COPY(c, 1), 0, ES_COPY(c, 2), tid, blockDim.x);
+      __syncthreads();
+    }}
+    if (tid == 0) {{
+      head[0] = row_copies;
+      head[1] = ES_WORD({record_copies});
+      head[2] = ES_WORD({chunks});
+    }}
+    for (int i = tid; i < n; i += blockDim.x) head[3 + i] = ES_WORD({rows_word} + i);
   }}
-  if (tid == 0) {{
-    head[0] = row_copies;
-    head[1] = ES_WORD({record_copies});
-    head[2] = ES_WORD({chunks});
-  }}
-  for (int i = tid; i < n; i += blockDim.x) head[3 + i] = ES_WORD({rows_word} + i);
 """
 
 # The record copies of the answer whose head it reads, cut into chunks dealt round-robin
@@ -219,7 +246,15 @@ class DeviceAcquire:
         self.hidden = hidden
         self.max_ids = max_ids
         layout = AcquireMailbox
-        self._box = mx.array([self.mailbox.address, self.mailbox.copies_address], mx.uint64)
+        self._box = mx.array(
+            [
+                self.mailbox.address,
+                self.mailbox.copies_address,
+                self.mailbox.hit_table_address,
+                cache.num_experts,
+            ],
+            mx.uint64,
+        )
         words = {
             "reply": layout.REPLY,
             "request": layout.REQUEST,
@@ -229,6 +264,8 @@ class DeviceAcquire:
             "row_copies": layout.ROW_COPIES,
             "record_copies": layout.RECORD_COPIES,
             "chunks": layout.CHUNKS,
+            "fast_word": layout.FAST,
+            "max_ids": layout.MAX_IDS,
             "ids_word": layout.IDS,
             "rows_word": layout.ROWS,
             "hidden_word": layout.HIDDEN,
@@ -249,6 +286,7 @@ class DeviceAcquire:
                 copy_ids=_COPY_IDS.format(**words) if with_ids else "",
                 copy_x=_COPY_X.format(**words) if with_x else "",
                 n="n" if with_ids else 0,
+                lookup=int(with_ids),
                 with_x=int(with_x),
                 wait="es_wait_reply(es_words, seq);" if with_ids else "",
                 out=_HEAD_OUT.format(**words) if with_ids else "if (tid == 0) head[0] = 0;",

@@ -205,6 +205,12 @@ class Predictor:
         device = self._device
         return device if n <= device.max_ids and x.shape[-1] == device.hidden else None
 
+    @property
+    def mailbox(self):
+        """The acquire kernels' `AcquireMailbox` (its counters), or None before the
+        first device acquire or where there is none."""
+        return None if self._device is None else self._device.mailbox
+
     def start_device(self, hidden: int | None, n: int) -> None:
         """What a model load calls, so that allocating and page-locking is part of the
         load, not of the first reply: the layer scratch's banks where it is used

@@ -536,10 +536,11 @@ Raises:
 const char* kMailboxPost = R"(Posts a request as the kernel does and returns its rows.
 
 Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
-max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None), publishes
-the request, waits for the answer and performs the pool copies it delivers. The host's
-stand-in for the kernels (tests, pools in host memory): never while kernels post to this
-mailbox.
+max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None) and
+publishes the request. Where the hit table has every id, the rows are its entries and the
+request is posted FAST (answered later, not waited for: `wait`); else it waits for the
+answer and performs the pool copies it delivers. The host's stand-in for the kernels
+(tests, pools in host memory): never while kernels post to this mailbox.
 
 Returns:
     (len(ids),) int32 pool rows (all 0 after a failed acquire, whose error
@@ -1020,6 +1021,9 @@ NB_MODULE(_ext, m) {
       .def_ro_static("ROW_COPIES", &Box::kRowCopies, "Word: the answer's row copies.")
       .def_ro_static("RECORD_COPIES", &Box::kRecordCopies, "Word: the answer's record copies.")
       .def_ro_static("CHUNKS", &Box::kChunks, "Word: the record copies' chunks in all.")
+      .def_ro_static("FAST", &Box::kFast,
+                     "Word: 1 when the kernel took the rows from the hit table and does not "
+                     "wait for the answer.")
       .def_ro_static("IDS", &Box::kIds, "First word of the ids (int32).")
       .def_ro_static("ROWS", &Box::kRows, "First word of the rows (int32).")
       .def_ro_static("HIDDEN", &Box::kHidden, "First word of the hidden state (float32).")
@@ -1043,8 +1047,26 @@ NB_MODULE(_ext, m) {
           "hidden", [](const MailboxHandle& b) { return b.impl->hidden(); },
           "The hidden size (floats) of a request's hidden state.")
       .def_prop_ro(
+          "hit_table_address",
+          [](const MailboxHandle& b) { return b.impl->hit_table_address(); },
+          "The device address of the cache's hit table: (MoE layers, experts) int32, the "
+          "real slot a kernel may take without asking, else -1 (ExpertCache::"
+          "hit_table_address in ext/expert_cache.h).")
+      .def_prop_ro(
           "answered", [](const MailboxHandle& b) { return b.impl->answered(); },
           "Requests answered since creation.")
+      .def_prop_ro(
+          "fast_answers", [](const MailboxHandle& b) { return b.impl->fast_answers(); },
+          "Requests answered since creation that were posted FAST: rows from the hit "
+          "table, not waited for.")
+      .def(
+          "wait",
+          [](const MailboxHandle& b) {
+            nb::gil_scoped_release release;
+            b.impl->wait();
+          },
+          "Waits until the mailbox's thread has answered every request posted so far "
+          "(the cache's set_staging(False) and reset() do first).")
       .def_prop_ro(
           "answer_seconds", [](const MailboxHandle& b) { return b.impl->answer_seconds(); },
           "Seconds the mailbox's thread spent answering since creation, from reading a "

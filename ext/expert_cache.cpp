@@ -168,6 +168,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
   last_forward_.assign(layers_.size(), 0);
+  hits_stale_.assign(layers_.size(), 1);
   router_hint_.resize(layers_.size());
   readers_ = std::make_unique<ReaderPool>(config_.reader_threads);
   if (config_.io_uring && !layers_.empty()) {
@@ -200,7 +201,74 @@ std::shared_ptr<StagedCopies> ExpertCache::enable_staging(int slots, int reserve
                                            config_.policy);
   scratch_->set_tier(staged_);
   throttle_.staged();  // fills now reach the pools as copies on the compute stream
+  hit_table_ = std::make_unique<MappedHost>(
+      writer_, layers_.size() * static_cast<size_t>(num_experts_) * sizeof(int32_t),
+      "the hit table");
+  unmap_hits_locked();
   return staged_;
+}
+
+uintptr_t ExpertCache::hit_table_address() const {
+  if (!hit_table_) throw std::logic_error("hit_table_address before enable_staging");
+  return hit_table_->device_address();
+}
+
+const int32_t* ExpertCache::hit_entries(int li) const {
+  check_layer(li, num_layers());
+  if (!hit_table_) throw std::logic_error("hit_entries before enable_staging");
+  return reinterpret_cast<const int32_t*>(hit_table_->data()) +
+         static_cast<size_t>(li) * static_cast<size_t>(num_experts_);
+}
+
+void ExpertCache::unmap_hits_locked() {
+  if (!hit_table_) return;
+  // Stored through atomics: a kernel may read the entries meanwhile (-1 is always safe).
+  auto* table = reinterpret_cast<int32_t*>(hit_table_->data());
+  const size_t n = layers_.size() * static_cast<size_t>(num_experts_);
+  for (size_t i = 0; i < n; ++i) __atomic_store_n(table + i, -1, __ATOMIC_RELAXED);
+  std::fill(hits_stale_.begin(), hits_stale_.end(), 1);
+}
+
+void ExpertCache::evict_locked(int li, int slot) {
+  auto& R = real_[li];
+  const int e = R.expert_at(slot);
+  if (e >= 0 && hit_table_) {
+    auto* entry = reinterpret_cast<int32_t*>(hit_table_->data()) +
+                  static_cast<size_t>(li) * static_cast<size_t>(num_experts_) + e;
+    __atomic_store_n(entry, -1, __ATOMIC_RELEASE);
+  }
+  R.clear(slot);
+  hits_stale_[li] = 1;
+}
+
+Delivery ExpertCache::deliver(StagedCopy* out, size_t capacity) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!staged_) throw std::logic_error("deliver before enable_staging");
+  const Delivery d = staged_->deliver(out, capacity);
+  // Staging off leaves every entry -1 (the host paths write the pools themselves).
+  if (!staging_on()) return d;
+  auto* table = reinterpret_cast<int32_t*>(hit_table_->data());
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    if (!hits_stale_[li]) continue;
+    hits_stale_[li] = 0;
+    const auto& R = real_[li];
+    int32_t* row = table + li * static_cast<size_t>(num_experts_);
+    for (int e = 0; e < num_experts_; ++e) {
+      const int slot = R.slot_of(e);
+      __atomic_store_n(row + e, slot >= 0 && !loading_[li][slot] ? slot : -1, __ATOMIC_RELAXED);
+    }
+  }
+  return d;
+}
+
+void ExpertCache::set_answer_wait(std::function<void()> wait) {
+  std::lock_guard<std::mutex> lk(answer_wait_mu_);
+  answer_wait_ = std::move(wait);
+}
+
+void ExpertCache::wait_for_answers() {
+  std::lock_guard<std::mutex> lk(answer_wait_mu_);
+  if (answer_wait_) answer_wait_();
 }
 
 size_t ExpertCache::staging_slot_bytes() const {
@@ -212,7 +280,12 @@ size_t ExpertCache::staging_slot_bytes() const {
 
 void ExpertCache::set_staging(bool on) {
   if (on && !staged_) throw std::logic_error("set_staging(true) before enable_staging");
+  if (!on) wait_for_answers();
   if (!staged_ || on == staging_on()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    unmap_hits_locked();
+  }
   // The new setting first, then the fills that may have seen the old one land (a fill
   // is in flight from its reservation to its publication, so drain waits for it), then
   // what is staged is written.
@@ -656,7 +729,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     busy[slot] = 1;
     if (R.expert_at(slot) >= 0) {
       ++st.evictions;
-      R.clear(slot);
+      evict_locked(li, slot);
     }
     loads.emplace_back(e, slot);
   }
@@ -674,10 +747,11 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     busy[slot] = 1;
     if (R.expert_at(slot) >= 0) {
       ++st.evictions;
-      R.clear(slot);
+      evict_locked(li, slot);
     }
     copy_row(li, row, slot, Write::kDemand);
     R.assign(slot, e, tick_);  // this call still reads the side row (the fence holds it)
+    hits_stale_[li] = 1;
     ++st.promotions;
   }
   R.end_call();
@@ -710,6 +784,7 @@ std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<i
       continue;
     }
     real_[li].assign(slot, e, tick_);
+    hits_stale_[li] = 1;
     ++st.loads;
     if (landed[i] == kLandedFromTier) {
       ++st.host_hits;
@@ -804,6 +879,7 @@ std::vector<int> ExpertCache::load_scratch(int li, const std::vector<int>& exper
       continue;  // the slot stays empty: no partial row is ever mapped
     }
     R.assign(slot, e, tick_);
+    hits_stale_[li] = 1;
   }
   auto& st = stats_[li];
   st.misses += experts.size();
@@ -935,6 +1011,7 @@ void ExpertCache::fill_empty_slots(int li, const LayerScratch::Sources& from) {
   try {
     if (!copies.empty()) writer_.copy(copies);
     for (auto [sl, e] : assigned) R.assign(sl, e, tick_);
+    if (!assigned.empty()) hits_stale_[li] = 1;
   } catch (const std::exception&) {
     // the slots stay empty: no partial row is ever mapped
   }
@@ -1066,7 +1143,7 @@ void ExpertCache::pin(int li, int expert) {
     int slot = R.choose_victim(busy);
     if (R.expert_at(slot) >= 0) {
       ++stats_[li].evictions;
-      R.clear(slot);
+      evict_locked(li, slot);
     }
     ++tick_;
     if (std::exception_ptr err = load_slots(li, {{expert, slot}}, lk))
@@ -1114,9 +1191,11 @@ bool ExpertCache::sync() const {
 }
 
 void ExpertCache::reset() {
+  wait_for_answers();
   scratch_->reset();  // before the tier is emptied
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
+  unmap_hits_locked();
   for (size_t li = 0; li < real_.size(); ++li) {
     real_[li] = RealRegion(slots_[li], num_experts_, config_.policy, config_.decay_every);
     complete_[li] = 0;  // plan() refills the table once every expert is resident again

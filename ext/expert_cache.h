@@ -27,6 +27,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -189,8 +190,31 @@ class ExpertCache {
   // pools directly again, and what was staged is written now; only when no kernel of a
   // forward is queued (the caller synchronised), since the staged copies are then
   // written by the host. std::logic_error for `true` without enable_staging.
+  // Before anything else, off waits for the answers the acquire kernels did not wait for
+  // (set_answer_wait).
   void set_staging(bool on);
   bool staging_on() const { return staging_on_.load(std::memory_order_acquire); }
+
+  // The hit table: (num_layers, num_experts) int32 in host memory mapped for the device
+  // (staging's), at hit_table_address(): entry [li][e] is the real slot of expert e of
+  // MoE layer li where an acquire kernel may use it without asking the host, else -1.
+  // Made by enable_staging, all -1 while staging is off. An entry is set only by
+  // deliver(), under the lock, for slots whose copies that delivery or an earlier one
+  // holds; it is unset when its slot is emptied, before any copy into the slot is
+  // staged. So a row the table gives holds its expert until a later delivery's copies,
+  // which run after every kernel that read the table before that delivery's answer.
+  uintptr_t hit_table_address() const;
+  // Layer li's num_experts entries as the host sees them (the stand-in for the device in
+  // AcquireMailbox::post). std::out_of_range for li, std::logic_error before enable_staging.
+  const int32_t* hit_entries(int li) const;
+  // Every copy staged so far into out[0, capacity) (StagedCopies::deliver), then the hit
+  // table of each layer whose real region changed since the last delivery. Throws as
+  // StagedCopies::deliver does (nothing delivered, the table unchanged).
+  Delivery deliver(StagedCopy* out, size_t capacity);
+  // What set_staging(false) and reset() call first (AcquireMailbox: waits until its
+  // thread has answered every request posted): an answer of an earlier forward then
+  // never runs after them. Empty: none.
+  void set_answer_wait(std::function<void()> wait);
   int num_experts() const { return num_experts_; }
   const CacheConfig& config() const { return config_; }
   // Whether demand reads go through io_uring: config.io_uring and the kernel has it.
@@ -324,8 +348,9 @@ class ExpertCache {
   bool side_lfu() const;
   bool sync() const;
 
-  // Empties the real regions (pins and frequencies too), side ledgers and host tier, after a
-  // drain; what the prefetch throttle measured stays.
+  // Empties the real regions (pins and frequencies too), side ledgers and host tier, after
+  // the answers not waited for (set_answer_wait) and a drain; what the prefetch throttle
+  // measured stays.
   void reset();
 
   LayerSnapshot snapshot(int li) const;
@@ -456,9 +481,20 @@ class ExpertCache {
   // written).
   void fill_empty_slots(int li, const LayerScratch::Sources& from);
 
+  // Calls the answer wait (set_answer_wait), if any.
+  void wait_for_answers();
+  // Under mu_: empties real slot `slot` of layer li (the hit table first: see above).
+  void evict_locked(int li, int slot);
+  // Under mu_: every hit table entry -1, every layer to be written by the next delivery.
+  void unmap_hits_locked();
+
   PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
   PoolWriter host_writer_{nullptr};
   std::shared_ptr<StagedCopies> staged_;  // see enable_staging
+  std::unique_ptr<MappedHost> hit_table_;  // see hit_table_address; with staged_
+  std::vector<uint8_t> hits_stale_;        // [li]: its real region changed since deliver()
+  std::mutex answer_wait_mu_;
+  std::function<void()> answer_wait_;      // see set_answer_wait
   std::atomic<bool> staging_on_{false};
   ReadClock read_clock_;  // before the readers: outlives their threads
   std::unique_ptr<ReaderPool> readers_;

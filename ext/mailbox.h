@@ -28,10 +28,19 @@
 //   [kRowCopies], [kRecordCopies], [kChunks]  the answer's delivery of staged pool
 //               writes (staged_copies.h): counts of row and record copies, and of the
 //               record copies' chunks
+//   [kFast]     1 when the kernel took its rows from the hit table and does not wait
 //   [kIds, kIds + kMaxIds)     ids (int32)
 //   [kRows, kRows + kMaxIds)   rows (int32), written by the host
 //   [kHidden, kHidden + hidden) hidden state of the last token (float32)
 // and, from copies_address(), the delivery's StagedCopy entries: row copies, then records.
+//
+// Hits without the host: the kernel first looks the ids up in the cache's hit table
+// (ExpertCache::hit_table_address, mapped host memory). When every id has an entry, it
+// writes those rows out, posts the request marked kFast and goes on without waiting: the
+// thread answers it later (counts, policy, prefetch) but delivers nothing, and a later
+// request's kernel waits for that answer before it posts. The table's rules make the rows
+// right: an entry is set only for a slot whose copies were delivered, and unset before a
+// copy into its slot is staged, which only a later answer that is waited for delivers.
 //
 // Pool writes: while the mailbox is in use the cache stages them (ExpertCache::
 // set_staging), so that neither this thread nor a reader thread calls the CUDA runtime
@@ -63,6 +72,7 @@ class AcquireMailbox {
   static constexpr int kRowCopies = 67;
   static constexpr int kRecordCopies = 68;
   static constexpr int kChunks = 69;
+  static constexpr int kFast = 70;
   static constexpr int kMaxIds = 256;
   static constexpr int kIds = 96;
   static constexpr int kRows = kIds + kMaxIds;
@@ -80,7 +90,8 @@ class AcquireMailbox {
   // map the memory.
   AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
                  int tier_slots = 0);
-  // Answers a request still posted (rows 0, an error for the host), then stops the thread.
+  // Waits for the answer to a request posted kFast, answers a request still waited for
+  // (rows 0, an error for the host), then stops the thread.
   // Kernels of a forward still queued must not run after this (the cache's pools have
   // the same rule).
   ~AcquireMailbox();
@@ -93,6 +104,8 @@ class AcquireMailbox {
   int max_ids() const { return max_ids_; }
   // The device address of the delivery's StagedCopy entries.
   uintptr_t copies_address() const { return memory_->device_address() + copies_offset_; }
+  // The device address of the cache's hit table (ExpertCache::hit_table_address).
+  uintptr_t hit_table_address() const { return cache_->hit_table_address(); }
   // Whether the memory is mapped for a CUDA device (false: plain host memory).
   bool mapped() const { return memory_->mapped(); }
 
@@ -105,9 +118,10 @@ class AcquireMailbox {
   void set_prefetch(int source, const std::vector<int>& targets,
                     const std::vector<std::shared_ptr<const Router>>& routers, int budget);
 
-  // Does on the host what the kernels do (waits for the previous answer, posts, waits for
-  // this one, performs the delivered copies) and returns the rows: the tests' stand-in for
-  // the device, on any build (pools in host memory). n ids (at most max_ids; 0: prefetch
+  // Does on the host what the kernels do (waits for the previous answer; rows from the hit
+  // table where it has every id, posted kFast; else posts, waits for this answer and
+  // performs the delivered copies) and returns the rows: the tests' stand-in for the
+  // device, on any build (pools in host memory). n ids (at most max_ids; 0: prefetch
   // only), x: hidden floats or null.
   std::vector<int32_t> post(int layer, const int32_t* ids, int n, const float* x);
 
@@ -115,8 +129,14 @@ class AcquireMailbox {
   // request waits).
   std::pair<uint32_t, uint32_t> sequence() const;
 
-  // Requests answered since creation.
+  // Waits until the thread has answered every request posted so far (registered with the
+  // cache as its answer wait: ExpertCache::set_answer_wait).
+  void wait() const;
+
+  // Requests answered since creation, and of them those posted kFast (rows from the hit
+  // table, not waited for).
   uint64_t answered() const { return answered_.load(std::memory_order_relaxed); }
+  uint64_t fast_answers() const { return fast_.load(std::memory_order_relaxed); }
 
   // Seconds this thread spent answering requests since creation, from reading a request
   // to publishing its reply (the time a posting kernel waits beyond the hand-offs; the
@@ -155,6 +175,7 @@ class AcquireMailbox {
 
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> answered_{0};
+  std::atomic<uint64_t> fast_{0};
   std::atomic<uint64_t> answer_ns_{0};
   std::thread thread_;
 };

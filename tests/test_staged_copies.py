@@ -149,9 +149,10 @@ token = st.lists(request, min_size=4, max_size=4)
     fill_slots=st.integers(1, 6),
     tier_slots=st.integers(0, 3),
     host=st.lists(st.booleans(), min_size=6, max_size=6),
+    pins=st.lists(st.integers(-1, 7), min_size=6, max_size=6),
 )
 def test_every_answer_holds_its_experts(
-    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots, host
+    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots, host, pins
 ):
     cache, mailbox = staged_cache(
         qwen_store,
@@ -164,7 +165,7 @@ def test_every_answer_holds_its_experts(
         io_uring=False,
     )
     checker = RowChecker(qwen_store, cache)
-    step = 0
+    step, pinned = 0, None
     for n, t in enumerate(tokens):
         for li, ids in enumerate(t):
             rows = mailbox.post(li, np.array(ids, np.int32))
@@ -174,6 +175,13 @@ def test_every_answer_holds_its_experts(
                 cache.prefetch(li + 1, np.array(fills[step % len(fills)], np.int32))
             step += 1
         assert cache.check() == ""
+        # A pin between tokens, as autopin or the app makes them: it evicts and stages a
+        # read while the thread may still be answering the last request.
+        if pinned is not None:
+            cache.unpin(1, pinned)
+        pinned = pins[n % 6] if pins[n % 6] >= 0 and slots >= 3 else None
+        if pinned is not None:
+            cache.pin(1, pinned)
         if host[n % 6]:
             # A host path between tokens (a prompt, a reply's end): staging off writes
             # what is staged, the host acquires (the tier serving what it holds).
@@ -263,3 +271,75 @@ def test_a_reset_empties_the_host_tier(qwen_store):
     assert cache.host_tier[1] == 2
     cache.reset()
     assert cache.host_tier[1] == 0
+
+
+def fast_answers(mailbox):
+    """Requests answered from the hit table so far, once the thread has answered all."""
+    mailbox.wait()
+    return mailbox.fast_answers
+
+
+def test_a_layer_of_real_hits_takes_its_rows_from_the_hit_table(qwen_store):
+    # The second call of the same experts finds every id in the hit table: its rows come
+    # from there, it is not waited for, and the thread still counts it.
+    cache, mailbox = staged_cache(qwen_store, expert_slots=4, side_slots=0)
+    checker = RowChecker(qwen_store, cache)
+    first = mailbox.post(0, np.array([1, 2], np.int32))  # misses: waited for
+    assert fast_answers(mailbox) == 0
+    again = mailbox.post(0, np.array([2, 1], np.int32))
+    assert fast_answers(mailbox) == 1 and mailbox.answered == 2
+    assert again.tolist() == first[::-1].tolist()
+    for e, r in zip((2, 1), again, strict=True):
+        checker.assert_row(0, int(r), e)
+    s = cache.snapshot(0)["stats"]
+    assert (s["hits"], s["misses"]) == (2, 2)
+    # An id the table lacks is waited for, with the ones it has.
+    rows = mailbox.post(0, np.array([1, 3], np.int32))
+    assert fast_answers(mailbox) == 1
+    checker.assert_row(0, int(rows[1]), 3)
+
+
+def test_an_evicted_expert_leaves_the_hit_table_at_once(qwen_store):
+    # A pin from another thread empties a slot and stages a copy into it: the evicted
+    # expert's entry is gone before that copy can be delivered, so a request of it asks
+    # the host; a reset and staging off empty the table.
+    cache, mailbox = staged_cache(qwen_store, expert_slots=2, side_slots=0, policy="lru")
+    checker = RowChecker(qwen_store, cache)
+    mailbox.post(0, np.array([1, 2], np.int32))
+    mailbox.post(0, np.array([2], np.int32))  # 1 is the least recently used
+    mailbox.wait()
+    cache.pin(0, 5)  # evicts 1, its copy staged into 1's slot
+    fast = fast_answers(mailbox)
+    (row,) = mailbox.post(0, np.array([1], np.int32))
+    assert fast_answers(mailbox) == fast
+    checker.assert_row(0, int(row), 1)
+    cache.reset()
+    mailbox.post(0, np.array([5, 1], np.int32))
+    assert fast_answers(mailbox) == fast  # nothing mapped after the reset
+    mailbox.post(0, np.array([5, 1], np.int32))
+    assert fast_answers(mailbox) == fast + 1
+    cache.set_staging(False)
+    cache.set_staging(True)
+    mailbox.post(0, np.array([5, 1], np.int32))
+    assert fast_answers(mailbox) == fast + 1
+    cache.raise_stream_error()
+
+
+def test_the_answers_not_waited_for_come_before_staging_off_and_a_mailbox_closing(qwen_store):
+    # Staging off, a reset and closing the mailbox each wait until the thread has answered
+    # what was posted without a wait: the last layer's acquire is counted in its forward,
+    # and never runs against a host path.
+    cache, mailbox = staged_cache(qwen_store, expert_slots=4, side_slots=0)
+    for _ in range(2):
+        for li in range(4):
+            mailbox.post(li, np.array([0, 1], np.int32))
+    cache.set_staging(False)
+    assert mailbox.sequence[0] == mailbox.sequence[1] and mailbox.answered == 8
+    assert sum(cache.snapshot(li)["stats"]["hits"] for li in range(4)) == 8
+    cache.set_staging(True)
+    for li in range(4):
+        mailbox.post(li, np.array([0, 1], np.int32))  # the table was emptied: waited for
+    mailbox.post(3, np.array([0, 1], np.int32))
+    del mailbox
+    assert sum(cache.snapshot(li)["stats"]["hits"] for li in range(4)) == 18
+    cache.raise_stream_error()  # no "closed while a forward was running"
