@@ -822,6 +822,12 @@ class AcquireMailbox:
         Requests answered since creation that were posted FAST: rows from the hit table, not waited for.
         """
 
+    @property
+    def delivered(self) -> tuple[int, int]:
+        """
+        (in order, at once): the pool copies its answers have delivered since creation, row copies made one after another by the acquire kernel (where a copy of the same answer writes what one reads or writes) and copies made all at once by the copy kernel's blocks (records, and row copies that need no order).
+        """
+
     def wait(self) -> None:
         """
         Waits until the mailbox's thread has answered every request posted so far (the cache's set_staging(False) and reset() do first).

@@ -1059,6 +1059,12 @@ NB_MODULE(_ext, m) {
           "fast_answers", [](const MailboxHandle& b) { return b.impl->fast_answers(); },
           "Requests answered since creation that were posted FAST: rows from the hit "
           "table, not waited for.")
+      .def_prop_ro(
+          "delivered", [](const MailboxHandle& b) { return b.impl->delivered(); },
+          "(in order, at once): the pool copies its answers have delivered since creation, "
+          "row copies made one after another by the acquire kernel (where a copy of the "
+          "same answer writes what one reads or writes) and copies made all at once by "
+          "the copy kernel's blocks (records, and row copies that need no order).")
       .def(
           "wait",
           [](const MailboxHandle& b) {

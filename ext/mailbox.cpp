@@ -208,6 +208,8 @@ void AcquireMailbox::answer(uint32_t seq) {
       word(kRowCopies)[0] = static_cast<int32_t>(delivery.rows);
       word(kRecordCopies)[0] = static_cast<int32_t>(delivery.records);
       word(kChunks)[0] = static_cast<int32_t>(delivery.chunks);
+      ordered_.fetch_add(delivery.rows, std::memory_order_relaxed);
+      at_once_.fetch_add(delivery.records, std::memory_order_relaxed);
     }
   }
   store(word(kReply), static_cast<int32_t>(seq));

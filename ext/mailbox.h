@@ -137,6 +137,11 @@ class AcquireMailbox {
   // table, not waited for).
   uint64_t answered() const { return answered_.load(std::memory_order_relaxed); }
   uint64_t fast_answers() const { return fast_.load(std::memory_order_relaxed); }
+  // Copies delivered since creation: row copies made one after another, and copies made
+  // all at once (Delivery).
+  std::pair<uint64_t, uint64_t> delivered() const {
+    return {ordered_.load(std::memory_order_relaxed), at_once_.load(std::memory_order_relaxed)};
+  }
 
   // Seconds this thread spent answering requests since creation, from reading a request
   // to publishing its reply (the time a posting kernel waits beyond the hand-offs; the
@@ -176,6 +181,7 @@ class AcquireMailbox {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> answered_{0};
   std::atomic<uint64_t> fast_{0};
+  std::atomic<uint64_t> ordered_{0}, at_once_{0};
   std::atomic<uint64_t> answer_ns_{0};
   std::thread thread_;
 };

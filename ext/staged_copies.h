@@ -12,7 +12,9 @@
 // the cache hands out is only ever read after the answer that handed it out.
 //
 // Ordering: row-to-row copies (side-row promotions) run first, one after the other in
-// the order staged; records run after them, all at once. So a record staged for row X
+// the order staged, where a copy of the same delivery writes what one of them reads or
+// writes; records run after them, all at once (and the row copies with them where no
+// such copy is there). So a record staged for row X
 // after a promotion that reads X lands after the promotion read X's old bytes; a record
 // staged for a row that a later copy targets is dropped (the later write wins); and a
 // promotion that reads a row whose record is still pending reads that record's slot
@@ -63,8 +65,9 @@ struct StagedCopy {
 };
 static_assert(sizeof(StagedCopy) == 32, "the kernels read StagedCopy as four uint64");
 
-// What one delivery holds: `rows` row copies, then `records` record copies cut into
-// `chunks` chunks.
+// What one delivery holds: `rows` row copies made one after another, then `records`
+// copies made all at once (records, and row copies that need no order) cut into `chunks`
+// chunks.
 struct Delivery {
   uint32_t rows = 0;
   uint32_t records = 0;
@@ -138,8 +141,8 @@ class StagedCopies {
   // Stages row copies (`spans` with pool sources).
   void stage_rows(const std::vector<Span>& spans);
 
-  // Writes every pending copy into out[0, capacity) (row copies first) and returns their
-  // counts; their slots stay taken until completed(). Throws std::length_error when more
+  // Writes every pending copy into out[0, capacity) (the row copies that need an order
+  // first) and returns their counts; their slots stay taken until completed(). Throws std::length_error when more
   // are pending than `capacity` (then nothing is delivered).
   Delivery deliver(StagedCopy* out, size_t capacity);
   // Every delivery made so far has been performed: frees its slots.

@@ -343,3 +343,24 @@ def test_the_answers_not_waited_for_come_before_staging_off_and_a_mailbox_closin
     del mailbox
     assert sum(cache.snapshot(li)["stats"]["hits"] for li in range(4)) == 18
     cache.raise_stream_error()  # no "closed while a forward was running"
+
+
+def test_a_promotion_beside_a_demand_read_is_copied_with_it_at_once(qwen_store):
+    # The promotion reads a side row whose fill an earlier answer delivered and writes a
+    # slot no other copy touches: no order is needed, so it goes with the demand read's
+    # record to the copy kernel's blocks, not one block after another.
+    cache, mailbox = staged_cache(qwen_store, expert_slots=2, side_slots=2, sync=True, policy="lru")
+    checker = RowChecker(qwen_store, cache)
+    segments = len(qwen_store.manifest.layers[1].segments)
+    mailbox.post(1, np.array([3], np.int32))
+    cache.prefetch(1, np.array([7], np.int32))
+    mailbox.post(0, np.array([5], np.int32))  # a new forward: delivers 7's fill
+    before = mailbox.delivered
+    rows = mailbox.post(1, np.array([7, 2], np.int32))
+    s = cache.snapshot(1)
+    assert (s["stats"]["side_hits"], s["stats"]["promotions"]) == (1, 1)
+    ordered, at_once = (a - b for a, b in zip(mailbox.delivered, before, strict=True))
+    assert (ordered, at_once) == (0, 2 * segments)
+    checker.assert_row(1, int(rows[0]), 7)
+    checker.assert_row(1, int(rows[1]), 2)
+    checker.assert_row(1, s["slot_expert"].tolist().index(7), 7)  # the promoted copy
