@@ -14,8 +14,9 @@
 // with its record; a late write by a read given up on would show up there. Seeds 3, 7,
 // 11, ... stage the pool writes as the acquire kernels need them (staged_copies.h, with a
 // host tier of two slots per layer), and the driving thread performs each delivery right
-// after its acquire, as the kernels would, and sometimes turns staging off and on (the
-// host then writes what is staged).
+// after its acquire, as the kernels would, checks that every row the hit table then gives
+// holds its expert, and sometimes turns staging off and on (the host then writes what is
+// staged).
 //
 // Usage: stress [seconds=8] [seed=1]. Prints "N operations, M violations" and exits 1 on
 // any violation.
@@ -181,12 +182,20 @@ class Stress {
   }
   void verify_all(const char* when);
   void error(int li, const std::exception& e);
-  // What the acquire kernels do after an answer: every staged copy made (staged seeds).
+  // What the acquire kernels do after an answer: every staged copy made (staged seeds);
+  // then every row the hit table gives holds its expert, as a kernel that takes its rows
+  // from there without an answer reads them.
   void settle() {
     if (!staging_) return;
     staging_->completed();
     es::StagedCopies::execute(deliveries_.data(),
-                              staging_->deliver(deliveries_.data(), deliveries_.size()));
+                              cache_->deliver(deliveries_.data(), deliveries_.size()));
+    for (int li = 0; li < kLayers; ++li) {
+      const int32_t* entries = cache_->hit_entries(li);
+      for (int e = 0; e < kExperts; ++e)
+        if (const int row = __atomic_load_n(entries + e, __ATOMIC_ACQUIRE); row >= 0)
+          expect_row(li, row, e, "the hit table");
+    }
   }
 
   void op_acquire();
