@@ -289,6 +289,19 @@ class GenerationThread:
         return reply
 
     def _run(self) -> None:
+        import mlx.core as mx
+
+        try:
+            self._load_and_serve()
+        finally:
+            # MLX's streams of this thread (mlx-lm's generation stream is one per thread)
+            # are destroyed now, when their work is done and the GPU runtime is up, not by
+            # the thread's exit handlers, which may run as the process ends: what MLX asks
+            # of a thread that ran it.
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _load_and_serve(self) -> None:
         try:
             self.sm = self._load()
             if self.prompt_cache_bytes:
