@@ -388,13 +388,10 @@ def synthetic(
         finally:
             StreamedExperts.__call__ = original
 
-    if rounds:
-        res["alternated"] = alternated(
-            {"bare device table": bare, "engine 100%": tps_of(sm.model, prompt, tokens)},
-            rounds,
-            log,
-        )
-        log(f"\nPartial capacity:\n\n{HEADER}")
+    # With --rounds the 100% model and each fraction's host-tier model stay loaded for the
+    # alternated rounds at the end: single runs of these rows differ by more than their
+    # gaps from one run to the next.
+    kept = {"engine 100%": sm} if rounds else {}
     del sm
     for frac in [f for f in fractions if f < 1.0]:
         slots = max(k, round(e * frac))
@@ -418,7 +415,12 @@ def synthetic(
             label = f"{frac:.1%} ({slots} slots), {label}"
             res["runs"][label] = r
             log(row(label, r, base))
+            if warm and rounds:
+                kept[f"engine {frac:.0%}, host tier"] = sm
             del sm
+    if rounds:
+        runs = {name: tps_of(s.model, prompt, tokens) for name, s in kept.items()}
+        res["alternated"] = alternated(runs | {"bare device table": bare}, rounds, log)
     return res
 
 
@@ -580,7 +582,8 @@ def main(argv=None) -> int:
         type=positive_int,
         default=None,
         help="then the headline comparisons (embedded: resident, 100%%, 25%%; synthetic: "
-        "bare table, 100%%) in this many alternated rounds, with per-round ratios",
+        "engine 100%%, each fraction with the host tier, bare table) in this many "
+        "alternated rounds, with per-round ratios",
     )
     p.add_argument(
         "--prefill",

@@ -280,8 +280,16 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
     keys = {"decode_tps", "MB_read_per_token", "MB_host_per_token", "MBps_while_reading"}
     runs = device.embedded(2, lambda *_: None, fractions=(0.25,))["runs"]
     assert len(runs) == 4 and "25.0% (8 slots), prefetch on, CPU-stream acquire" in runs
-    synthetic = device.synthetic(qwen_store.path, 2, print, fractions=(1.0, 0.25), side_slots=1)
+    synthetic = device.synthetic(
+        qwen_store.path, 2, print, fractions=(1.0, 0.25), rounds=2, side_slots=1
+    )
     assert synthetic["side_slots"] == 1
+    # --rounds: engine 100% (the ratios' baseline), each fraction with the host tier and
+    # the bare table, alternated
+    rounds = synthetic["alternated"]
+    assert list(rounds) == ["engine 100%", "engine 25%, host tier", "bare device table"]
+    assert all(len(r["decode_tps"]) == 2 for r in rounds.values())
+    assert rounds["engine 100%"]["ratios"] == [1.0, 1.0]
     runs |= synthetic["runs"]
     assert "25.0% (2 slots), prefetch on, host tier (warmed by one decode)" in runs
     for label, r in runs.items():
