@@ -15,10 +15,11 @@ the device has computed the layer.
 
 Neither that thread nor a reader thread may call the CUDA runtime while a kernel spins
 (a runtime call can wait for work queued behind it), so the cache stages its pool writes
-in mapped host memory (ext/staged_copies.h) and each answer delivers them: the acquire
-kernel performs the row copies (side-row promotions, in order), and a copy kernel of many
-blocks the records (demand reads and prefetch fills), before the rows reach the experts'
-kernels.
+in mapped host memory (ext/staged_copies.h) and each answer delivers them: a copy kernel
+of many blocks copies the records (demand reads and prefetch fills) and the side-row
+promotions, all at once, before the rows reach the experts' kernels; only where a copy of
+the answer writes what a promotion reads or writes does the acquire kernel make the
+promotions first, one after another.
 
 CUDA only: `mx.fast.cuda_kernel` compiles the kernels at first use. Metal keeps the
 CPU-stream path (no Metal kernel of this kind has been run).
@@ -166,8 +167,9 @@ _COPY_X = """
   }}
 """
 
-# After the answer: its row copies one at a time (a later one may read an earlier's
-# target), then the head the copy kernel reads: [row copies, record copies, chunks, rows].
+# After the answer: the row copies it orders, one at a time (a later one may read an
+# earlier's target), then the head the copy kernel reads: [row copies, record copies,
+# chunks, rows].
 # Rows from the hit table come with no copies.
 _HEAD_OUT = """
   if (es_fast) {{
