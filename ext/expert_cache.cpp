@@ -229,6 +229,13 @@ void ExpertCache::unmap_hits_locked() {
   std::fill(hits_stale_.begin(), hits_stale_.end(), 1);
 }
 
+void ExpertCache::unmap_layer_locked(int li) {
+  auto* entries = reinterpret_cast<int32_t*>(hit_table_->data()) +
+                  static_cast<size_t>(li) * static_cast<size_t>(num_experts_);
+  for (int e = 0; e < num_experts_; ++e) __atomic_store_n(entries + e, -1, __ATOMIC_RELEASE);
+  hits_stale_[li] = 1;
+}
+
 void ExpertCache::evict_locked(int li, int slot) {
   auto& R = real_[li];
   const int e = R.expert_at(slot);
@@ -641,7 +648,8 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
   // Distinct experts of this call, in first-seen order, with their row (-1: miss).
   std::unordered_map<int, int> row_of;
   std::vector<int> order;
-  std::vector<uint8_t> busy(slots, 0);
+  // A slot whose load is under way (a pin's, its lock released) is no victim.
+  std::vector<uint8_t> busy(loading_[li].begin(), loading_[li].end());
   for (size_t i = 0; i < n; ++i) {
     int e = ids[i];
     if (e < 0 || e >= num_experts_)
@@ -768,6 +776,10 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
 std::exception_ptr ExpertCache::load_slots(int li, const std::vector<std::pair<int, int>>& loads,
                                            std::unique_lock<std::mutex>& lk) {
   for (auto [e, slot] : loads) loading_[li][slot] = 1;
+  // A demand record staged outside an answer that is waited for (a pin, or the acquire of
+  // an answer not waited for) must not wait for one: with the layer's entries gone, its
+  // next request is waited for and delivers it.
+  if (hit_table_ && staging_on()) unmap_layer_locked(li);
   lk.unlock();
   std::vector<uint8_t> landed;
   ReadTally tally;
@@ -1139,7 +1151,7 @@ void ExpertCache::pin(int li, int expert) {
       throw std::invalid_argument("pinning expert " + std::to_string(expert) + " of MoE layer " +
                                   std::to_string(li) + " would leave no evictable slot (" +
                                   std::to_string(slots_[li]) + " real slots)");
-    std::vector<uint8_t> busy(slots_[li], 0);
+    std::vector<uint8_t> busy(loading_[li].begin(), loading_[li].end());
     int slot = R.choose_victim(busy);
     if (R.expert_at(slot) >= 0) {
       ++stats_[li].evictions;

@@ -487,6 +487,8 @@ class ExpertCache {
   void evict_locked(int li, int slot);
   // Under mu_: every hit table entry -1, every layer to be written by the next delivery.
   void unmap_hits_locked();
+  // Under mu_: the same for MoE layer li's entries (the table exists).
+  void unmap_layer_locked(int li);
 
   PoolWriter writer_{nullptr};  // set from the first pool's memory in the constructor
   PoolWriter host_writer_{nullptr};

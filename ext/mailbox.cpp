@@ -78,9 +78,9 @@ AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, i
 
 AcquireMailbox::~AcquireMailbox() {
   cache_->set_answer_wait(nullptr);
-  // A request posted kFast has no kernel waiting: its answer is owed to the cache (counts
-  // of the forward that ran), not an error.
-  if (load(word(kFast)) != 0) wait();
+  // A request no kernel waits for (posted kFast, or a prefetch's) is answered as any
+  // other: the cache counts the forward that ran.
+  if (load(word(kFast)) != 0 || load(word(kCount)) == 0) wait();
   stop_.store(true, std::memory_order_release);
   thread_.join();
   const int32_t request = load(word(kRequest));
@@ -197,9 +197,12 @@ void AcquireMailbox::answer(uint32_t seq) {
       // Valid rows (0) and no copies, so the kernels that read them stay inside the pool;
       // the host raises the error before it uses the forward's result
       // (ExpertCache::set_stream_error). What stays staged is written by the next answer.
+      // A kFast request's kernel computed from table rows that hold their experts: its
+      // forward is right whatever this acquire met (a read error is counted and its slot
+      // stays empty), so nothing is raised for it.
       std::fill(rows_.begin(), rows_.begin() + count, 0);
       delivery = Delivery{};
-      cache_->set_stream_error(std::current_exception());
+      if (!fast) cache_->set_stream_error(std::current_exception());
     }
     if (fast) {
       fast_.fetch_add(1, std::memory_order_relaxed);

@@ -90,8 +90,9 @@ class AcquireMailbox {
   // map the memory.
   AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
                  int tier_slots = 0);
-  // Waits for the answer to a request posted kFast, answers a request still waited for
-  // (rows 0, an error for the host), then stops the thread.
+  // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's),
+  // answers a request still waited for (rows 0, an error for the host), then stops the
+  // thread.
   // Kernels of a forward still queued must not run after this (the cache's pools have
   // the same rule).
   ~AcquireMailbox();

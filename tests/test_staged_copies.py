@@ -11,6 +11,9 @@ writes everything staged, after which every mapped row holds its expert; and a r
 the host tier holds is staged from there, not read again.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -175,8 +178,8 @@ def test_every_answer_holds_its_experts(
                 cache.prefetch(li + 1, np.array(fills[step % len(fills)], np.int32))
             step += 1
         assert cache.check() == ""
-        # A pin between tokens, as autopin or the app makes them: it evicts and stages a
-        # read while the thread may still be answering the last request.
+        # A pin between tokens, as the app may make one during a reply: it evicts and
+        # stages a read while the thread may still be answering the last request.
         if pinned is not None:
             cache.unpin(1, pinned)
         pinned = pins[n % 6] if pins[n % 6] >= 0 and slots >= 3 else None
@@ -364,3 +367,48 @@ def test_a_promotion_beside_a_demand_read_is_copied_with_it_at_once(qwen_store):
     checker.assert_row(1, int(rows[0]), 7)
     checker.assert_row(1, int(rows[1]), 2)
     checker.assert_row(1, s["slot_expert"].tolist().index(7), 7)  # the promoted copy
+
+
+def test_a_pin_between_hits_is_delivered_by_its_layers_next_request(qwen_store):
+    # Every request finds its ids in the hit table, so none is waited for: a pin's read,
+    # staged in a demand slot, must still reach the pools with its layer's next request,
+    # not wait for a miss that never comes while each pin takes another slot (the 6th pin
+    # found none, when the table kept the layer's entries).
+    cache, mailbox = staged_cache(qwen_store, fill_slots=1, expert_slots=8, side_slots=0)
+    checker = RowChecker(qwen_store, cache)
+    for expert in range(2, 8):
+        for li in range(4):
+            rows = mailbox.post(li, np.array([0, 1], np.int32))
+            checker.assert_row(li, int(rows[0]), 0)
+        cache.pin(1, expert)
+        assert cache.staged[0] > 0
+        fast = fast_answers(mailbox)
+        mailbox.post(1, np.array([0, 1], np.int32))
+        assert fast_answers(mailbox) == fast and cache.staged[0] == 0  # waited for
+        checker.assert_row(1, cache.snapshot(1)["slot_expert"].tolist().index(expert), expert)
+        cache.unpin(1, expert)
+    cache.raise_stream_error()
+
+
+def test_a_slot_a_pin_is_loading_is_no_victim(qwen_store):
+    # A pin reads with the cache's lock released; an acquire meanwhile must not take the
+    # slot it is loading (empty, but not free): both reads would target one slot and the
+    # later assignment would leave the other's bytes there.
+    cache, mailbox = staged_cache(
+        qwen_store, expert_slots=3, side_slots=0, policy="lru", io_uring=False
+    )
+    checker = RowChecker(qwen_store, cache)
+    mailbox.post(1, np.array([0, 1], np.int32))  # slot 2 stays empty
+    cache.inject_fault(1, "delay", expert=5, count=1, delay_ms=300)
+    pin = threading.Thread(target=cache.pin, args=(1, 5))
+    pin.start()
+    time.sleep(0.1)  # the pin's read of 5 into the empty slot is under way
+    loading = cache.snapshot(1)["slot_expert"].tolist()
+    rows = mailbox.post(1, np.array([0, 3], np.int32))
+    pin.join()
+    assert loading == [0, 1, -1] and int(rows[1]) == 1  # 3 evicted 1, not the loading slot
+    mailbox.post(1, np.array([5, 3], np.int32))
+    assert cache.snapshot(1)["slot_expert"].tolist() == [0, 3, 5]
+    cache.set_staging(False)
+    checker.assert_all_published()
+    cache.raise_stream_error()
