@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine._ext import AcquireMailbox
-from engine.cache import PLAN_STREAM, PLAN_TABLE, open_cache
+from engine.cache import PLAN_STREAM, PLAN_TABLE, SLOT_LOADING, open_cache
 from engine.config import StreamConfig
 from engine.memory_plan import tier_slot_bytes, tier_slots
 
@@ -399,14 +399,16 @@ def test_a_slot_a_pin_is_loading_is_no_victim(qwen_store):
     )
     checker = RowChecker(qwen_store, cache)
     mailbox.post(1, np.array([0, 1], np.int32))  # slot 2 stays empty
-    cache.inject_fault(1, "delay", expert=5, count=1, delay_ms=300)
+    cache.inject_fault(1, "delay", expert=5, count=1, delay_ms=500)
     pin = threading.Thread(target=cache.pin, args=(1, 5))
     pin.start()
-    time.sleep(0.1)  # the pin's read of 5 into the empty slot is under way
-    loading = cache.snapshot(1)["slot_expert"].tolist()
+    deadline = time.monotonic() + 30
+    while cache.snapshot(1)["slot_state"][2] != SLOT_LOADING:  # the pin's read of 5
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     rows = mailbox.post(1, np.array([0, 3], np.int32))
     pin.join()
-    assert loading == [0, 1, -1] and int(rows[1]) == 1  # 3 evicted 1, not the loading slot
+    assert int(rows[1]) == 1  # 3 evicted 1, not the slot being loaded
     mailbox.post(1, np.array([5, 3], np.int32))
     assert cache.snapshot(1)["slot_expert"].tolist() == [0, 3, 5]
     cache.set_staging(False)
