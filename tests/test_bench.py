@@ -507,6 +507,9 @@ def test_the_answer_bench_times_the_mailboxs_answers_from_the_host_tier(tmp_path
     for r in rows:
         assert r["misses"] > 0 and r["host_hits"] == r["misses"]
         assert 0 < r["acquire_us"] <= r["answer_us"] <= r["post_us"]
+        assert 0 <= r["hit_table_share"] < 1
+    # One row of 2 ids in 8 of 16 experts: a quarter of the requests find both in slots.
+    assert rows[0]["hit_table_share"] > 0
     # Three rows miss more than one row does.
     assert rows[2]["misses"] > rows[0]["misses"]
     assert len(lines) == 3 + len(rows)
