@@ -603,6 +603,8 @@ class ExpertCache:
         Raises:
             IndexError: `layer` or `expert` out of range.
             ValueError: pinning it would leave no evictable slot (at most expert_slots - 1 pins).
+            RuntimeError: every evictable slot is being loaded by other calls (pin again once
+                they have landed).
             ExpertReadError: the read failed (the expert stays unpinned).
         """
 

@@ -1153,6 +1153,10 @@ void ExpertCache::pin(int li, int expert) {
                                   std::to_string(slots_[li]) + " real slots)");
     std::vector<uint8_t> busy(loading_[li].begin(), loading_[li].end());
     int slot = R.choose_victim(busy);
+    if (slot < 0)
+      throw std::runtime_error("pinning expert " + std::to_string(expert) + " of MoE layer " +
+                               std::to_string(li) + ": every evictable slot is being loaded; "
+                               "pin again when the loads have landed");
     if (R.expert_at(slot) >= 0) {
       ++stats_[li].evictions;
       evict_locked(li, slot);

@@ -414,3 +414,32 @@ def test_a_slot_a_pin_is_loading_is_no_victim(qwen_store):
     cache.set_staging(False)
     checker.assert_all_published()
     cache.raise_stream_error()
+
+
+def test_a_pin_while_every_slot_is_loading_is_refused(qwen_store):
+    # Both real slots of layer 1 are being loaded (a pin's read, an acquire's read): a
+    # third call has no victim and says so, rather than taking a slot under a read.
+    cache, mailbox = staged_cache(
+        qwen_store, expert_slots=2, side_slots=0, policy="lru", io_uring=False
+    )
+    mailbox.post(1, np.array([0], np.int32))  # slot 1 stays empty
+    cache.inject_fault(1, "delay", expert=-1, count=2, delay_ms=1000)  # the next 2 reads
+    pin = threading.Thread(target=cache.pin, args=(1, 5))
+    pin.start()
+    deadline = time.monotonic() + 30
+    while (cache.snapshot(1)["slot_state"] == SLOT_LOADING).sum() != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    post = threading.Thread(target=mailbox.post, args=(1, np.array([7], np.int32)))
+    post.start()
+    while (cache.snapshot(1)["slot_state"] == SLOT_LOADING).sum() != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="every evictable slot is being loaded"):
+        cache.pin(1, 6)
+    pin.join()
+    post.join()
+    assert sorted(cache.snapshot(1)["slot_expert"].tolist()) == [5, 7]
+    cache.set_staging(False)
+    RowChecker(qwen_store, cache).assert_all_published()
+    cache.raise_stream_error()
