@@ -259,16 +259,12 @@ std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, 
   // The kernel's lookup (a layer or an id out of range is left to the thread's answer).
   std::vector<int32_t> rows(static_cast<size_t>(n));
   bool fast = n > 0 && layer >= 0 && layer < cache_->num_layers();
-  if (fast) {
-    const int32_t* entries = cache_->hit_entries(layer);
-    for (int i = 0; i < n && fast; ++i) {
-      const int e = ids[i];
-      fast = e >= 0 && e < cache_->num_experts();
-      if (fast) {
-        rows[static_cast<size_t>(i)] = __atomic_load_n(entries + e, __ATOMIC_ACQUIRE);
-        fast = rows[static_cast<size_t>(i)] >= 0;
-      }
-    }
+  const int32_t* entries = fast ? cache_->hit_entries(layer) : nullptr;
+  for (int i = 0; i < n && fast; ++i) {
+    const int e = ids[i];
+    rows[static_cast<size_t>(i)] =
+        e >= 0 && e < cache_->num_experts() ? __atomic_load_n(entries + e, __ATOMIC_ACQUIRE) : -1;
+    fast = rows[static_cast<size_t>(i)] >= 0;
   }
   store(word(kLayer), layer);
   store(word(kCount), n);

@@ -372,8 +372,7 @@ def test_a_promotion_beside_a_demand_read_is_copied_with_it_at_once(qwen_store):
 def test_a_pin_between_hits_is_delivered_by_its_layers_next_request(qwen_store):
     # Every request finds its ids in the hit table, so none is waited for: a pin's read,
     # staged in a demand slot, must still reach the pools with its layer's next request,
-    # not wait for a miss that never comes while each pin takes another slot (the 6th pin
-    # found none, when the table kept the layer's entries).
+    # not wait for a miss that may never come while each further pin takes a slot.
     cache, mailbox = staged_cache(qwen_store, fill_slots=1, expert_slots=8, side_slots=0)
     checker = RowChecker(qwen_store, cache)
     for expert in range(2, 8):
