@@ -151,8 +151,12 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       throw std::invalid_argument(L.path + ": segments sum to " + std::to_string(end) +
                                   " bytes, record_bytes is " + std::to_string(L.record_bytes));
     std::vector<std::pair<const uint8_t*, const uint8_t*>> ranges;
-    for (size_t s = 0; s < ptrs.size(); ++s)
-      ranges.emplace_back(ptrs[s], ptrs[s] + static_cast<size_t>(rows) * L.segments[s].nbytes);
+    for (size_t s = 0; s < ptrs.size(); ++s) {
+      const size_t n = static_cast<size_t>(L.segments[s].nbytes);
+      ranges.emplace_back(ptrs[s], ptrs[s] + static_cast<size_t>(rows) * n);
+      side_ranges_.push_back({ptrs[s] + static_cast<size_t>(slots_[li]) * n,
+                              ptrs[s] + static_cast<size_t>(rows) * n, static_cast<int>(li)});
+    }
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
     pool_ranges_.push_back(std::move(ranges));
@@ -165,6 +169,8 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     complete_.push_back(0);
     fill_tickets_.emplace_back(2 * static_cast<size_t>(side_slots_[li]));
   }
+  std::sort(side_ranges_.begin(), side_ranges_.end(),
+            [](const SideRange& a, const SideRange& b) { return a.lo < b.lo; });
   stats_.resize(layers_.size());
   last_experts_.resize(layers_.size());
   last_forward_.assign(layers_.size(), 0);
@@ -266,6 +272,19 @@ Delivery ExpertCache::deliver(StagedCopy* out, size_t capacity) {
     }
   }
   return d;
+}
+
+Delivery ExpertCache::deliver_fills(StagedCopy* out, size_t capacity, int layer,
+                                    uint32_t batch) {
+  if (!staged_) throw std::logic_error("deliver_fills before enable_staging");
+  auto take = [&](const uint8_t* dst) {
+    auto it = std::upper_bound(side_ranges_.begin(), side_ranges_.end(), dst,
+                               [](const uint8_t* p, const SideRange& r) { return p < r.lo; });
+    if (it == side_ranges_.begin()) return false;
+    --it;
+    return dst < it->hi && it->layer != layer;
+  };
+  return staged_->deliver_batch(out, capacity, take, batch);
 }
 
 void ExpertCache::set_answer_wait(std::function<void()> wait) {
@@ -1128,9 +1147,12 @@ void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
       tickets.push_back(std::move(t));
     }
   }
+  // A fill the host tier holds is only staged (no read, no host copy): done here, its copy
+  // is pending when the caller returns, so the mailbox's next fill batch takes it.
+  const bool staging = staging_on() && staged_ && staged_->tier_slots() > 0;
   for (size_t i = 0; i < todo.size(); ++i) {
     auto [e, row] = todo[i];
-    if (sync) {
+    if (sync || (staging && staged_->holds(li, e))) {
       fill_task(li, gen, e, row, tickets[i], false);
     } else {
       readers_->submit_prefetch([this, li, gen, e = e, row = row, t = tickets[i]](bool cancelled) {

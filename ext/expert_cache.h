@@ -211,6 +211,12 @@ class ExpertCache {
   // table of each layer whose real region changed since the last delivery. Throws as
   // StagedCopies::deliver does (nothing delivered, the table unchanged).
   Delivery deliver(StagedCopy* out, size_t capacity);
+  // A fill batch for the copy stream's worker (AcquireMailbox), numbered `batch`: the
+  // staged records into side rows of every MoE layer but `layer` (StagedCopies::
+  // deliver_batch), whose rows an answer may have handed to kernels still running. Real
+  // slots are left to the answers: a kernel may read a real slot from the hit table at
+  // any time. The hit table is not touched.
+  Delivery deliver_fills(StagedCopy* out, size_t capacity, int layer, uint32_t batch);
   // What set_staging(false) and reset() call first (AcquireMailbox: waits until its
   // thread has answered every request posted): an answer of an earlier forward then
   // never runs after them. Empty: none.
@@ -436,6 +442,13 @@ class ExpertCache {
   std::vector<std::vector<uint8_t*>> pool_ptrs_;
   // [li]: each segment's pool memory, [first, end), for pending_into.
   std::vector<std::vector<std::pair<const uint8_t*, const uint8_t*>>> pool_ranges_;
+  // Each layer's side rows, per segment: (first byte, end, MoE layer), sorted by address.
+  struct SideRange {
+    const uint8_t* lo;
+    const uint8_t* hi;
+    int layer;
+  };
+  std::vector<SideRange> side_ranges_;
   std::vector<std::unique_ptr<BlobFile>> files_;
 
   mutable std::mutex mu_;

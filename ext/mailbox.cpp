@@ -25,6 +25,10 @@ using Clock = std::chrono::steady_clock;
 // decode, so that only a pause in generation lets it sleep: a core spins while decoding.
 constexpr auto kSpin = std::chrono::milliseconds(100);
 constexpr auto kNap = std::chrono::microseconds(20);
+// The fill worker ends after this long without a request: a kernel that spins holds its
+// blocks' share of the GPU, and its stream cannot be synchronised while it runs. The
+// next forward starts another (a launch).
+constexpr auto kWorkerIdle = std::chrono::milliseconds(50);
 
 inline void relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -63,8 +67,9 @@ AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, i
     segments = std::max(segments, cache_->pool(li).size());
   capacity_ = staged_->capacity(segments, segments * static_cast<size_t>(max_ids));
   copies_offset_ = (static_cast<size_t>(kHidden + hidden) * sizeof(int32_t) + 255) / 256 * 256;
+  fills_offset_ = copies_offset_ + (capacity_ * sizeof(StagedCopy) + 255) / 256 * 256;
   memory_ = std::make_unique<MappedHost>(
-      cache_->writer(), copies_offset_ + capacity_ * sizeof(StagedCopy), "the acquire mailbox");
+      cache_->writer(), fills_offset_ + capacity_ * sizeof(StagedCopy), "the acquire mailbox");
   std::memset(memory_->data(), 0, memory_->bytes());
   const size_t layers = static_cast<size_t>(cache_->num_layers());
   plan_.resize(layers);
@@ -81,8 +86,15 @@ AcquireMailbox::~AcquireMailbox() {
   // A request no kernel waits for (posted kFast, or a prefetch's) is answered as any
   // other: the cache counts the forward that ran.
   if (load(word(kFast)) != 0 || load(word(kCount)) == 0) wait();
+  const bool ended = stop_worker(10.0);
   stop_.store(true, std::memory_order_release);
   thread_.join();
+  if (!ended) {
+    // A worker launched and never started, or one that hangs: it must find its stop
+    // word whenever it runs.
+    memory_->abandon();
+    return;
+  }
   const int32_t request = load(word(kRequest));
   if (request != load(word(kReply))) {
     // A kernel is waiting: answer it with valid rows and fail the forward, and keep the
@@ -144,18 +156,30 @@ void AcquireMailbox::run() {
   // The latest answer, not the latest request: one posted before this thread ran is
   // answered too.
   int32_t seen = load(word(kReply));
+  handled_.store(seen, std::memory_order_release);
   auto last = Clock::now();
+  int32_t started = 0;
   while (!stop_.load(std::memory_order_acquire)) {
     const int32_t request = load(word(kRequest));
     if (request != seen) {
       answer(static_cast<uint32_t>(request));
+      handled_.store(request, std::memory_order_release);
       seen = request;
       last = Clock::now();
-    } else if (Clock::now() - last < kSpin) {
-      relax();
-    } else {
-      std::this_thread::sleep_for(kNap);
+      continue;
     }
+    // A worker is idle from when it started, not from a request before it.
+    const int32_t up = load(word(kWorkerUp));
+    if (up != started) {
+      started = up;
+      last = Clock::now();
+    }
+    const auto quiet = Clock::now() - last;
+    end_worker(quiet >= kWorkerIdle);
+    if (quiet < kSpin)
+      relax();
+    else
+      std::this_thread::sleep_for(kNap);
   }
 }
 
@@ -164,6 +188,7 @@ void AcquireMailbox::answer(uint32_t seq) {
   // The kernel that posted this request runs after the kernels of every earlier answer,
   // so the copies those delivered are done: their staging slots are free again.
   staged_->completed();
+  staged_->completed_batches(static_cast<uint32_t>(load(word(kBatchDone))));
   const int li = load(word(kLayer));
   const int n = load(word(kCount));
   const bool has_x = load(word(kHasX)) != 0;
@@ -211,6 +236,7 @@ void AcquireMailbox::answer(uint32_t seq) {
       word(kRowCopies)[0] = static_cast<int32_t>(delivery.rows);
       word(kRecordCopies)[0] = static_cast<int32_t>(delivery.records);
       word(kChunks)[0] = static_cast<int32_t>(delivery.chunks);
+      word(kNeedBatch)[0] = static_cast<int32_t>(published_.load(std::memory_order_relaxed));
       ordered_.fetch_add(delivery.rows, std::memory_order_relaxed);
       at_once_.fetch_add(delivery.records, std::memory_order_relaxed);
     }
@@ -221,7 +247,12 @@ void AcquireMailbox::answer(uint32_t seq) {
                                                  .count()),
                        std::memory_order_relaxed);
   answered_.fetch_add(1, std::memory_order_relaxed);
-  if (!valid || !has_x) return;
+  if (!valid) return;
+  if (has_x) prefetch(li);
+  publish_fills(li);
+}
+
+void AcquireMailbox::prefetch(int li) {
   // After the answer, while the device computes this layer: the next request waits for
   // it, so the fills are reserved before any later layer's acquire, as on the CPU stream.
   std::vector<Target> plan;
@@ -247,7 +278,99 @@ std::pair<uint32_t, uint32_t> AcquireMailbox::sequence() const {
 }
 
 void AcquireMailbox::wait() const {
-  while (load(word(kReply)) != load(word(kRequest))) std::this_thread::yield();
+  // Handled: answered, and its prefetch and fill batch made.
+  while (handled_.load(std::memory_order_acquire) != load(word(kRequest)))
+    std::this_thread::yield();
+  const auto published = static_cast<int32_t>(published_.load(std::memory_order_acquire));
+  while (load(word(kBatchDone)) != published) std::this_thread::yield();
+}
+
+bool AcquireMailbox::worker_ready() const {
+  const int32_t g = worker_gen_.load(std::memory_order_acquire);
+  return g != 0 && load(word(kWorkerUp)) == g && load(word(kWorkerStop)) != g;
+}
+
+void AcquireMailbox::publish_fills(int layer) {
+  const uint32_t last = published_.load(std::memory_order_relaxed);
+  if (!worker_ready() || static_cast<uint32_t>(load(word(kBatchDone))) != last) return;
+  const uint32_t next = last + 1;
+  const Delivery d = cache_->deliver_fills(fills(), capacity_, layer, next);
+  if (d.records == 0) return;
+  store(word(kBatchRecords), static_cast<int32_t>(d.records));
+  store(word(kBatchChunks), static_cast<int32_t>(d.chunks));
+  published_.store(next, std::memory_order_release);
+  store(word(kBatch), static_cast<int32_t>(next));
+  batches_.fetch_add(1, std::memory_order_relaxed);
+  batch_records_.fetch_add(d.records, std::memory_order_relaxed);
+}
+
+void AcquireMailbox::end_worker(bool idle) {
+  const int32_t g = worker_gen_.load(std::memory_order_acquire);
+  if (g == 0 || load(word(kWorkerStop)) == g) return;
+  // Idle only once started: a launch may take a while to run.
+  const bool wanted = end_wanted_.load(std::memory_order_acquire) == g;
+  if (!wanted && !(idle && load(word(kWorkerUp)) == g)) return;
+  if (static_cast<uint32_t>(load(word(kBatchDone))) != published_.load(std::memory_order_relaxed))
+    return;
+  store(word(kWorkerStop), g);
+}
+
+bool AcquireMailbox::worker_wanted() const {
+  const int32_t g = worker_gen_.load(std::memory_order_acquire);
+  return g == 0 || load(word(kWorkerStop)) == g;
+}
+
+bool AcquireMailbox::worker_running() const {
+  const int32_t g = worker_gen_.load(std::memory_order_acquire);
+  return g != 0 && load(word(kWorkerUp)) == g && load(word(kWorkerDown)) != g;
+}
+
+int AcquireMailbox::start_worker() {
+  if (!worker_wanted()) throw std::logic_error("a fill worker is running already");
+  int32_t g = worker_gen_.load(std::memory_order_acquire) + 1;
+  if (g <= 0) g = 1;  // wrapped
+  worker_gen_.store(g, std::memory_order_release);
+  return g;
+}
+
+bool AcquireMailbox::stop_worker(double timeout_s) {
+  const int32_t g = worker_gen_.load(std::memory_order_acquire);
+  if (g == 0) return true;
+  end_wanted_.store(g, std::memory_order_release);
+  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::duration<double>(timeout_s));
+  // Ended: it wrote its generation down, or it never started and its stop word is set
+  // (then it takes no batch and ends as soon as it runs).
+  auto ended = [&] {
+    return load(word(kWorkerDown)) == g ||
+           (load(word(kWorkerUp)) != g && load(word(kWorkerStop)) == g);
+  };
+  while (!ended()) {
+    if (Clock::now() > until) return false;
+    std::this_thread::sleep_for(kNap);
+  }
+  return true;
+}
+
+void AcquireMailbox::serve_fills(int generation) {
+  store(word(kWorkerUp), generation);
+  int32_t done = load(word(kBatchDone));
+  for (;;) {
+    const int32_t batch = load(word(kBatch));
+    if (batch != done) {
+      Delivery d;
+      d.records = static_cast<uint32_t>(load(word(kBatchRecords)));
+      d.chunks = static_cast<uint64_t>(load(word(kBatchChunks)));
+      StagedCopies::execute(fills(), d);
+      done = batch;
+      store(word(kBatchDone), done);
+    } else if (load(word(kWorkerStop)) == generation) {
+      break;
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  store(word(kWorkerDown), generation);
 }
 
 std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, const float* x) {
@@ -279,6 +402,7 @@ std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, 
   store(word(kRequest), seq);
   if (fast) return rows;
   while (load(word(kReply)) != seq) std::this_thread::yield();
+  while (load(word(kBatchDone)) != load(word(kNeedBatch))) std::this_thread::yield();
   if (n > 0) {
     Delivery d;
     d.rows = static_cast<uint32_t>(load(word(kRowCopies)));

@@ -29,10 +29,17 @@
 //               writes (staged_copies.h): counts of row and record copies, and of the
 //               record copies' chunks
 //   [kFast]     1 when the kernel took its rows from the hit table and does not wait
+//   [kNeedBatch] the fill batch the answer's rows may need: the kernel waits until
+//               [kBatchDone] is it before its copies and rows
+//   [kBatchDone], [kWorkerUp], [kWorkerDown]  written by the fill worker: the latest
+//               batch copied, and the generation that started and that ended
+//   [kBatch], [kBatchRecords], [kBatchChunks]  the latest fill batch and its copies'
+//               counts, [kWorkerStop] the generation to end, written by the host
 //   [kIds, kIds + kMaxIds)     ids (int32)
 //   [kRows, kRows + kMaxIds)   rows (int32), written by the host
 //   [kHidden, kHidden + hidden) hidden state of the last token (float32)
-// and, from copies_address(), the delivery's StagedCopy entries: row copies, then records.
+// and, from copies_address(), the delivery's StagedCopy entries: row copies, then records;
+// from fills_address(), the latest fill batch's.
 //
 // Hits without the host: the kernel first looks the ids up in the cache's hit table
 // (ExpertCache::hit_table_address, mapped host memory). When every id has an entry, it
@@ -41,6 +48,20 @@
 // request's kernel waits for that answer before it posts. The table's rules make the rows
 // right: an entry is set only for a slot whose copies were delivered, and unset before a
 // copy into its slot is staged, which only a later answer that is waited for delivers.
+//
+// Fills beside the compute: a prefetch fill (a record the host tier holds, or one a
+// reader thread read) need not wait for the next answer's copy kernel, which runs on the
+// compute stream ahead of the experts that use it. A fill worker, a kernel of many blocks
+// on a stream of its own (engine/device_acquire.py starts one per generation), copies
+// fill batches while the compute stream runs: after each request the thread hands the
+// worker, as batch b, the staged records into side rows of every layer but the
+// request's (ExpertCache::deliver_fills). That is safe because when the thread reads
+// request k, every kernel queued before k's kernel has run, and until the next answer
+// that is waited for, kernels read only the rows of k's answer and real slots from the
+// hit table; an answer that is waited for names the latest batch ([kNeedBatch]) and its
+// kernel waits for it to be copied. One batch is outstanding at a time; the worker ends
+// when the thread writes its generation to [kWorkerStop], which it does only with no
+// batch outstanding, after kWorkerIdle without a request or when asked (stop_worker).
 //
 // Pool writes: while the mailbox is in use the cache stages them (ExpertCache::
 // set_staging), so that neither this thread nor a reader thread calls the CUDA runtime
@@ -73,8 +94,16 @@ class AcquireMailbox {
   static constexpr int kRecordCopies = 68;
   static constexpr int kChunks = 69;
   static constexpr int kFast = 70;
+  static constexpr int kNeedBatch = 71;
+  static constexpr int kBatchDone = 96;  // own line: written by the fill worker
+  static constexpr int kWorkerUp = 97;
+  static constexpr int kWorkerDown = 98;
+  static constexpr int kBatch = 128;  // own line: written by the host
+  static constexpr int kBatchRecords = 129;
+  static constexpr int kBatchChunks = 130;
+  static constexpr int kWorkerStop = 131;
   static constexpr int kMaxIds = 256;
-  static constexpr int kIds = 96;
+  static constexpr int kIds = 160;
   static constexpr int kRows = kIds + kMaxIds;
   static constexpr int kHidden = kRows + kMaxIds;
 
@@ -90,9 +119,10 @@ class AcquireMailbox {
   // map the memory.
   AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
                  int tier_slots = 0);
-  // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's),
-  // answers a request still waited for (rows 0, an error for the host), then stops the
-  // thread.
+  // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's), ends
+  // the fill worker (stop_worker), answers a request still waited for (rows 0, an error
+  // for the host), then stops the thread. Memory a kernel may still read (a request
+  // waited for, a worker that did not end) is kept.
   // Kernels of a forward still queued must not run after this (the cache's pools have
   // the same rule).
   ~AcquireMailbox();
@@ -105,6 +135,8 @@ class AcquireMailbox {
   int max_ids() const { return max_ids_; }
   // The device address of the delivery's StagedCopy entries.
   uintptr_t copies_address() const { return memory_->device_address() + copies_offset_; }
+  // The device address of the latest fill batch's StagedCopy entries (records only).
+  uintptr_t fills_address() const { return memory_->device_address() + fills_offset_; }
   // The device address of the cache's hit table (ExpertCache::hit_table_address).
   uintptr_t hit_table_address() const { return cache_->hit_table_address(); }
   // Whether the memory is mapped for a CUDA device (false: plain host memory).
@@ -130,9 +162,30 @@ class AcquireMailbox {
   // request waits).
   std::pair<uint32_t, uint32_t> sequence() const;
 
-  // Waits until the thread has answered every request posted so far (registered with the
-  // cache as its answer wait: ExpertCache::set_answer_wait).
+  // Waits until the thread has answered every request posted so far and the fill worker
+  // has copied every batch handed to it (registered with the cache as its answer wait:
+  // ExpertCache::set_answer_wait).
   void wait() const;
+
+  // The fill worker. worker_wanted(): none was started, or the latest was told to end.
+  // start_worker(): the next generation's number, for a worker about to be launched
+  // (std::logic_error while one is wanted no more than now: !worker_wanted()); the thread
+  // hands it batches once it has written the number to [kWorkerUp]. stop_worker(): asks
+  // the thread to end the latest worker and waits up to timeout_s seconds until it has
+  // ended (or, never started, cannot take a batch); true when so.
+  bool worker_wanted() const;
+  // Whether the latest worker has started and not ended.
+  bool worker_running() const;
+  int start_worker();
+  bool stop_worker(double timeout_s);
+  // Does on the host what the fill worker kernel does, until told to end: the tests'
+  // stand-in for it (pools in host memory). `generation` from start_worker().
+  void serve_fills(int generation);
+  // Fill batches handed to the worker since creation, and their record copies.
+  std::pair<uint64_t, uint64_t> fill_batches() const {
+    return {batches_.load(std::memory_order_relaxed),
+            batch_records_.load(std::memory_order_relaxed)};
+  }
 
   // Requests answered since creation, and of them those posted kFast (rows from the hit
   // table, not waited for).
@@ -162,14 +215,29 @@ class AcquireMailbox {
   StagedCopy* copies() const {
     return reinterpret_cast<StagedCopy*>(memory_->data() + copies_offset_);
   }
+  StagedCopy* fills() const {
+    return reinterpret_cast<StagedCopy*>(memory_->data() + fills_offset_);
+  }
   void run();
   void answer(uint32_t seq);
+  // Thread: after an answer to a request of MoE layer li with a hidden state, the fills
+  // its plan predicts (set_prefetch).
+  void prefetch(int li);
+  // Thread: whether the latest worker runs and may take a batch.
+  bool worker_ready() const;
+  // Thread: hands the worker the fills staged for side rows of layers other than `layer`
+  // (the latest request's), when it is ready and has copied the last batch.
+  void publish_fills(int layer);
+  // Thread: ends the latest worker when asked to, or when `idle`, once it has copied
+  // every batch.
+  void end_worker(bool idle);
 
   std::shared_ptr<ExpertCache> cache_;
   int hidden_;
   int max_ids_;
   std::shared_ptr<StagedCopies> staged_;
   size_t copies_offset_ = 0;  // bytes from the mailbox's start
+  size_t fills_offset_ = 0;
   size_t capacity_ = 0;       // StagedCopy entries there
   std::unique_ptr<MappedHost> memory_;
 
@@ -178,6 +246,12 @@ class AcquireMailbox {
   std::vector<int> budget_;                // [source layer]
   std::vector<int32_t> ids_, rows_;        // the request being answered
   std::vector<float> x_;
+
+  std::atomic<int32_t> handled_{0};      // the latest request answered, prefetch and all
+  std::atomic<uint32_t> published_{0};  // the latest fill batch handed to the worker
+  std::atomic<int32_t> worker_gen_{0};   // the latest worker's generation (0: none)
+  std::atomic<int32_t> end_wanted_{0};   // stop_worker asked this generation to end
+  std::atomic<uint64_t> batches_{0}, batch_records_{0};
 
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> answered_{0};

@@ -303,10 +303,56 @@ Delivery StagedCopies::deliver(StagedCopy* out, size_t capacity) {
   return d;
 }
 
+Delivery StagedCopies::deliver_batch(StagedCopy* out, size_t capacity,
+                                     const std::function<bool(const uint8_t*)>& take,
+                                     uint32_t batch) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto overlap = [](const uint8_t* a, const uint8_t* b, size_t n, size_t m) {
+    return a < b + m && b < a + n;
+  };
+  // A record that a pending row copy reads or writes must land after it: it stays
+  // pending, for an answer's delivery that orders them.
+  auto held = [&](const Pending& p) {
+    for (const auto& r : pending_)
+      if (r.live && r.slot < 0 &&
+          (overlap(r.src, p.dst, r.bytes, p.bytes) || overlap(r.dst, p.dst, r.bytes, p.bytes)))
+        return true;
+    return false;
+  };
+  Delivery d;
+  std::vector<Pending> rest;
+  for (const auto& p : pending_) {
+    if (!p.live) continue;  // dropped: its reference went with it
+    if (p.slot < 0 || d.records == capacity || !take(p.dst) || held(p)) {
+      rest.push_back(p);
+      continue;
+    }
+    out[d.records++] = {device(p.src), device(p.dst), p.bytes, d.chunks};
+    d.chunks += (p.bytes + kChunkBytes - 1) / kChunkBytes;
+    batched_.emplace_back(batch, p.slot);
+  }
+  pending_.swap(rest);
+  return d;
+}
+
 void StagedCopies::completed() {
   std::lock_guard<std::mutex> lk(mu_);
   for (int slot : delivered_) release(slot);
   delivered_.clear();
+}
+
+void StagedCopies::completed_batches(uint32_t done) {
+  std::lock_guard<std::mutex> lk(mu_);
+  // Batches are copied in order, and fewer than 2^31 are ever outstanding: a batch is
+  // copied when it is not after `done`.
+  size_t kept = 0;
+  for (const auto& [batch, slot] : batched_) {
+    if (static_cast<int32_t>(done - batch) >= 0)
+      release(slot);
+    else
+      batched_[kept++] = {batch, slot};
+  }
+  batched_.resize(kept);
 }
 
 void StagedCopies::flush(const PoolWriter& writer) {
@@ -315,6 +361,8 @@ void StagedCopies::flush(const PoolWriter& writer) {
     std::lock_guard<std::mutex> lk(mu_);
     for (int slot : delivered_) release(slot);
     delivered_.clear();
+    for (const auto& b : batched_) release(b.second);
+    batched_.clear();
     todo.swap(pending_);
   }
   // Row copies one at a time in order (a later one may read what an earlier wrote),

@@ -43,6 +43,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -145,10 +146,19 @@ class StagedCopies {
   // first) and returns their counts; their slots stay taken until completed(). Throws std::length_error when more
   // are pending than `capacity` (then nothing is delivered).
   Delivery deliver(StagedCopy* out, size_t capacity);
+  // A fill batch for the copy stream's worker (mailbox.h): the pending records whose
+  // destination `take` accepts and that no pending row copy reads or writes, into
+  // out[0, capacity) as records (rows 0), at most `capacity` of them; the rest stay
+  // pending in their order. Their slots stay taken until completed_batches(batch).
+  Delivery deliver_batch(StagedCopy* out, size_t capacity,
+                         const std::function<bool(const uint8_t*)>& take, uint32_t batch);
   // Every delivery made so far has been performed: frees its slots.
   void completed();
-  // Performs every pending copy with `writer` now (host paths: the device is idle), after
-  // completed(). Throws std::runtime_error as PoolWriter::copy does.
+  // The fill batches numbered up to `done` (and no later one) have been copied: frees
+  // their slots. Batches are numbered 1, 2, ... in the order delivered (uint32, wrapping).
+  void completed_batches(uint32_t done);
+  // Performs every pending copy with `writer` now (host paths: the device is idle, every
+  // batch copied), after completed() and completed_batches(). Throws std::runtime_error as PoolWriter::copy does.
   void flush(const PoolWriter& writer);
   // Performs `d` (written by deliver into `copies`) on the host, as the kernels do: what
   // tests and host-memory pools use instead of a device.
@@ -213,6 +223,7 @@ class StagedCopies {
   uint64_t tick_ = 0;
   std::vector<Pending> pending_;  // in the order staged
   std::vector<int> delivered_;   // slots of deliveries not yet completed (one entry per ref)
+  std::vector<std::pair<uint32_t, int>> batched_;  // (batch, slot) of batches not yet copied
 };
 
 }  // namespace es

@@ -153,9 +153,11 @@ token = st.lists(request, min_size=4, max_size=4)
     tier_slots=st.integers(0, 3),
     host=st.lists(st.booleans(), min_size=6, max_size=6),
     pins=st.lists(st.integers(-1, 7), min_size=6, max_size=6),
+    worker=st.booleans(),
 )
 def test_every_answer_holds_its_experts(
-    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots, host, pins
+    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots, host, pins,
+    worker,
 ):
     cache, mailbox = staged_cache(
         qwen_store,
@@ -168,6 +170,9 @@ def test_every_answer_holds_its_experts(
         io_uring=False,
     )
     checker = RowChecker(qwen_store, cache)
+    # With a fill worker (its host stand-in on a thread of its own), fills are copied
+    # beside the rows being checked, as the copy stream runs beside the compute.
+    serving = start_fill_worker(mailbox) if worker else None
     step, pinned = 0, None
     for n, t in enumerate(tokens):
         for li, ids in enumerate(t):
@@ -199,6 +204,74 @@ def test_every_answer_holds_its_experts(
     cache.set_staging(False)
     checker.assert_all_published()
     assert cache.staged[0] == 0 and cache.check() == ""
+    if serving:
+        assert mailbox.stop_worker(5.0)
+        serving.join(5.0)
+        assert not serving.is_alive()
+
+
+def start_fill_worker(mailbox):
+    """The fill worker's host stand-in on a thread of its own, as a launch would start the
+    kernel: returns the thread."""
+    thread = threading.Thread(target=mailbox.serve_fills, args=(mailbox.start_worker(),))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not mailbox.worker_running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert mailbox.worker_running
+    return thread
+
+
+def test_a_fill_goes_to_the_worker_after_a_request_of_another_layer(qwen_store):
+    # Expert 4 of layer 1 is in the host tier, not in a real slot: its fill is staged
+    # inline. A request of layer 1 whose rows come from the hit table leaves it pending
+    # (kernels may still read layer 1's rows); the next request, of layer 0, hands it to
+    # the worker, which copies it; layer 1's next request finds it in its side row.
+    cache, mailbox = staged_cache(
+        qwen_store, tier_slots=8, expert_slots=2, side_slots=2, policy="lru"
+    )
+    checker = RowChecker(qwen_store, cache)
+    serving = start_fill_worker(mailbox)
+    mailbox.post(1, np.array([4, 5], np.int32))  # into the real slots and the tier
+    mailbox.post(1, np.array([6, 7], np.int32))  # evicts 4 and 5
+    mailbox.post(0, np.array([1, 2], np.int32))
+    mailbox.post(1, np.array([6, 7], np.int32))  # all in the hit table
+    mailbox.wait()
+    segments = len(cache.pool(1))
+    before = mailbox.delivered
+    cache.prefetch(1, np.array([4], np.int32))
+    assert cache.staged[0] == segments
+    mailbox.post(1, np.array([7, 6], np.int32))  # from the table again: layer 1 excluded
+    mailbox.wait()
+    assert mailbox.fast_answers == 2 and mailbox.fill_batches == (0, 0)
+    assert cache.staged[0] == segments
+    mailbox.post(0, np.array([2, 1], np.int32))  # from the table: layer 0's request
+    mailbox.wait()
+    assert mailbox.fill_batches == (1, segments) and cache.staged[0] == 0
+    assert mailbox.delivered == before  # no answer delivered the fill's copies
+    rows = mailbox.post(1, np.array([4], np.int32))
+    checker.assert_row(1, int(rows[0]), 4)
+    s = cache.snapshot(1)["stats"]
+    assert (s["side_hits"], s["host_hits"]) == (1, 1)
+    assert mailbox.stop_worker(5.0)
+    serving.join(5.0)
+    assert not serving.is_alive() and mailbox.worker_wanted
+
+
+def test_a_fill_worker_ends_when_idle_and_another_can_start(qwen_store):
+    cache, mailbox = staged_cache(qwen_store, tier_slots=2, expert_slots=2, side_slots=2)
+    assert mailbox.worker_wanted
+    serving = start_fill_worker(mailbox)
+    assert not mailbox.worker_wanted
+    with pytest.raises(RuntimeError, match="running already"):
+        mailbox.start_worker()
+    serving.join(5.0)  # no request for longer than the idle time: the thread ends it
+    assert not serving.is_alive() and mailbox.worker_wanted
+    again = start_fill_worker(mailbox)
+    mailbox.post(0, np.array([1, 2], np.int32))
+    assert mailbox.stop_worker(5.0)
+    again.join(5.0)
+    assert not again.is_alive()
 
 
 def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
