@@ -79,14 +79,15 @@ def decode(model, prompt: list[int], tokens: int) -> tuple[list[int], float, flo
     return out, time.perf_counter() - t_first, t_first - t0
 
 
-def mailbox_answers(sm) -> tuple[int, int]:
-    """(answered from the hit table, answered) by the acquire kernels' mailbox so far,
-    once its thread has answered every request; (0, 0) without one."""
+def mailbox_answers(sm) -> tuple[int, int, int]:
+    """(answered from the hit table, answered, record copies handed to the fill worker)
+    by the acquire kernels' mailbox so far, once its thread has answered every request;
+    zeros without one."""
     box = sm.predictor.mailbox
     if box is None:
-        return 0, 0
+        return 0, 0, 0
     box.wait()
-    return box.fast_answers, box.answered
+    return box.fast_answers, box.answered, box.fill_batches[1]
 
 
 def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
@@ -103,7 +104,7 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
     sm.cache.raise_stream_error()
     sm.predictor.on_acquire = None
     after = snapshot(sm.cache).totals()
-    fast, answered = (a - b for a, b in zip(mailbox_answers(sm), answers0, strict=True))
+    fast, answered, beside = (a - b for a, b in zip(mailbox_answers(sm), answers0, strict=True))
     n = max(len(out) - 1, 1)
     d = {
         k: after[k] - before[k]
@@ -132,6 +133,8 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
         "acquire_ms_per_token": 1e3 * acq / n,
         # the acquire kernels' requests that took their rows from the hit table
         "hit_table_share": fast / answered if answered else 0.0,
+        # record copies (a segment of an expert each) the fill worker made beside the compute
+        "fill_copies_beside_per_token": beside / n,
         "read_ms_per_token": 1e3 * rd / n,
         "other_ms_per_token": 1e3 * (dt - acq) / n,
         "MB_read_per_token": d["bytes_read"] / n / 1e6,
@@ -233,7 +236,7 @@ def row(label: str, r: dict, base: float) -> str:
         f"{r['MB_read_per_token']:.1f} | {r['MB_host_per_token']:.1f} | "
         f"{r['demand_reads_per_token']:.1f} | {r['fills_per_token']:.1f} "
         f"({r['fills_used_per_token']:.1f}, {r['fills_wasted_per_token']:.1f}) · "
-        f"{r['prefetch_degree']:.1f} | "
+        f"{r['prefetch_degree']:.1f} | {r['fill_copies_beside_per_token']:.1f} | "
         f"{r['reading_ms_per_token']:.2f} | {r['MBps_while_reading']:.0f} | "
         + (f"{dd:.0f} | {r['MBps_while_reading'] / dd:.2f} | " if dd else " | | ")
         + f"{r.get('same_tokens', '')} |"
@@ -244,9 +247,10 @@ HEADER = (
     "| run | decode tok/s | ÷ baseline | hit rate | from the hit table | ms/token | acquire ms "
     "| of it reads ms "
     "| rest ms | MB read/token | MB from host tier/token | demand reads/token "
-    "| fills/token (used, wasted) · degree | ms with a read in flight | MB/s while reading "
+    "| fills/token (used, wasted) · degree | fill copies beside the compute/token "
+    "| ms with a read in flight | MB/s while reading "
     "| dd MB/s beside | ÷ dd | same tokens as baseline |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -420,8 +424,25 @@ def synthetic(
             del sm
     if rounds:
         runs = {name: tps_of(s.model, prompt, tokens) for name, s in kept.items()}
+        # Each host-tier row again with its fills copied by the answers' copy kernel on
+        # the compute stream, not by the fill worker beside it.
+        for name, s in list(kept.items())[1:]:
+            runs[f"{name}, no fill worker"] = worker_off(s, tps_of(s.model, prompt, tokens))
         res["alternated"] = alternated(runs | {"bare device table": bare}, rounds, log)
     return res
+
+
+def worker_off(sm, run: Callable[[], float]) -> Callable[[], float]:
+    """`run` with the model's fill worker off (`Predictor.set_fill_worker`)."""
+
+    def off() -> float:
+        sm.predictor.set_fill_worker(False)
+        try:
+            return run()
+        finally:
+            sm.predictor.set_fill_worker(True)
+
+    return off
 
 
 def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:

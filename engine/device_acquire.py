@@ -21,9 +21,19 @@ promotions, all at once, before the rows reach the experts' kernels; only where 
 the answer writes what a promotion reads or writes does the acquire kernel make the
 promotions first, one after another.
 
+Prefetch fills need not wait for that copy kernel, which runs on the compute stream ahead
+of the experts: a fill worker, a kernel of as many blocks on a stream of its own, copies
+the fill batches the mailbox's thread hands it while the compute stream runs (which rows
+a batch may write, and why that is safe: ext/mailbox.h), and an answer that is waited for
+names the latest batch, which its acquire kernel waits for before any copy or row. The
+worker ends when the thread tells it to (idle, or `synchronize`); the next decode step
+launches another.
+
 CUDA only: `mx.fast.cuda_kernel` compiles the kernels at first use. Metal keeps the
 CPU-stream path (no Metal kernel of this kind has been run).
 """
+
+import threading
 
 import mlx.core as mx
 
@@ -42,7 +52,7 @@ _BLOCK = 256
 _COPY_BLOCKS = 16
 
 # The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
-# copies, hit table, experts]), not as literals: the source is then the same for every
+# copies, hit table, experts, fill copies]), not as literals: the source is then the same for every
 # cache, and MLX compiles each kernel once per process (its JIT modules are keyed by name
 # and source).
 _HEADER = """
@@ -91,6 +101,42 @@ __device__ void es_wait_reply(unsigned long long es_words, int seq) {{
     if (es_now() - start > {timeout_ns}ULL) __trap();
   }}
   __threadfence_system();
+}}
+// After a reply that is waited for: until the fill worker has copied the batch it names.
+__device__ void es_wait_batch(unsigned long long es_words) {{
+  const int need = ES_WORD({need_batch});
+  const unsigned long long start = es_now();
+  while (ES_WORD({batch_done}) != need) {{
+    __nanosleep(128);
+    if (es_now() - start > {timeout_ns}ULL) __trap();
+  }}
+  __threadfence_system();
+}}
+// Copies records [first, first + records) of the StagedCopy entries at es_copies, cut
+// into chunks dealt round-robin to the blocks. Record headers go through shared memory
+// {block} at a time (one read of mapped memory per thread).
+__device__ void es_copy_records(unsigned long long es_copies, int first, int records, int tid) {{
+  __shared__ unsigned long long src[{block}], dst[{block}], bytes[{block}], chunk0[{block}];
+  for (int batch = 0; batch < records; batch += {block}) {{
+    const int m = min({block}, records - batch);
+    if (tid < m) {{
+      src[tid] = ES_COPY(first + batch + tid, 0);
+      dst[tid] = ES_COPY(first + batch + tid, 1);
+      bytes[tid] = ES_COPY(first + batch + tid, 2);
+      chunk0[tid] = ES_COPY(first + batch + tid, 3);
+    }}
+    __syncthreads();
+    for (int r = 0; r < m; ++r) {{
+      const unsigned long long chunks = (bytes[r] + {chunk} - 1) / {chunk};
+      unsigned long long k = (blockIdx.x + gridDim.x - chunk0[r] % gridDim.x) % gridDim.x;
+      for (; k < chunks; k += gridDim.x) {{
+        const unsigned long long begin = k * {chunk};
+        const unsigned long long end = min(bytes[r], begin + {chunk});
+        es_copy(src[r], dst[r], begin, end, tid, blockDim.x);
+      }}
+    }}
+    __syncthreads();
+  }}
 }}
 """
 
@@ -190,37 +236,77 @@ _HEAD_OUT = """
   }}
 """
 
-# The record copies of the answer whose head it reads, cut into chunks dealt round-robin
-# to the blocks; block 0 also writes the rows out. Record headers go through shared
-# memory 256 at a time (one read of mapped memory per thread).
+# The record copies of the answer whose head it reads; block 0 also writes the rows out.
 _COPY = """
   const unsigned long long es_copies = box[1];
   const int tid = threadIdx.x;
   const int n = head_shape[0] - 3;
   if (blockIdx.x == 0)
     for (int i = tid; i < n; i += blockDim.x) rows[i] = head[3 + i];
-  const int first = head[0];
-  const int records = head[1];
-  __shared__ unsigned long long src[{block}], dst[{block}], bytes[{block}], chunk0[{block}];
-  for (int batch = 0; batch < records; batch += {block}) {{
-    const int m = min({block}, records - batch);
-    if (tid < m) {{
-      src[tid] = ES_COPY(first + batch + tid, 0);
-      dst[tid] = ES_COPY(first + batch + tid, 1);
-      bytes[tid] = ES_COPY(first + batch + tid, 2);
-      chunk0[tid] = ES_COPY(first + batch + tid, 3);
+  es_copy_records(es_copies, head[0], head[1], tid);
+"""
+
+# The fill worker: announces its generation, then copies each fill batch the host hands
+# it and, once every block has copied its share, marks the batch done; no block starts
+# the next batch before (the host rewrites one region for each). Ends when the host
+# writes its generation to the stop word, which it does only with every batch copied.
+# Its counters are device memory the DeviceAcquire keeps (`counters`, written though an
+# input: its output is never written, so that one freed early harms nothing): [0] blocks
+# done with the batch, back to 0 after each; [2 + generation % 2] blocks ended, counted
+# modulo the blocks (a worker told to end may still be ending when the next starts).
+_WORKER = """
+  const unsigned long long es_words = box[0];
+  const unsigned long long es_copies = box[4];
+  const int tid = threadIdx.x;
+  const int gen = generation[0];
+  int* state = const_cast<int*>(reinterpret_cast<const int*>(counters));
+  __shared__ int es_last, es_batch, es_exit;
+  if (tid == 0) {{
+    es_last = ES_WORD({batch_done});
+    if (blockIdx.x == 0) {{
+      ES_WORD({worker_up}) = gen;
+      __threadfence_system();
     }}
-    __syncthreads();
-    for (int r = 0; r < m; ++r) {{
-      const unsigned long long chunks = (bytes[r] + {chunk} - 1) / {chunk};
-      unsigned long long k = (blockIdx.x + gridDim.x - chunk0[r] % gridDim.x) % gridDim.x;
-      for (; k < chunks; k += gridDim.x) {{
-        const unsigned long long begin = k * {chunk};
-        const unsigned long long end = min(bytes[r], begin + {chunk});
-        es_copy(src[r], dst[r], begin, end, tid, blockDim.x);
+  }}
+  for (;;) {{
+    if (tid == 0) {{
+      es_exit = 0;
+      for (;;) {{
+        const int b = ES_WORD({batch});
+        if (b != es_last) {{
+          es_batch = b;
+          break;
+        }}
+        if (ES_WORD({worker_stop}) == gen) {{
+          es_exit = 1;
+          break;
+        }}
+        __nanosleep(256);
       }}
+      __threadfence_system();
     }}
     __syncthreads();
+    if (es_exit) break;
+    es_copy_records(es_copies, 0, ES_WORD({batch_records}), tid);
+    if (tid == 0) {{
+      __threadfence();
+      if (atomicAdd(&state[0], 1) == static_cast<int>(gridDim.x) - 1) {{
+        atomicExch(&state[0], 0);
+        __threadfence_system();
+        ES_WORD({batch_done}) = es_batch;
+        __threadfence_system();
+      }}
+      while (ES_WORD({batch_done}) != es_batch) __nanosleep(64);
+      es_last = es_batch;
+    }}
+    __syncthreads();
+  }}
+  if (tid == 0 &&
+      atomicAdd(&state[2 + (gen & 1)], 1) % static_cast<int>(gridDim.x) ==
+          static_cast<int>(gridDim.x) - 1) {{
+    __threadfence_system();
+    ES_WORD({worker_down}) = gen;
+    __threadfence_system();
   }}
 """
 
@@ -235,12 +321,23 @@ class DeviceAcquire:
         max_ids: the most ids of one acquire (`AcquireMailbox.max_ids`).
         fill_slots: staging slots for prefetch fills.
         tier_slots: host-tier slots per MoE layer (`AcquireMailbox`; 0: no tier).
+        fill_worker: prefetch fills copied by a worker kernel on a stream of its own,
+            beside the compute (`StreamConfig.fill_worker`); False: by the next answer's
+            copy kernel.
 
     Raises:
         RuntimeError: the CUDA runtime refused to map the mailbox's memory.
     """
 
-    def __init__(self, cache, hidden: int, max_ids: int, fill_slots: int, tier_slots: int = 0):
+    def __init__(
+        self,
+        cache,
+        hidden: int,
+        max_ids: int,
+        fill_slots: int,
+        tier_slots: int = 0,
+        fill_worker: bool = True,
+    ):
         # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
         # not the default one), so that each can be waited for; first, for __del__.
         self._streams: list[mx.Stream] = []
@@ -254,6 +351,7 @@ class DeviceAcquire:
                 self.mailbox.copies_address,
                 self.mailbox.hit_table_address,
                 cache.num_experts,
+                self.mailbox.fills_address,
             ],
             mx.uint64,
         )
@@ -271,6 +369,13 @@ class DeviceAcquire:
             "ids_word": layout.IDS,
             "rows_word": layout.ROWS,
             "hidden_word": layout.HIDDEN,
+            "need_batch": layout.NEED_BATCH,
+            "batch_done": layout.BATCH_DONE,
+            "worker_up": layout.WORKER_UP,
+            "worker_down": layout.WORKER_DOWN,
+            "batch": layout.BATCH,
+            "batch_records": layout.BATCH_RECORDS,
+            "worker_stop": layout.WORKER_STOP,
             "timeout_ns": ANSWER_TIMEOUT_S * 10**9,
             "block": _BLOCK,
             "chunk": f"{layout.CHUNK_BYTES}ULL",
@@ -290,7 +395,7 @@ class DeviceAcquire:
                 n="n" if with_ids else 0,
                 lookup=int(with_ids),
                 with_x=int(with_x),
-                wait="es_wait_reply(es_words, seq);" if with_ids else "",
+                wait="es_wait_reply(es_words, seq); es_wait_batch(es_words);" if with_ids else "",
                 out=_HEAD_OUT.format(**words) if with_ids else "if (tid == 0) head[0] = 0;",
                 **words,
             )
@@ -309,6 +414,20 @@ class DeviceAcquire:
             source=_COPY.format(**words),
             header=header,
         )
+        self._worker = mx.fast.cuda_kernel(
+            name="expert_fill_worker",
+            input_names=["box", "generation", "counters"],
+            output_names=["unused"],
+            source=_WORKER.format(**words),
+            header=header,
+        )
+        self._fill_worker = fill_worker
+        self._counters = mx.zeros((4,), mx.int32)
+        mx.eval(self._counters)
+        # Per thread that generates (MLX's streams belong to the thread that made them):
+        # the fill worker's stream.
+        self._fill_stream = threading.local()
+        self._worker_started = False
         self._layers: dict[int, mx.array] = {}
         self._plans: dict[int, tuple] = {}
         self._cache = cache
@@ -319,9 +438,50 @@ class DeviceAcquire:
         self.synchronize()
 
     def synchronize(self) -> None:
-        """Waits until every kernel queued so far has run, on whichever stream."""
+        """Waits until every kernel queued so far has run, on whichever stream, and the
+        fill worker has ended (a stream whose worker runs cannot be synchronised)."""
         for stream in self._streams:
             mx.synchronize(stream)
+        self._end_worker()
+
+    @property
+    def fill_worker(self) -> bool:
+        """Whether prefetch fills are copied by the fill worker (the constructor's
+        `fill_worker`); set False, the running worker ends once it has copied its batches,
+        and fills go with the answers' copies until set True."""
+        return self._fill_worker
+
+    @fill_worker.setter
+    def fill_worker(self, on: bool) -> None:
+        self._fill_worker = bool(on)
+        if not on:
+            self._end_worker()
+
+    def _end_worker(self) -> None:
+        if self._worker_started and not self.mailbox.stop_worker(ANSWER_TIMEOUT_S):
+            raise RuntimeError(f"the fill worker did not end within {ANSWER_TIMEOUT_S} s")
+
+    def _start_worker(self) -> None:
+        """Launches a fill worker on this thread's fill stream, where prefetch is planned
+        and none runs."""
+        if not self._fill_worker or not self.mailbox.worker_wanted:
+            return
+        if not any(targets for targets, _, _ in self._plans.values()):
+            return
+        stream = getattr(self._fill_stream, "stream", None)
+        if stream is None:
+            stream = self._fill_stream.stream = mx.new_stream(mx.gpu)
+        generation = self.mailbox.start_worker()
+        (unused,) = self._worker(
+            inputs=[self._box, mx.array([generation], mx.int32), self._counters],
+            output_shapes=[(1,)],
+            output_dtypes=[mx.int32],
+            grid=(_BLOCK * _COPY_BLOCKS, 1, 1),
+            threadgroup=(_BLOCK, 1, 1),
+            stream=stream,
+        )
+        mx.async_eval(unused)
+        self._worker_started = True
 
     def _stage(self):
         """Staged pool writes from here on, on the current stream. The graph is built
@@ -333,6 +493,7 @@ class DeviceAcquire:
         if not self._cache.staging_on:
             self.synchronize()
             self._cache.set_staging(True)
+        self._start_worker()
 
     def _layer(self, layer: int) -> mx.array:
         arr = self._layers.get(layer)

@@ -213,6 +213,13 @@ FLAGS = (
         "through mapped memory (--no-device-acquire: on the CPU stream, as other backends)",
     ),
     Flag(
+        "--fill-worker",
+        "fill_worker",
+        None,
+        "with the device acquire, prefetch fills are copied on a stream of their own beside "
+        "the compute (--no-fill-worker: with the next layer's copies, on the compute stream)",
+    ),
+    Flag(
         "--io-uring",
         "io_uring",
         None,

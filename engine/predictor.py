@@ -90,6 +90,7 @@ class Predictor:
         # Host-tier slots per MoE layer (0: none, off MLX CUDA or with host memory off),
         # as the load's memory plan sized them.
         self.tier_slots = tier_slots if self.device_path else 0
+        self.fill_worker = config.fill_worker
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
@@ -211,6 +212,13 @@ class Predictor:
         first device acquire or where there is none."""
         return None if self._device is None else self._device.mailbox
 
+    def set_fill_worker(self, on: bool) -> None:
+        """Prefetch fills copied by the fill worker beside the compute, or with the next
+        answer's copies (`StreamConfig.fill_worker`), from the next decode step on."""
+        self.fill_worker = on
+        if self._device is not None:
+            self._device.fill_worker = on
+
     def start_device(self, hidden: int | None, n: int) -> None:
         """What a model load calls, so that allocating and page-locking is part of the
         load, not of the first reply: the layer scratch's banks where it is used
@@ -233,7 +241,12 @@ class Predictor:
     def _make_device(self, hidden: int, n: int) -> None:
         # Sized as the load's memory plan counted its staging.
         self._device = DeviceAcquire(
-            self.cache, hidden, mailbox_ids(n), mailbox_fill_slots(self.budget), self.tier_slots
+            self.cache,
+            hidden,
+            mailbox_ids(n),
+            mailbox_fill_slots(self.budget),
+            self.tier_slots,
+            self.fill_worker,
         )
 
     @property

@@ -285,9 +285,14 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
     )
     assert synthetic["side_slots"] == 1
     # --rounds: engine 100% (the ratios' baseline), each fraction with the host tier and
-    # the bare table, alternated
+    # the bare table, alternated; each host-tier row also without the fill worker
     rounds = synthetic["alternated"]
-    assert list(rounds) == ["engine 100%", "engine 25%, host tier", "bare device table"]
+    assert list(rounds) == [
+        "engine 100%",
+        "engine 25%, host tier",
+        "engine 25%, host tier, no fill worker",
+        "bare device table",
+    ]
     assert all(len(r["decode_tps"]) == 2 for r in rounds.values())
     assert rounds["engine 100%"]["ratios"] == [1.0, 1.0]
     runs |= synthetic["runs"]

@@ -156,7 +156,17 @@ token = st.lists(request, min_size=4, max_size=4)
     worker=st.booleans(),
 )
 def test_every_answer_holds_its_experts(
-    qwen_store, tokens, fills, slots, side, sync, side_lfu, fill_slots, tier_slots, host, pins,
+    qwen_store,
+    tokens,
+    fills,
+    slots,
+    side,
+    sync,
+    side_lfu,
+    fill_slots,
+    tier_slots,
+    host,
+    pins,
     worker,
 ):
     cache, mailbox = staged_cache(
