@@ -424,25 +424,25 @@ def synthetic(
             del sm
     if rounds:
         runs = {name: tps_of(s.model, prompt, tokens) for name, s in kept.items()}
-        # Each host-tier row again with its fills copied by the answers' copy kernel on
-        # the compute stream, not by the fill worker beside it.
+        # Each host-tier row again with its fills copied by the fill worker beside the
+        # compute (StreamConfig.fill_worker), not by the answers' copy kernel.
         for name, s in list(kept.items())[1:]:
-            runs[f"{name}, no fill worker"] = worker_off(s, tps_of(s.model, prompt, tokens))
+            runs[f"{name}, fill worker"] = fill_worker(s, tps_of(s.model, prompt, tokens))
         res["alternated"] = alternated(runs | {"bare device table": bare}, rounds, log)
     return res
 
 
-def worker_off(sm, run: Callable[[], float]) -> Callable[[], float]:
-    """`run` with the model's fill worker off (`Predictor.set_fill_worker`)."""
+def fill_worker(sm, run: Callable[[], float]) -> Callable[[], float]:
+    """`run` with the model's fill worker on (`Predictor.set_fill_worker`)."""
 
-    def off() -> float:
-        sm.predictor.set_fill_worker(False)
+    def on() -> float:
+        sm.predictor.set_fill_worker(True)
         try:
             return run()
         finally:
-            sm.predictor.set_fill_worker(True)
+            sm.predictor.set_fill_worker(False)
 
-    return off
+    return on
 
 
 def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:

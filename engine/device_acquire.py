@@ -21,8 +21,10 @@ promotions, all at once, before the rows reach the experts' kernels; only where 
 the answer writes what a promotion reads or writes does the acquire kernel make the
 promotions first, one after another.
 
-Prefetch fills need not wait for that copy kernel, which runs on the compute stream ahead
-of the experts: a fill worker, a kernel of as many blocks on a stream of its own, copies
+With `fill_worker` (`StreamConfig.fill_worker`, off by default: with it a decode step
+ran slower on the H200 measured, for a cause not yet found; docs/benchmarks.md), prefetch
+fills need not wait for that copy kernel, which runs on the compute stream ahead of the
+experts: a fill worker, a kernel of as many blocks on a stream of its own, copies
 the fill batches the mailbox's thread hands it while the compute stream runs (which rows
 a batch may write, and why that is safe: ext/mailbox.h), and an answer that is waited for
 names the latest batch, which its acquire kernel waits for before any copy or row. The
@@ -336,7 +338,7 @@ class DeviceAcquire:
         max_ids: int,
         fill_slots: int,
         tier_slots: int = 0,
-        fill_worker: bool = True,
+        fill_worker: bool = False,
     ):
         # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
         # not the default one), so that each can be waited for; first, for __del__.

@@ -217,7 +217,8 @@ FLAGS = (
         "fill_worker",
         None,
         "with the device acquire, prefetch fills are copied on a stream of their own beside "
-        "the compute (--no-fill-worker: with the next layer's copies, on the compute stream)",
+        "the compute (experimental: slower on the H200 measured; default off, the fills go "
+        "with the next layer's copies on the compute stream)",
     ),
     Flag(
         "--io-uring",
