@@ -15,8 +15,9 @@
 // 11, ... stage the pool writes as the acquire kernels need them (staged_copies.h, with a
 // host tier of two slots per layer), and the driving thread performs each delivery right
 // after its acquire, as the kernels would, checks that every row the hit table then gives
-// holds its expert, and sometimes turns staging off and on (the host then writes what is
-// staged).
+// holds its expert, sometimes copies a fill batch as the fill worker would (the fills
+// staged for other layers' side rows), and sometimes turns staging off and on (the host
+// then writes what is staged).
 //
 // Usage: stress [seconds=8] [seed=1]. Prints "N operations, M violations" and exits 1 on
 // any violation.
@@ -129,6 +130,7 @@ class Stress {
     if (seed % 4 == 3) {
       staging_ = cache_->enable_staging(10, 6, 2);  // a call misses at most 6 experts
       deliveries_.resize(staging_->capacity(2, 16));
+      fills_.resize(deliveries_.size());
       cache_->set_staging(true);
     }
   }
@@ -182,6 +184,14 @@ class Stress {
   }
   void verify_all(const char* when);
   void error(int li, const std::exception& e);
+  // What the fill worker does beside a request of layer li (mailbox.h), sometimes: the
+  // fills staged for other layers' side rows, copied as a batch, their slots freed.
+  void batch(int li) {
+    if (!staging_ || !chance(0.5)) return;
+    const es::Delivery d = cache_->deliver_fills(fills_.data(), fills_.size(), li, ++batches_);
+    es::StagedCopies::execute(fills_.data(), d);
+    staging_->completed_batches(batches_);
+  }
   // What the acquire kernels do after an answer: every staged copy made (staged seeds);
   // then every row the hit table gives holds its expert, as a kernel that takes its rows
   // from there without an answer reads them.
@@ -210,6 +220,8 @@ class Stress {
   std::unique_ptr<es::ExpertCache> cache_;
   std::shared_ptr<es::StagedCopies> staging_;  // staged seeds
   std::vector<es::StagedCopy> deliveries_;
+  std::vector<es::StagedCopy> fills_;
+  uint32_t batches_ = 0;
   int next_li_ = 0;
   bool hard_[kLayers] = {};       // a fault that may fail reads is armed on the layer
   Clock::time_point hang_until_;  // a hung read may hold a reader thread until then
@@ -281,6 +293,7 @@ void Stress::op_acquire() {
     return;
   }
   settle();
+  batch(li);
   if (plan == es::ExpertCache::kPlanStream && !missing.empty())
     violations.add("plan said stream-ordered but the call was over capacity");
   for (size_t i = 0; i < ids.size(); ++i) {
