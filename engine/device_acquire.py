@@ -105,10 +105,15 @@ __device__ void es_wait_reply(unsigned long long es_words, int seq) {{
   __threadfence_system();
 }}
 // After a reply that is waited for: until the fill worker has copied the batch it names.
+// Batches are copied in order, and the host may hand the worker the next one before this
+// reads the done word: until the named one is done, or a later one (numbers wrap).
+__device__ bool es_reached(int a, int b) {{
+  return static_cast<int>(static_cast<unsigned>(a) - static_cast<unsigned>(b)) >= 0;
+}}
 __device__ void es_wait_batch(unsigned long long es_words) {{
   const int need = ES_WORD({need_batch});
   const unsigned long long start = es_now();
-  while (ES_WORD({batch_done}) != need) {{
+  while (!es_reached(ES_WORD({batch_done}), need)) {{
     __nanosleep(128);
     if (es_now() - start > {timeout_ns}ULL) __trap();
   }}
@@ -251,8 +256,9 @@ _COPY = """
 # The fill worker: announces its generation, then copies each fill batch the host hands
 # it and, once every block has copied its share, marks the batch done; no block starts
 # the next batch before (the host rewrites one region for each). Ends when the host
-# writes its generation to the stop word, which it does only with every batch copied.
-# Its counters are device memory the DeviceAcquire keeps (`counters`, written though an
+# writes its generation, or a later one (a worker stopped before it ran), to the stop
+# word, which it does only with every batch copied.
+# Its counters are device memory the DeviceAcquire keeps (`counters`, written through an
 # input: its output is never written, so that one freed early harms nothing): [0] blocks
 # done with the batch, back to 0 after each; [2 + generation % 2] blocks ended, counted
 # modulo the blocks (a worker told to end may still be ending when the next starts).
@@ -279,7 +285,7 @@ _WORKER = """
           es_batch = b;
           break;
         }}
-        if (ES_WORD({worker_stop}) == gen) {{
+        if (es_reached(ES_WORD({worker_stop}), gen)) {{
           es_exit = 1;
           break;
         }}

@@ -1048,7 +1048,8 @@ void ExpertCache::fill_empty_slots(int li, const LayerScratch::Sources& from) {
   }
 }
 void ExpertCache::fill_task(int li, int gen, int expert, int row,
-                            const std::shared_ptr<FillTicket>& t, bool cancelled) {
+                            const std::shared_ptr<FillTicket>& t, bool cancelled,
+                            bool tier_only) {
   bool landed = false, from_tier = false;
   int expect_tier = kPending;
   if (!cancelled && staged_ && t->state.compare_exchange_strong(expect_tier, kCopying)) {
@@ -1057,6 +1058,12 @@ void ExpertCache::fill_task(int li, int gen, int expert, int row,
         staging_on() ? stage_from_tier(li, expert, at)
                      : copy_from_tier(li, expert, row_spans(li, at));
     if (!landed) t->state.store(kPending);
+  }
+  if (tier_only && !landed && !cancelled) {
+    readers_->submit_prefetch([this, li, gen, expert, row, t](bool c) {
+      fill_task(li, gen, expert, row, t, c);
+    });
+    return;  // the reader's task settles the ticket
   }
   if (!cancelled && !landed && t->state.load() == kPending) {
     t->reading = true;
@@ -1152,8 +1159,10 @@ void ExpertCache::prefetch(int li, const int32_t* ids, size_t n) {
   const bool staging = staging_on() && staged_ && staged_->tier_slots() > 0;
   for (size_t i = 0; i < todo.size(); ++i) {
     auto [e, row] = todo[i];
-    if (sync || (staging && staged_->holds(li, e))) {
+    if (sync) {
       fill_task(li, gen, e, row, tickets[i], false);
+    } else if (staging && staged_->holds(li, e)) {
+      fill_task(li, gen, e, row, tickets[i], false, true);
     } else {
       readers_->submit_prefetch([this, li, gen, e = e, row = row, t = tickets[i]](bool cancelled) {
         fill_task(li, gen, e, row, t, cancelled);

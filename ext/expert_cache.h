@@ -429,8 +429,11 @@ class ExpertCache {
   // loads, bytes, read time and errors. Returns the first read error.
   std::exception_ptr load_slots(int li, const std::vector<std::pair<int, int>>& loads,
                                 std::unique_lock<std::mutex>& lk);
+  // A prefetch fill of `expert` into side row `row` of bank `gen`: from the host tier where
+  // it holds the record, else read. tier_only (the caller must not wait for a read): a
+  // fill the tier no longer holds goes to a reader thread instead.
   void fill_task(int li, int gen, int expert, int row, const std::shared_ptr<FillTicket>& t,
-                 bool cancelled);
+                 bool cancelled, bool tier_only = false);
 
   std::vector<LayerSpec> layers_;
   int num_experts_;

@@ -48,6 +48,11 @@ inline void store(volatile int32_t* p, int32_t v) {
   __atomic_store_n(const_cast<int32_t*>(p), v, __ATOMIC_RELEASE);
 }
 
+// Sequence numbers (batches, generations) wrap: a is b or after it.
+inline bool reached(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)) >= 0;
+}
+
 }  // namespace
 
 AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids,
@@ -86,10 +91,11 @@ AcquireMailbox::~AcquireMailbox() {
   // A request no kernel waits for (posted kFast, or a prefetch's) is answered as any
   // other: the cache counts the forward that ran.
   if (load(word(kFast)) != 0 || load(word(kCount)) == 0) wait();
-  const bool ended = stop_worker(10.0);
+  stop_worker(10.0);
   stop_.store(true, std::memory_order_release);
   thread_.join();
-  if (!ended) {
+  const int32_t g = worker_gen_.load(std::memory_order_acquire);
+  if (g != 0 && !reached(load(word(kWorkerDown)), g)) {
     // A worker launched and never started, or one that hangs: it must find its stop
     // word whenever it runs.
     memory_->abandon();
@@ -293,6 +299,7 @@ bool AcquireMailbox::worker_ready() const {
 void AcquireMailbox::publish_fills(int layer) {
   const uint32_t last = published_.load(std::memory_order_relaxed);
   if (!worker_ready() || static_cast<uint32_t>(load(word(kBatchDone))) != last) return;
+  staged_->completed_batches(last);
   const uint32_t next = last + 1;
   const Delivery d = cache_->deliver_fills(fills(), capacity_, layer, next);
   if (d.records == 0) return;
@@ -342,8 +349,8 @@ bool AcquireMailbox::stop_worker(double timeout_s) {
   // Ended: it wrote its generation down, or it never started and its stop word is set
   // (then it takes no batch and ends as soon as it runs).
   auto ended = [&] {
-    return load(word(kWorkerDown)) == g ||
-           (load(word(kWorkerUp)) != g && load(word(kWorkerStop)) == g);
+    return reached(load(word(kWorkerDown)), g) ||
+           (!reached(load(word(kWorkerUp)), g) && reached(load(word(kWorkerStop)), g));
   };
   while (!ended()) {
     if (Clock::now() > until) return false;
@@ -364,7 +371,7 @@ void AcquireMailbox::serve_fills(int generation) {
       StagedCopies::execute(fills(), d);
       done = batch;
       store(word(kBatchDone), done);
-    } else if (load(word(kWorkerStop)) == generation) {
+    } else if (reached(load(word(kWorkerStop)), generation)) {
       break;
     } else {
       std::this_thread::yield();
@@ -402,7 +409,10 @@ std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, 
   store(word(kRequest), seq);
   if (fast) return rows;
   while (load(word(kReply)) != seq) std::this_thread::yield();
-  while (load(word(kBatchDone)) != load(word(kNeedBatch))) std::this_thread::yield();
+  // Batches are copied in order, and the thread may hand the worker the next one before
+  // this wait reads the done word: waits until the named one is done, or a later one.
+  if (n > 0)
+    while (!reached(load(word(kBatchDone)), load(word(kNeedBatch)))) std::this_thread::yield();
   if (n > 0) {
     Delivery d;
     d.rows = static_cast<uint32_t>(load(word(kRowCopies)));

@@ -55,11 +55,12 @@
 // on a stream of its own (engine/device_acquire.py starts one per generation), copies
 // fill batches while the compute stream runs: after each request the thread hands the
 // worker, as batch b, the staged records into side rows of every layer but the
-// request's (ExpertCache::deliver_fills). That is safe because when the thread reads
-// request k, every kernel queued before k's kernel has run, and until the next answer
-// that is waited for, kernels read only the rows of k's answer and real slots from the
-// hit table; an answer that is waited for names the latest batch ([kNeedBatch]) and its
-// kernel waits for it to be copied. One batch is outstanding at a time; the worker ends
+// request's that no copy of the latest answer reads or writes (ExpertCache::
+// deliver_fills). That is safe because when the thread reads request k, every kernel
+// queued before k's kernel has run (k's own copies may still run beside the batch), and
+// until the next answer that is waited for, kernels read only the rows of k's answer and
+// real slots from the hit table; an answer that is waited for names the latest batch
+// ([kNeedBatch]) and its kernel waits until that one, or a later one, is copied. One batch is outstanding at a time; the worker ends
 // when the thread writes its generation to [kWorkerStop], which it does only with no
 // batch outstanding, after kWorkerIdle without a request or when asked (stop_worker).
 //
@@ -172,7 +173,8 @@ class AcquireMailbox {
   // (std::logic_error while one is wanted no more than now: !worker_wanted()); the thread
   // hands it batches once it has written the number to [kWorkerUp]. stop_worker(): asks
   // the thread to end the latest worker and waits up to timeout_s seconds until it has
-  // ended (or, never started, cannot take a batch); true when so.
+  // ended (or, never started, will end as soon as it runs: a worker ends at its own stop
+  // word or a later generation's); true when so.
   bool worker_wanted() const;
   // Whether the latest worker has started and not ended.
   bool worker_running() const;

@@ -292,6 +292,11 @@ Delivery StagedCopies::deliver(StagedCopy* out, size_t capacity) {
     for (const auto& p : pending_)
       if (p.live && p.slot < 0)
         out[i++] = {device(p.src), device(p.dst), p.bytes, 0}, ++d.rows;
+  for (const auto& p : pending_)
+    if (p.live) {
+      delivered_spans_.emplace_back(p.dst, p.dst + p.bytes);
+      if (p.slot < 0) delivered_spans_.emplace_back(p.src, p.src + p.bytes);
+    }
   for (const auto& p : pending_) {
     if (!p.live || (ordered && p.slot < 0)) continue;
     out[i++] = {device(p.src), device(p.dst), p.bytes, d.chunks};
@@ -311,12 +316,16 @@ Delivery StagedCopies::deliver_batch(StagedCopy* out, size_t capacity,
     return a < b + m && b < a + n;
   };
   // A record that a pending row copy reads or writes must land after it: it stays
-  // pending, for an answer's delivery that orders them.
+  // pending, for an answer's delivery that orders them. So does one whose row a copy of
+  // the latest answer, which may not have run yet, reads or writes: the batch would be
+  // copied beside it, not after it.
   auto held = [&](const Pending& p) {
     for (const auto& r : pending_)
       if (r.live && r.slot < 0 &&
           (overlap(r.src, p.dst, r.bytes, p.bytes) || overlap(r.dst, p.dst, r.bytes, p.bytes)))
         return true;
+    for (const auto& [lo, hi] : delivered_spans_)
+      if (overlap(lo, p.dst, static_cast<size_t>(hi - lo), p.bytes)) return true;
     return false;
   };
   Delivery d;
@@ -339,6 +348,7 @@ void StagedCopies::completed() {
   std::lock_guard<std::mutex> lk(mu_);
   for (int slot : delivered_) release(slot);
   delivered_.clear();
+  delivered_spans_.clear();
 }
 
 void StagedCopies::completed_batches(uint32_t done) {
@@ -361,6 +371,7 @@ void StagedCopies::flush(const PoolWriter& writer) {
     std::lock_guard<std::mutex> lk(mu_);
     for (int slot : delivered_) release(slot);
     delivered_.clear();
+    delivered_spans_.clear();
     for (const auto& b : batched_) release(b.second);
     batched_.clear();
     todo.swap(pending_);

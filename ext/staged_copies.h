@@ -147,7 +147,8 @@ class StagedCopies {
   // are pending than `capacity` (then nothing is delivered).
   Delivery deliver(StagedCopy* out, size_t capacity);
   // A fill batch for the copy stream's worker (mailbox.h): the pending records whose
-  // destination `take` accepts and that no pending row copy reads or writes, into
+  // destination `take` accepts and that no pending row copy, nor any copy of a delivery
+  // not yet completed, reads or writes, into
   // out[0, capacity) as records (rows 0), at most `capacity` of them; the rest stay
   // pending in their order. Their slots stay taken until completed_batches(batch).
   Delivery deliver_batch(StagedCopy* out, size_t capacity,
@@ -224,6 +225,9 @@ class StagedCopies {
   std::vector<Pending> pending_;  // in the order staged
   std::vector<int> delivered_;   // slots of deliveries not yet completed (one entry per ref)
   std::vector<std::pair<uint32_t, int>> batched_;  // (batch, slot) of batches not yet copied
+  // Pool bytes the copies of deliveries not yet completed read or write: a batch, copied
+  // beside them, holds a record that overlaps one.
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> delivered_spans_;
 };
 
 }  // namespace es

@@ -11,6 +11,7 @@ writes everything staged, after which every mapped row holds its expert; and a r
 the host tier holds is staged from there, not read again.
 """
 
+import ctypes
 import threading
 import time
 
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine._ext import AcquireMailbox
+from engine._ext import AcquireMailbox, Router
 from engine.cache import PLAN_STREAM, PLAN_TABLE, SLOT_LOADING, open_cache
 from engine.config import StreamConfig
 from engine.memory_plan import tier_slot_bytes, tier_slots
@@ -154,6 +155,7 @@ token = st.lists(request, min_size=4, max_size=4)
     host=st.lists(st.booleans(), min_size=6, max_size=6),
     pins=st.lists(st.integers(-1, 7), min_size=6, max_size=6),
     worker=st.booleans(),
+    predict=st.booleans(),
 )
 def test_every_answer_holds_its_experts(
     qwen_store,
@@ -168,6 +170,7 @@ def test_every_answer_holds_its_experts(
     host,
     pins,
     worker,
+    predict,
 ):
     cache, mailbox = staged_cache(
         qwen_store,
@@ -183,10 +186,18 @@ def test_every_answer_holds_its_experts(
     # With a fill worker (its host stand-in on a thread of its own), fills are copied
     # beside the rows being checked, as the copy stream runs beside the compute.
     serving = start_fill_worker(mailbox) if worker else None
+    # With predict, requests carry a hidden state and the thread prefetches the next
+    # layer's top 2 after each answer (random routers), between the answer and its batch.
+    rng = np.random.default_rng(len(tokens))
+    if predict and side:
+        for li in range(3):
+            weight = rng.standard_normal((8, HIDDEN)).astype(np.float32)
+            mailbox.set_prefetch(li, [li + 1], [Router(weight, np.zeros(8, np.float32))], 2)
     step, pinned = 0, None
     for n, t in enumerate(tokens):
         for li, ids in enumerate(t):
-            rows = mailbox.post(li, np.array(ids, np.int32))
+            x = rng.standard_normal(HIDDEN).astype(np.float32) if predict else None
+            rows = mailbox.post(li, np.array(ids, np.int32), x)
             for e, r in zip(ids, rows, strict=True):
                 checker.assert_row(li, int(r), e)
             if fills[step % len(fills)] and li + 1 < 4:
@@ -525,3 +536,117 @@ def test_a_pin_while_every_slot_is_loading_is_refused(qwen_store):
     cache.set_staging(False)
     RowChecker(qwen_store, cache).assert_all_published()
     cache.raise_stream_error()
+
+
+def test_a_worker_stopped_before_it_ran_ends_when_it_runs(qwen_store):
+    # A launch queued behind other work is stopped, and the next one too: when the first
+    # finally runs, a later generation's stop word ends it as well as its own.
+    cache, mailbox = staged_cache(qwen_store, tier_slots=2, expert_slots=2, side_slots=2)
+    first = mailbox.start_worker()
+    assert mailbox.stop_worker(1.0)
+    mailbox.start_worker()
+    assert mailbox.stop_worker(1.0)
+    late = threading.Thread(target=mailbox.serve_fills, args=(first,), daemon=True)
+    late.start()
+    late.join(5.0)
+    assert not late.is_alive()
+
+
+def predicting_layer_1(store):
+    """A cache and mailbox whose thread, after each request of layer 1 with a hidden
+    state, prefetches expert 5 of layer 2 (one side row per bank, the host tier holding
+    layer 2's experts 4 to 7), and a worker's stand-in serving it."""
+    cache, mailbox = staged_cache(
+        store, tier_slots=8, expert_slots=2, side_slots=1, policy="lru", side_lfu=False
+    )
+    bias = np.zeros(8, np.float32)
+    bias[5] = 10.0
+    mailbox.set_prefetch(1, [2], [Router(np.zeros((8, HIDDEN), np.float32), bias)], 1)
+    mailbox.post(2, np.array([4, 5], np.int32))  # into the real slots and the tier
+    mailbox.post(2, np.array([6, 7], np.int32))  # evicts 4 and 5; the tier keeps them
+    return cache, mailbox, start_fill_worker(mailbox)
+
+
+def test_an_answer_waits_for_its_batch_or_a_later_one(qwen_store):
+    # Layer 1's answer names the batch before its prefetch's; the worker may copy that one
+    # too before the answer's wait reads the done word.
+    for _ in range(10):
+        cache, mailbox, serving = predicting_layer_1(qwen_store)
+        checker = RowChecker(qwen_store, cache)
+        mailbox.post(0, np.array([1, 2], np.int32))
+        cache.prefetch(2, np.array([4], np.int32))
+        x = np.ones(HIDDEN, np.float32)
+        waiting = threading.Thread(
+            target=mailbox.post, args=(1, np.array([0, 3], np.int32), x), daemon=True
+        )
+        waiting.start()
+        waiting.join(5.0)
+        assert not waiting.is_alive()
+        # A request with no ids, waited for, after batches were copied.
+        empty = threading.Thread(target=mailbox.post, args=(2, np.array([], np.int32)))
+        empty.start()
+        empty.join(5.0)
+        assert not empty.is_alive()
+        cache.set_staging(False)
+        checker.assert_all_published()
+        assert mailbox.stop_worker(5.0)
+        serving.join(5.0)
+
+
+class SlowKernels:
+    """The acquire kernels' side of the mailbox, as AcquireMailbox.post plays it, on the
+    mapped words themselves, with a hook between the reply and the answer's copies: a
+    compute stream that runs them after the worker's next batch, as two streams may."""
+
+    def __init__(self, mailbox):
+        self.mailbox = mailbox
+        self.words = (ctypes.c_int32 * (AcquireMailbox.HIDDEN + HIDDEN)).from_address(
+            mailbox.address
+        )
+
+    def post(self, layer, ids, x, before_copies):
+        w, box = self.words, AcquireMailbox
+        previous = w[box.REQUEST]
+        while w[box.REPLY] != previous:
+            time.sleep(0)
+        w[box.LAYER], w[box.COUNT], w[box.HAS_X], w[box.FAST] = layer, len(ids), 1, 0
+        for i, e in enumerate(ids):
+            w[box.IDS + i] = e
+        hidden = (ctypes.c_float * HIDDEN).from_address(self.mailbox.address + 4 * box.HIDDEN)
+        hidden[:] = [float(v) for v in x]
+        w[box.REQUEST] = previous + 1
+        while w[box.REPLY] != previous + 1:
+            time.sleep(0)
+        before_copies()
+        while ctypes.c_int32(w[box.BATCH_DONE] - w[box.NEED_BATCH]).value < 0:
+            time.sleep(0)
+        n = w[box.ROW_COPIES] + w[box.RECORD_COPIES]
+        copies = (ctypes.c_uint64 * (4 * max(n, 1))).from_address(self.mailbox.copies_address)
+        for i in range(n):  # one after another: no copy of one answer reads another's target
+            ctypes.memmove(copies[4 * i + 1], copies[4 * i], copies[4 * i + 2])
+
+
+def test_a_batch_never_writes_a_row_the_latest_answer_copies(qwen_store):
+    # Layer 1's answer delivers the staged fill of expert 4 into layer 2's side row; its
+    # prefetch then takes that row for expert 5. The fill of 5 must not go to the worker,
+    # which may copy it before the answer's copies run, leaving 4's bytes under 5's name.
+    cache, mailbox, serving = predicting_layer_1(qwen_store)
+    checker = RowChecker(qwen_store, cache)
+    kernels = SlowKernels(mailbox)
+    mailbox.post(0, np.array([1, 2], np.int32))
+    cache.prefetch(2, np.array([4], np.int32))
+
+    def worker_first():
+        deadline = time.monotonic() + 0.5
+        while mailbox.fill_batches[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        while kernels.words[AcquireMailbox.BATCH_DONE] != kernels.words[AcquireMailbox.BATCH]:
+            time.sleep(0)
+
+    kernels.post(1, [0, 3], np.ones(HIDDEN, np.float32), worker_first)
+    mailbox.wait()
+    assert cache.snapshot(2)["side_expert"].tolist()[:1] == [5]
+    cache.set_staging(False)
+    checker.assert_all_published()
+    assert mailbox.stop_worker(5.0)
+    serving.join(5.0)
