@@ -21,7 +21,9 @@ prefetch fills per token (used and wasted) with the prefetch degree the run ende
 reading (bytes over
 the wall time with a read in flight, `reading_seconds`); the synthetic store's disk rows
 against `dd`'s own O_DIRECT rate of two of its blob files just before and just after the
-row (`dd_beside`).
+row (`dd_beside`). With --rounds R, the synthetic store's engine 100%, each fraction's
+host-tier row, the same row with the fill worker (`StreamConfig.fill_worker`) and the
+bare table again, alternated R times in one process.
 
 With --prefill, time to first token of a long prompt: the embedded model's
 1,536 tokens against mlx-lm resident at 100/25/12.5% of the experts; a synthetic store's
