@@ -409,11 +409,10 @@ std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, 
   store(word(kRequest), seq);
   if (fast) return rows;
   while (load(word(kReply)) != seq) std::this_thread::yield();
-  // Batches are copied in order, and the thread may hand the worker the next one before
-  // this wait reads the done word: waits until the named one is done, or a later one.
-  if (n > 0)
-    while (!reached(load(word(kBatchDone)), load(word(kNeedBatch)))) std::this_thread::yield();
   if (n > 0) {
+    // Batches are copied in order, and the thread may hand the worker the next one before
+    // this wait reads the done word: waits until the named one is done, or a later one.
+    while (!reached(load(word(kBatchDone)), load(word(kNeedBatch)))) std::this_thread::yield();
     Delivery d;
     d.rows = static_cast<uint32_t>(load(word(kRowCopies)));
     d.records = static_cast<uint32_t>(load(word(kRecordCopies)));
