@@ -104,14 +104,16 @@ __device__ void es_wait_reply(unsigned long long es_words, int seq) {{
   }}
   __threadfence_system();
 }}
-// After a reply that is waited for: until the fill worker has copied the batch it names.
-// Batches are copied in order, and the host may hand the worker the next one before this
-// reads the done word: until the named one is done, or a later one (numbers wrap).
+// Whether sequence number a is b or after it (the numbers wrap).
 __device__ bool es_reached(int a, int b) {{
   return static_cast<int>(static_cast<unsigned>(a) - static_cast<unsigned>(b)) >= 0;
 }}
+// After a reply that is waited for: until the fill worker has copied the batch it names,
+// or a later one (the host may hand it the next before this reads the done word). Batch
+// numbers skip 0, so 0 names none: without a worker no done word is read.
 __device__ void es_wait_batch(unsigned long long es_words) {{
   const int need = ES_WORD({need_batch});
+  if (need == 0) return;
   const unsigned long long start = es_now();
   while (!es_reached(ES_WORD({batch_done}), need)) {{
     __nanosleep(128);
@@ -436,6 +438,7 @@ class DeviceAcquire:
         # the fill worker's stream.
         self._fill_stream = threading.local()
         self._worker_started = False
+        self._prefetching = False  # some layer's plan has targets: fills to copy
         self._layers: dict[int, mx.array] = {}
         self._plans: dict[int, tuple] = {}
         self._cache = cache
@@ -472,9 +475,7 @@ class DeviceAcquire:
     def _start_worker(self) -> None:
         """Launches a fill worker on this thread's fill stream, where prefetch is planned
         and none runs."""
-        if not self._fill_worker or not self.mailbox.worker_wanted:
-            return
-        if not any(targets for targets, _, _ in self._plans.values()):
+        if not self._fill_worker or not self._prefetching or not self.mailbox.worker_wanted:
             return
         stream = getattr(self._fill_stream, "stream", None)
         if stream is None:
@@ -555,3 +556,4 @@ class DeviceAcquire:
         if self._plans.get(layer) != plan:
             self.mailbox.set_prefetch(layer, targets, routers, budget)
             self._plans[layer] = plan
+            self._prefetching = any(p[0] for p in self._plans.values())

@@ -194,7 +194,8 @@ void AcquireMailbox::answer(uint32_t seq) {
   // The kernel that posted this request runs after the kernels of every earlier answer,
   // so the copies those delivered are done: their staging slots are free again.
   staged_->completed();
-  staged_->completed_batches(static_cast<uint32_t>(load(word(kBatchDone))));
+  if (worker_gen_.load(std::memory_order_relaxed) != 0)
+    staged_->completed_batches(static_cast<uint32_t>(load(word(kBatchDone))));
   const int li = load(word(kLayer));
   const int n = load(word(kCount));
   const bool has_x = load(word(kHasX)) != 0;
@@ -300,7 +301,8 @@ void AcquireMailbox::publish_fills(int layer) {
   const uint32_t last = published_.load(std::memory_order_relaxed);
   if (!worker_ready() || static_cast<uint32_t>(load(word(kBatchDone))) != last) return;
   staged_->completed_batches(last);
-  const uint32_t next = last + 1;
+  // 0 is no batch (the kernels then read no done word): numbers skip it when they wrap.
+  const uint32_t next = last + 1 == 0 ? 1 : last + 1;
   const Delivery d = cache_->deliver_fills(fills(), capacity_, layer, next);
   if (d.records == 0) return;
   store(word(kBatchRecords), static_cast<int32_t>(d.records));

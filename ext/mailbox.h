@@ -29,8 +29,9 @@
 //               writes (staged_copies.h): counts of row and record copies, and of the
 //               record copies' chunks
 //   [kFast]     1 when the kernel took its rows from the hit table and does not wait
-//   [kNeedBatch] the fill batch the answer's rows may need: the kernel waits until
-//               [kBatchDone] is it before its copies and rows
+//   [kNeedBatch] the fill batch the answer's rows may need (0: none, the numbers skip
+//               it): the kernel waits until [kBatchDone] is it or later before its
+//               copies and rows
 //   [kBatchDone], [kWorkerUp], [kWorkerDown]  written by the fill worker: the latest
 //               batch copied, and the generation that started and that ended
 //   [kBatch], [kBatchRecords], [kBatchChunks]  the latest fill batch and its copies'
