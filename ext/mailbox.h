@@ -61,9 +61,10 @@
 // queued before k's kernel has run (k's own copies may still run beside the batch), and
 // until the next answer that is waited for, kernels read only the rows of k's answer and
 // real slots from the hit table; an answer that is waited for names the latest batch
-// ([kNeedBatch]) and its kernel waits until that one, or a later one, is copied. One batch is outstanding at a time; the worker ends
-// when the thread writes its generation to [kWorkerStop], which it does only with no
-// batch outstanding, after kWorkerIdle without a request or when asked (stop_worker).
+// ([kNeedBatch]) and its kernel waits until that one, or a later one, is copied. One
+// batch is outstanding at a time; the worker ends when the thread writes its generation
+// to [kWorkerStop], which it does only with no batch outstanding, after kWorkerIdle
+// without a request or when asked (stop_worker).
 //
 // Pool writes: while the mailbox is in use the cache stages them (ExpertCache::
 // set_staging), so that neither this thread nor a reader thread calls the CUDA runtime

@@ -25,9 +25,10 @@
 // the records read into them after their copies ran, evicted by the cache's eviction
 // policy, LFU where that is predictive (tier_policy; a RealRegion per layer). A miss
 // whose record a tier slot holds is staged from that slot (stage_cached): no read, and
-// no host copy; the kernels copy it from host memory at the host-to-device rate. Without a free tier slot a record goes through a
-// transient slot. The host paths, while staging is off, copy from the tier
-// themselves (copy_cached) and keep what they read in it (keep).
+// no host copy; the kernels copy it from host memory at the host-to-device rate. Without
+// a free tier slot a record goes through a transient slot. The host paths, while staging
+// is off, copy from the tier themselves (copy_cached) and keep what they read in it
+// (keep).
 //
 // A layer's tier slots are segment-major: segment s of tier slot t of a layer with T tier
 // slots is at layer_base + T * offset_s + t * aligned_s (aligned_s: the segment's bytes
@@ -143,14 +144,14 @@ class StagedCopies {
   void stage_rows(const std::vector<Span>& spans);
 
   // Writes every pending copy into out[0, capacity) (the row copies that need an order
-  // first) and returns their counts; their slots stay taken until completed(). Throws std::length_error when more
-  // are pending than `capacity` (then nothing is delivered).
+  // first) and returns their counts; their slots stay taken until completed(). Throws
+  // std::length_error when more are pending than `capacity` (then nothing is delivered).
   Delivery deliver(StagedCopy* out, size_t capacity);
   // A fill batch for the copy stream's worker (mailbox.h): the pending records whose
   // destination `take` accepts and that no pending row copy, nor any copy of a delivery
-  // not yet completed, reads or writes, into
-  // out[0, capacity) as records (rows 0), at most `capacity` of them; the rest stay
-  // pending in their order. Their slots stay taken until completed_batches(batch).
+  // not yet completed, reads or writes, into out[0, capacity) as records (rows 0), at
+  // most `capacity` of them; the rest stay pending in their order. Their slots stay
+  // taken until completed_batches(batch).
   Delivery deliver_batch(StagedCopy* out, size_t capacity,
                          const std::function<bool(const uint8_t*)>& take, uint32_t batch);
   // Every delivery made so far has been performed: frees its slots.
@@ -159,7 +160,8 @@ class StagedCopies {
   // their slots. Batches are numbered 1, 2, ... in the order delivered (uint32, wrapping).
   void completed_batches(uint32_t done);
   // Performs every pending copy with `writer` now (host paths: the device is idle, every
-  // batch copied), after completed() and completed_batches(). Throws std::runtime_error as PoolWriter::copy does.
+  // batch copied), after completed() and completed_batches(). Throws std::runtime_error
+  // as PoolWriter::copy does.
   void flush(const PoolWriter& writer);
   // Performs `d` (written by deliver into `copies`) on the host, as the kernels do: what
   // tests and host-memory pools use instead of a device.
