@@ -713,10 +713,10 @@ class AcquireMailbox:
     The acquire mailbox of a cache on a CUDA device (ext/mailbox.h).
 
     A kernel on the GPU's stream (engine.device_acquire) writes a decode step's expert ids, and
-    optionally the last token's hidden state, into this mailbox in mapped host memory and spins
-    until the mailbox's thread has answered with their pool rows (ExpertCache.acquire: hits,
-    side hits, demand reads); the thread then prefetches what the hidden state predicts for
-    the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
+    optionally the hidden state of each row's last token (a batch has a row per reply), into
+    this mailbox in mapped host memory and spins until the mailbox's thread has answered with
+    their pool rows (ExpertCache.acquire: hits, side hits, demand reads); the thread then
+    prefetches what the hidden states predict for the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
     writes are staged in mapped memory (ExpertCache.set_staging) and each answer delivers them
     to its kernels, which copy them into the pools (ext/staged_copies.h).
 
@@ -728,17 +728,18 @@ class AcquireMailbox:
         fill_slots: staging slots for prefetch fills (a fill that finds none gives up).
         tier_slots: host-tier slots per MoE layer (records kept in host memory after their
             copies ran, evicted by the cache's policy; 0: none).
+        x_rows: the most rows of hidden state one request carries (a batch's replies).
 
     Where the cache's pools are not CUDA memory the mailbox is plain host memory (`mapped` is
     False): only `post` reaches it, as the tests do.
 
     Raises:
-        ValueError: hidden < 1, max_ids, fill_slots or tier_slots out of range.
+        ValueError: hidden < 1, max_ids, fill_slots, tier_slots or x_rows out of range.
         RuntimeError: the cache's writes are already staged, or the CUDA runtime refused to
             map the memory.
     """
 
-    def __init__(self, cache: ExpertCache, hidden: int, max_ids: int, fill_slots: int, tier_slots: int = 0) -> None: ...
+    def __init__(self, cache: ExpertCache, hidden: int, max_ids: int, fill_slots: int, tier_slots: int = 0, x_rows: int = 1) -> None: ...
 
     REQUEST: Final[int] = ...
     """Word of the latest request's sequence number."""
@@ -752,8 +753,8 @@ class AcquireMailbox:
     COUNT: Final[int] = ...
     """Word of the request's number of ids."""
 
-    HAS_X: Final[int] = ...
-    """Word: 1 when the request carries a hidden state."""
+    X_ROWS: Final[int] = ...
+    """Word: the rows of hidden state the request carries (0: none)."""
 
     ROW_COPIES: Final[int] = ...
     """Word: the answer's row copies."""
@@ -800,7 +801,7 @@ class AcquireMailbox:
     """First word of the rows (int32)."""
 
     HIDDEN: Final[int] = ...
-    """First word of the hidden state (float32)."""
+    """First word of the hidden states ((rows, hidden) float32, row-major)."""
 
     MAX_IDS: Final[int] = ...
     """The most ids a mailbox's max_ids allows."""
@@ -811,6 +812,10 @@ class AcquireMailbox:
     @property
     def max_ids(self) -> int:
         """The most ids of one request."""
+
+    @property
+    def x_rows(self) -> int:
+        """The most rows of hidden state one request carries."""
 
     @property
     def copies_address(self) -> int:
@@ -914,9 +919,10 @@ class AcquireMailbox:
     def set_prefetch(self, source: int, targets: Sequence[int], routers: Sequence[Router], budget: int) -> None:
         """
         What the thread prefetches after a request of MoE layer
-        `source` that carries a hidden state: for each of `targets` (MoE layers), the Router at the
-        same position ranks the experts for that hidden state and the top `budget` go to
-        ExpertCache.prefetch. Replaces the layer's earlier plan; empty lists: none.
+        `source` that carries hidden states: for each of `targets` (MoE layers), the Router at the
+        same position ranks the experts for each row, and ExpertCache.prefetch takes the top
+        `budget` of every row, rank by rank (each row's best, then each row's second, ...), an
+        expert once. Replaces the layer's earlier plan; empty lists: none.
 
         Raises:
             IndexError: a layer out of range.
@@ -924,12 +930,13 @@ class AcquireMailbox:
                 outside [1, experts] with targets given.
         """
 
-    def post(self, layer: int, ids: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], x: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> NDArray[numpy.int32]:
+    def post(self, layer: int, ids: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None) -> NDArray[numpy.int32]:
         """
         Posts a request as the kernel does and returns its rows.
 
         Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
-        max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None) and
+        max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,) or (rows, hidden) with
+        rows at most x_rows, or None) and
         publishes the request. Where the hit table has every id, the rows are its entries and the
         request is posted FAST (answered later, not waited for: `wait`); else it waits for the
         answer and performs the pool copies it delivers. The host's stand-in for the kernels
@@ -940,5 +947,6 @@ class AcquireMailbox:
             ExpertCache.raise_stream_error raises).
 
         Raises:
-            ValueError: more than max_ids ids, or x is not (hidden,).
+            ValueError: more than max_ids ids, or x is not (hidden,) or (rows, hidden) with rows
+                in [1, x_rows].
         """

@@ -4,10 +4,11 @@ On a GPU an MoE layer's expert ids exist only on the device. The CPU-stream `acq
 makes MLX hand them across streams (the GPU signals an event a CPU thread waits for,
 then waits for that thread's signal): two graph commits and two thread wake-ups per MoE
 layer, hit or miss. Here a kernel on the GPU's stream writes the ids (and, for a
-prefetch source, the last token's hidden state) into the cache's `AcquireMailbox` in
-mapped host memory and spins until the mailbox's thread has answered with their pool
-rows; the thread runs the same `ExpertCache.acquire` (hits, side hits, demand reads) and
-then the prefetch the hidden state predicts (ext/mailbox.h). A layer whose experts all
+prefetch source, the hidden state of each row's last token: a batch's decode step has a
+row per reply) into the cache's `AcquireMailbox` in mapped host memory and spins until the
+mailbox's thread has answered with their pool rows; the thread runs the same
+`ExpertCache.acquire` (hits, side hits, demand reads) and then the prefetch the hidden
+states predict (ext/mailbox.h). A layer whose experts all
 have real slots does not wait for the thread at all: the kernel takes their rows from the
 cache's hit table (mapped host memory the host keeps) and posts the request for the
 thread to count later; the next request's kernel waits for that answer, by which time
@@ -55,7 +56,7 @@ _BLOCK = 256
 _COPY_BLOCKS = 16
 
 # The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
-# copies, hit table, experts, fill copies]), not as literals: the source is then the same for every
+# copies, hit table, experts, fill copies, x rows]), not as literals: the source is then the same for every
 # cache, and MLX compiles each kernel once per process (its JIT modules are keyed by name
 # and source).
 _HEADER = """
@@ -163,6 +164,7 @@ _POST = """
   __shared__ int seq;
   __shared__ int es_fast;
   __shared__ int es_rows[{max_ids}];
+  int es_x_rows = 0;
   const int tid = threadIdx.x;
   if (tid == 0) {{
     const int previous = ES_WORD({request});
@@ -178,7 +180,7 @@ _POST = """
   if (tid == 0) {{
     ES_WORD({layer_word}) = layer[0];
     ES_WORD({count}) = {n};
-    ES_WORD({has_x}) = {with_x};
+    ES_WORD({x_rows_word}) = es_x_rows;
     ES_WORD({fast_word}) = es_fast;
   }}
   __threadfence_system();
@@ -212,14 +214,25 @@ _COPY_IDS = """
   }}
 """
 
+# The hidden states of x's last `es_x_rows` tokens (at most the mailbox's x_rows, box[5]):
+# a decode step's rows, one token each.
 _COPY_X = """
   {{
     const int h = x_shape[x_ndim - 1];
-    long long base = 0;
-    for (int d = 0; d + 1 < x_ndim; ++d) base += (long long)(x_shape[d] - 1) * x_strides[d];
+    int tokens = 1;
+    for (int d = 0; d + 1 < x_ndim; ++d) tokens *= x_shape[d];
+    es_x_rows = min(tokens, static_cast<int>(box[5]));
     volatile float* hx = reinterpret_cast<volatile float*>(&ES_WORD({hidden_word}));
-    for (int j = tid; j < h; j += blockDim.x)
-      hx[j] = static_cast<float>(x[base + (long long)j * x_strides[x_ndim - 1]]);
+    for (int i = tid; i < es_x_rows * h; i += blockDim.x) {{
+      const int j = i % h;
+      int rest = tokens - es_x_rows + i / h;
+      long long off = (long long)j * x_strides[x_ndim - 1];
+      for (int d = x_ndim - 2; d >= 0; --d) {{
+        off += (long long)(rest % x_shape[d]) * x_strides[d];
+        rest /= x_shape[d];
+      }}
+      hx[i] = static_cast<float>(x[off]);
+    }}
   }}
 """
 
@@ -335,6 +348,8 @@ class DeviceAcquire:
         fill_worker: prefetch fills copied by a worker kernel on a stream of its own,
             beside the compute (`StreamConfig.fill_worker`); False: by the next answer's
             copy kernel.
+        x_rows: the most rows of x a prediction reads (a decode step's replies): the
+            last `x_rows` tokens of a longer x.
 
     Raises:
         RuntimeError: the CUDA runtime refused to map the mailbox's memory.
@@ -348,11 +363,12 @@ class DeviceAcquire:
         fill_slots: int,
         tier_slots: int = 0,
         fill_worker: bool = False,
+        x_rows: int = 1,
     ):
         # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
         # not the default one), so that each can be waited for; first, for __del__.
         self._streams: list[mx.Stream] = []
-        self.mailbox = AcquireMailbox(cache, hidden, max_ids, fill_slots, tier_slots)
+        self.mailbox = AcquireMailbox(cache, hidden, max_ids, fill_slots, tier_slots, x_rows)
         self.hidden = hidden
         self.max_ids = max_ids
         layout = AcquireMailbox
@@ -363,6 +379,7 @@ class DeviceAcquire:
                 self.mailbox.hit_table_address,
                 cache.num_experts,
                 self.mailbox.fills_address,
+                x_rows,
             ],
             mx.uint64,
         )
@@ -371,7 +388,7 @@ class DeviceAcquire:
             "request": layout.REQUEST,
             "layer_word": layout.LAYER,
             "count": layout.COUNT,
-            "has_x": layout.HAS_X,
+            "x_rows_word": layout.X_ROWS,
             "row_copies": layout.ROW_COPIES,
             "record_copies": layout.RECORD_COPIES,
             "chunks": layout.CHUNKS,
@@ -405,7 +422,6 @@ class DeviceAcquire:
                 copy_x=_COPY_X.format(**words) if with_x else "",
                 n="n" if with_ids else 0,
                 lookup=int(with_ids),
-                with_x=int(with_x),
                 wait="es_wait_reply(es_words, seq); es_wait_batch(es_words);" if with_ids else "",
                 out=_HEAD_OUT.format(**words) if with_ids else "if (tid == 0) head[0] = 0;",
                 **words,
@@ -515,7 +531,8 @@ class DeviceAcquire:
         """Lazy int32 pool rows of `ids` (any integer dtype, shape and strides, at most
         `max_ids` of them) for MoE layer `layer`, the answer's pool copies done before
         them; with `x` ((..., hidden), any float dtype), the mailbox's thread then
-        prefetches what x's last token predicts for the layer's targets (`set_prefetch`)."""
+        prefetches what x's last tokens (up to `x_rows`: a decode step's rows) predict for the
+        layer's targets (`set_prefetch`)."""
         self._stage()
         variant = "acquire" if x is None else "acquire_x"
         inputs = [self._box, ids, self._layer(layer)] + ([] if x is None else [x])
@@ -536,7 +553,7 @@ class DeviceAcquire:
         return rows
 
     def prefetch(self, layer: int, x: mx.array) -> mx.array:
-        """A lazy int32 (1,) array that, evaluated, hands x's last token to the mailbox's
+        """A lazy int32 (1,) array that, evaluated, hands x's last tokens to the mailbox's
         thread for the layer's prefetch without waiting for it (a layer that takes the
         table path, whose targets still miss)."""
         self._stage()

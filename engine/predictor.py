@@ -91,6 +91,9 @@ class Predictor:
         # as the load's memory plan sized them.
         self.tier_slots = tier_slots if self.device_path else 0
         self.fill_worker = config.fill_worker
+        # The rows of a batch's decode step (one token per reply): on the device path each
+        # row's hidden state is a prediction of its own (`AcquireMailbox` x_rows).
+        self.batch_rows = config.max_batch
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
         self.should_stop: Callable[[], bool] | None = None
@@ -133,11 +136,12 @@ class Predictor:
             router = self._dense[target] = dense_router(self.routers[target], hidden)
         return router
 
-    def predicted(self, layer: int, x: mx.array) -> list[int]:
-        """The targets of `layer` to predict from `x`: none when prefetch is off or x is
-        more than one token (prefill), else those with a router that are not complete (a
-        complete layer cannot miss)."""
-        if not self.enabled or x.size // x.shape[-1] != 1:
+    def predicted(self, layer: int, x: mx.array, rows: int = 1) -> list[int]:
+        """The targets of `layer` to predict from `x` ((..., hidden)): none when prefetch
+        is off or x is more than `rows` tokens (a prompt's prefill; rows: the tokens a
+        prediction takes, one per reply of a decode step), else those with a router that
+        are not complete (a complete layer cannot miss)."""
+        if not self.enabled or x.size // x.shape[-1] > rows:
             return []
         return [
             t
@@ -247,6 +251,7 @@ class Predictor:
             mailbox_fill_slots(self.budget),
             self.tier_slots,
             self.fill_worker,
+            self.batch_rows,
         )
 
     @property
@@ -257,7 +262,7 @@ class Predictor:
 
     def device_prefetch(self, device: DeviceAcquire, layer: int, x: mx.array, targets: list[int]):
         """Hands `layer`'s prediction of `targets` (`predicted`) to the mailbox's thread
-        (`DeviceAcquire.set_prefetch`), for the request that carries x's last token."""
+        (`DeviceAcquire.set_prefetch`), for the request that carries x's last tokens."""
         routers = [self.router(t, x.shape[-1]) for t in targets]
         device.set_prefetch(layer, targets, routers, self.budget)
 

@@ -511,10 +511,10 @@ Raises:
 const char* kMailbox = R"(The acquire mailbox of a cache on a CUDA device (ext/mailbox.h).
 
 A kernel on the GPU's stream (engine.device_acquire) writes a decode step's expert ids, and
-optionally the last token's hidden state, into this mailbox in mapped host memory and spins
-until the mailbox's thread has answered with their pool rows (ExpertCache.acquire: hits,
-side hits, demand reads); the thread then prefetches what the hidden state predicts for
-the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
+optionally the hidden state of each row's last token (a batch has a row per reply), into
+this mailbox in mapped host memory and spins until the mailbox's thread has answered with
+their pool rows (ExpertCache.acquire: hits, side hits, demand reads); the thread then
+prefetches what the hidden states predict for the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
 writes are staged in mapped memory (ExpertCache.set_staging) and each answer delivers them
 to its kernels, which copy them into the pools (ext/staged_copies.h).
 
@@ -526,19 +526,21 @@ Args:
     fill_slots: staging slots for prefetch fills (a fill that finds none gives up).
     tier_slots: host-tier slots per MoE layer (records kept in host memory after their
         copies ran, evicted by the cache's policy; 0: none).
+    x_rows: the most rows of hidden state one request carries (a batch's replies).
 
 Where the cache's pools are not CUDA memory the mailbox is plain host memory (`mapped` is
 False): only `post` reaches it, as the tests do.
 
 Raises:
-    ValueError: hidden < 1, max_ids, fill_slots or tier_slots out of range.
+    ValueError: hidden < 1, max_ids, fill_slots, tier_slots or x_rows out of range.
     RuntimeError: the cache's writes are already staged, or the CUDA runtime refused to
         map the memory.)";
 
 const char* kMailboxPost = R"(Posts a request as the kernel does and returns its rows.
 
 Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
-max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,), or None) and
+max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,) or (rows, hidden) with
+rows at most x_rows, or None) and
 publishes the request. Where the hit table has every id, the rows are its entries and the
 request is posted FAST (answered later, not waited for: `wait`); else it waits for the
 answer and performs the pool copies it delivers. The host's stand-in for the kernels
@@ -549,12 +551,14 @@ Returns:
     ExpertCache.raise_stream_error raises).
 
 Raises:
-    ValueError: more than max_ids ids, or x is not (hidden,).)";
+    ValueError: more than max_ids ids, or x is not (hidden,) or (rows, hidden) with rows
+        in [1, x_rows].)";
 
 const char* kMailboxSetPrefetch = R"(What the thread prefetches after a request of MoE layer
-`source` that carries a hidden state: for each of `targets` (MoE layers), the Router at the
-same position ranks the experts for that hidden state and the top `budget` go to
-ExpertCache.prefetch. Replaces the layer's earlier plan; empty lists: none.
+`source` that carries hidden states: for each of `targets` (MoE layers), the Router at the
+same position ranks the experts for each row, and ExpertCache.prefetch takes the top
+`budget` of every row, rank by rank (each row's best, then each row's second, ...), an
+expert once. Replaces the layer's earlier plan; empty lists: none.
 
 Raises:
     IndexError: a layer out of range.
@@ -1010,16 +1014,17 @@ NB_MODULE(_ext, m) {
       .def(
           "__init__",
           [](MailboxHandle* self, const Cache& cache, int hidden, int max_ids, int fill_slots,
-             int tier_slots) {
-            new (self) MailboxHandle{
-                std::make_unique<Box>(cache.impl, hidden, max_ids, fill_slots, tier_slots)};
+             int tier_slots, int x_rows) {
+            new (self) MailboxHandle{std::make_unique<Box>(cache.impl, hidden, max_ids,
+                                                           fill_slots, tier_slots, x_rows)};
           },
-          "cache"_a, "hidden"_a, "max_ids"_a, "fill_slots"_a, "tier_slots"_a = 0)
+          "cache"_a, "hidden"_a, "max_ids"_a, "fill_slots"_a, "tier_slots"_a = 0, "x_rows"_a = 1)
       .def_ro_static("REQUEST", &Box::kRequest, "Word of the latest request's sequence number.")
       .def_ro_static("REPLY", &Box::kReply, "Word of the latest answered sequence number.")
       .def_ro_static("LAYER", &Box::kLayer, "Word of the request's MoE layer.")
       .def_ro_static("COUNT", &Box::kCount, "Word of the request's number of ids.")
-      .def_ro_static("HAS_X", &Box::kHasX, "Word: 1 when the request carries a hidden state.")
+      .def_ro_static("X_ROWS", &Box::kXRows,
+                     "Word: the rows of hidden state the request carries (0: none).")
       .def_ro_static("ROW_COPIES", &Box::kRowCopies, "Word: the answer's row copies.")
       .def_ro_static("RECORD_COPIES", &Box::kRecordCopies, "Word: the answer's record copies.")
       .def_ro_static("CHUNKS", &Box::kChunks, "Word: the record copies' chunks in all.")
@@ -1041,13 +1046,17 @@ NB_MODULE(_ext, m) {
                      "Word: the generation of the fill worker told to end.")
       .def_ro_static("IDS", &Box::kIds, "First word of the ids (int32).")
       .def_ro_static("ROWS", &Box::kRows, "First word of the rows (int32).")
-      .def_ro_static("HIDDEN", &Box::kHidden, "First word of the hidden state (float32).")
+      .def_ro_static("HIDDEN", &Box::kHidden,
+                     "First word of the hidden states ((rows, hidden) float32, row-major).")
       .def_ro_static("MAX_IDS", &Box::kMaxIds, "The most ids a mailbox's max_ids allows.")
       .def_ro_static("CHUNK_BYTES", &es::StagedCopies::kChunkBytes,
                      "Bytes of a record copy's chunk (the last one of a copy may be short).")
       .def_prop_ro(
           "max_ids", [](const MailboxHandle& b) { return b.impl->max_ids(); },
           "The most ids of one request.")
+      .def_prop_ro(
+          "x_rows", [](const MailboxHandle& b) { return b.impl->x_rows(); },
+          "The most rows of hidden state one request carries.")
       .def_prop_ro(
           "copies_address", [](const MailboxHandle& b) { return b.impl->copies_address(); },
           "The device address of the answer's copies: (src, dst, bytes, first_chunk) uint64 "
@@ -1148,15 +1157,22 @@ NB_MODULE(_ext, m) {
           "source"_a, "targets"_a, "routers"_a, "budget"_a, doc::kMailboxSetPrefetch)
       .def(
           "post",
-          [](MailboxHandle& b, int layer, Ids ids, std::optional<Vector> x) {
-            if (x && static_cast<int>(x->shape(0)) != b.impl->hidden())
-              throw std::invalid_argument("x must hold " + std::to_string(b.impl->hidden()) +
-                                          " floats, got " + std::to_string(x->shape(0)));
+          [](MailboxHandle& b, int layer, Ids ids, std::optional<Probs> x) {
+            int x_rows = 1;
+            if (x) {
+              const int hidden = b.impl->hidden();
+              const bool shaped = (x->ndim() == 1 && static_cast<int>(x->shape(0)) == hidden) ||
+                                  (x->ndim() == 2 && static_cast<int>(x->shape(1)) == hidden);
+              if (!shaped)
+                throw std::invalid_argument("x must be (hidden,) or (rows, hidden) float32 "
+                                            "with hidden " + std::to_string(hidden));
+              if (x->ndim() == 2) x_rows = static_cast<int>(x->shape(0));
+            }
             std::vector<int32_t> rows;
             {
               nb::gil_scoped_release release;
               rows = b.impl->post(layer, ids.data(), static_cast<int>(ids.size()),
-                                  x ? x->data() : nullptr);
+                                  x ? x->data() : nullptr, x_rows);
             }
             const size_t n = rows.size();
             return to_numpy(std::move(rows), {n});

@@ -56,9 +56,11 @@ inline bool reached(int32_t a, int32_t b) {
 }  // namespace
 
 AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids,
-                               int fill_slots, int tier_slots)
-    : cache_(std::move(cache)), hidden_(hidden), max_ids_(max_ids) {
+                               int fill_slots, int tier_slots, int x_rows)
+    : cache_(std::move(cache)), hidden_(hidden), max_ids_(max_ids), x_rows_(x_rows) {
   if (hidden < 1) throw std::invalid_argument("mailbox hidden size must be >= 1");
+  if (x_rows < 1)
+    throw std::invalid_argument("mailbox x_rows must be >= 1, got " + std::to_string(x_rows));
   if (max_ids < 1 || max_ids > kMaxIds)
     throw std::invalid_argument("mailbox max_ids must be in [1, " + std::to_string(kMaxIds) +
                                 "], got " + std::to_string(max_ids));
@@ -71,7 +73,9 @@ AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, i
   for (int li = 0; li < cache_->num_layers(); ++li)
     segments = std::max(segments, cache_->pool(li).size());
   capacity_ = staged_->capacity(segments, segments * static_cast<size_t>(max_ids));
-  copies_offset_ = (static_cast<size_t>(kHidden + hidden) * sizeof(int32_t) + 255) / 256 * 256;
+  const size_t x_floats = static_cast<size_t>(hidden) * static_cast<size_t>(x_rows);
+  copies_offset_ = (static_cast<size_t>(kHidden) * sizeof(int32_t) + x_floats * sizeof(float) +
+                    255) / 256 * 256;
   fills_offset_ = copies_offset_ + (capacity_ * sizeof(StagedCopy) + 255) / 256 * 256;
   memory_ = std::make_unique<MappedHost>(
       cache_->writer(), fills_offset_ + capacity_ * sizeof(StagedCopy), "the acquire mailbox");
@@ -81,7 +85,7 @@ AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, i
   budget_.resize(layers, 0);
   ids_.resize(kMaxIds);
   rows_.resize(kMaxIds);
-  x_.resize(static_cast<size_t>(hidden));
+  x_.resize(x_floats);
   thread_ = std::thread([this] { run(); });
   cache_->set_answer_wait([this] { wait(); });
 }
@@ -198,15 +202,14 @@ void AcquireMailbox::answer(uint32_t seq) {
     staged_->completed_batches(static_cast<uint32_t>(load(word(kBatchDone))));
   const int li = load(word(kLayer));
   const int n = load(word(kCount));
-  const bool has_x = load(word(kHasX)) != 0;
+  const int x_rows = load(word(kXRows));
   const bool fast = load(word(kFast)) != 0;
-  const bool valid = li >= 0 && li < cache_->num_layers() && n >= 0 && n <= max_ids_;
+  const bool valid = li >= 0 && li < cache_->num_layers() && n >= 0 && n <= max_ids_ &&
+                     x_rows >= 0 && x_rows <= x_rows_;
   if (valid) {
     for (int i = 0; i < n; ++i) ids_[static_cast<size_t>(i)] = word(kIds)[i];
-    if (has_x) {
-      const volatile float* x = reinterpret_cast<const volatile float*>(word(kHidden));
-      for (int i = 0; i < hidden_; ++i) x_[static_cast<size_t>(i)] = x[i];
-    }
+    const volatile float* x = reinterpret_cast<const volatile float*>(word(kHidden));
+    for (size_t i = 0; i < static_cast<size_t>(x_rows) * hidden_; ++i) x_[i] = x[i];
   }
   if (n > 0) {
     const int count = std::min(n, kMaxIds);
@@ -214,7 +217,8 @@ void AcquireMailbox::answer(uint32_t seq) {
     try {
       if (!valid)
         throw std::logic_error("acquire mailbox: a request for MoE layer " +
-                               std::to_string(li) + " with " + std::to_string(n) + " ids");
+                               std::to_string(li) + " with " + std::to_string(n) + " ids and " +
+                               std::to_string(x_rows) + " rows of hidden state");
       if (!cache_->staging_on())
         throw std::logic_error("acquire mailbox: a request while pool writes are not staged");
       if (!cache_->acquire(li, ids_.data(), rows_.data(), static_cast<size_t>(n)).empty())
@@ -255,11 +259,11 @@ void AcquireMailbox::answer(uint32_t seq) {
                        std::memory_order_relaxed);
   answered_.fetch_add(1, std::memory_order_relaxed);
   if (!valid) return;
-  if (has_x) prefetch(li);
+  if (x_rows > 0) prefetch(li, x_rows);
   publish_fills(li);
 }
 
-void AcquireMailbox::prefetch(int li) {
+void AcquireMailbox::prefetch(int li, int rows) {
   // After the answer, while the device computes this layer: the next request waits for
   // it, so the fills are reserved before any later layer's acquire, as on the CPU stream.
   std::vector<Target> plan;
@@ -269,11 +273,28 @@ void AcquireMailbox::prefetch(int li) {
     plan = plan_[static_cast<size_t>(li)];
     budget = budget_[static_cast<size_t>(li)];
   }
-  std::vector<int32_t> top(static_cast<size_t>(std::max(budget, 0)));
+  if (plan.empty()) return;
+  const size_t width = static_cast<size_t>(budget);
+  std::vector<int32_t> ranked(static_cast<size_t>(rows) * width), merged;
+  std::vector<uint8_t> seen(static_cast<size_t>(cache_->num_experts()));
   for (const auto& t : plan) {
     try {
-      t.router->top(x_.data(), x_.size(), budget, top.data());
-      cache_->prefetch(t.layer, top.data(), top.size());
+      for (int r = 0; r < rows; ++r)
+        t.router->top(x_.data() + static_cast<size_t>(r) * hidden_, static_cast<size_t>(hidden_),
+                      budget, ranked.data() + static_cast<size_t>(r) * width);
+      // Rank-major over the rows: every reply's best expert before any reply's second,
+      // so the fills the side rows hold serve every row of a batch alike.
+      merged.clear();
+      std::fill(seen.begin(), seen.end(), 0);
+      for (size_t k = 0; k < width; ++k)
+        for (int r = 0; r < rows; ++r) {
+          const int32_t e = ranked[static_cast<size_t>(r) * width + k];
+          if (!seen[static_cast<size_t>(e)]) {
+            seen[static_cast<size_t>(e)] = 1;
+            merged.push_back(e);
+          }
+        }
+      cache_->prefetch(t.layer, merged.data(), merged.size());
     } catch (const std::exception&) {
       // A failed prediction or reservation only costs the demand reads it would have saved.
     }
@@ -382,10 +403,14 @@ void AcquireMailbox::serve_fills(int generation) {
   store(word(kWorkerDown), generation);
 }
 
-std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, const float* x) {
+std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, const float* x,
+                                          int x_rows) {
   if (n < 0 || n > max_ids_)
     throw std::invalid_argument("a mailbox request holds at most " + std::to_string(max_ids_) +
                                 " ids, got " + std::to_string(n));
+  if (x && (x_rows < 1 || x_rows > x_rows_))
+    throw std::invalid_argument("a mailbox request holds 1 to " + std::to_string(x_rows_) +
+                                " rows of hidden state, got " + std::to_string(x_rows));
   const int32_t previous = load(word(kRequest));
   while (load(word(kReply)) != previous) std::this_thread::yield();
   // The kernel's lookup (a layer or an id out of range is left to the thread's answer).
@@ -400,12 +425,12 @@ std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, 
   }
   store(word(kLayer), layer);
   store(word(kCount), n);
-  store(word(kHasX), x ? 1 : 0);
+  store(word(kXRows), x ? x_rows : 0);
   store(word(kFast), fast ? 1 : 0);
   for (int i = 0; i < n; ++i) word(kIds)[i] = ids[i];
   if (x) {
     volatile float* dst = reinterpret_cast<volatile float*>(word(kHidden));
-    for (int i = 0; i < hidden_; ++i) dst[i] = x[i];
+    for (size_t i = 0; i < static_cast<size_t>(x_rows) * hidden_; ++i) dst[i] = x[i];
   }
   const int32_t seq = static_cast<int32_t>(static_cast<uint32_t>(previous) + 1);
   store(word(kRequest), seq);

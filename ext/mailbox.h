@@ -5,11 +5,11 @@
 // acquire makes the GPU signal an event that a CPU-stream thread waits for, and the GPU
 // then waits for that thread's own signal: two graph commits and two thread wake-ups per
 // MoE layer, hit or miss. Here the acquire is a kernel on the GPU's own stream
-// (engine/device_acquire.py) that writes the layer's ids, and optionally the last token's
-// hidden state, into this mailbox in mapped host memory and spins until the mailbox's
+// (engine/device_acquire.py) that writes the layer's ids, and optionally the hidden state
+// of each row's last token (a decode step of a batch has a row per reply), into this mailbox in mapped host memory and spins until the mailbox's
 // thread has written the rows back; that thread polls the mailbox, runs
 // ExpertCache::acquire (hits, side hits, demand reads: the same calls acquire_op makes)
-// and answers, then ranks and queues the prefetch predicted from the hidden state.
+// and answers, then ranks and queues the prefetch predicted from the hidden states.
 //
 // Ordering is the CPU stream's: a request is posted only when every kernel it depends on
 // has run, so every earlier use of the layer's pool has run too (its rows can be
@@ -24,7 +24,7 @@
 //   [kReply]    sequence number of the latest request answered, written by the host
 //   [kLayer]    the request's MoE layer
 //   [kCount]    its number of ids (0: a prefetch-only request, answered at once)
-//   [kHasX]     1 when the request carries a hidden state
+//   [kXRows]    rows of hidden state the request carries (0: none, at most x_rows)
 //   [kRowCopies], [kRecordCopies], [kChunks]  the answer's delivery of staged pool
 //               writes (staged_copies.h): counts of row and record copies, and of the
 //               record copies' chunks
@@ -38,7 +38,7 @@
 //               counts, [kWorkerStop] the generation to end, written by the host
 //   [kIds, kIds + kMaxIds)     ids (int32)
 //   [kRows, kRows + kMaxIds)   rows (int32), written by the host
-//   [kHidden, kHidden + hidden) hidden state of the last token (float32)
+//   [kHidden, kHidden + x_rows * hidden) hidden states, row-major (float32)
 // and, from copies_address(), the delivery's StagedCopy entries: row copies, then records;
 // from fills_address(), the latest fill batch's.
 //
@@ -92,7 +92,7 @@ class AcquireMailbox {
   static constexpr int kReply = 32;   // own line: host-written
   static constexpr int kLayer = 64;
   static constexpr int kCount = 65;
-  static constexpr int kHasX = 66;
+  static constexpr int kXRows = 66;
   static constexpr int kRowCopies = 67;
   static constexpr int kRecordCopies = 68;
   static constexpr int kChunks = 69;
@@ -110,18 +110,20 @@ class AcquireMailbox {
   static constexpr int kRows = kIds + kMaxIds;
   static constexpr int kHidden = kRows + kMaxIds;
 
-  // hidden: the longest hidden state a request carries (floats); max_ids: the most ids
+  // hidden: the hidden size (floats of one row's hidden state); max_ids: the most ids
   // of one request (at most kMaxIds), which is also how many staging slots are kept for
   // a request's demand reads; fill_slots: staging slots for prefetch fills; tier_slots:
-  // host-tier slots per MoE layer (staged_copies.h; 0: no tier). Allocates the
+  // host-tier slots per MoE layer (staged_copies.h; 0: no tier); x_rows: the most rows of
+  // hidden state a request carries (a batch's replies). Allocates the
   // mailbox and the staging (ExpertCache::enable_staging) in host memory mapped for the
   // pools' CUDA device (plain host memory where the pools are not CUDA memory: for tests
   // of the host side, `post`) and starts its thread. Throws std::invalid_argument for
-  // hidden < 1, max_ids outside [1, kMaxIds] or fill_slots < 1, std::logic_error when the
+  // hidden < 1, max_ids outside [1, kMaxIds], fill_slots < 1 or x_rows < 1,
+  // std::logic_error when the
   // cache already stages its writes, std::runtime_error when the CUDA runtime refuses to
   // map the memory.
   AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
-                 int tier_slots = 0);
+                 int tier_slots = 0, int x_rows = 1);
   // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's), ends
   // the fill worker (stop_worker), answers a request still waited for (rows 0, an error
   // for the host), then stops the thread. Memory a kernel may still read (a request
@@ -136,6 +138,7 @@ class AcquireMailbox {
   uintptr_t device_address() const { return memory_->device_address(); }
   int hidden() const { return hidden_; }
   int max_ids() const { return max_ids_; }
+  int x_rows() const { return x_rows_; }
   // The device address of the delivery's StagedCopy entries.
   uintptr_t copies_address() const { return memory_->device_address() + copies_offset_; }
   // The device address of the latest fill batch's StagedCopy entries (records only).
@@ -146,8 +149,9 @@ class AcquireMailbox {
   bool mapped() const { return memory_->mapped(); }
 
   // What the thread prefetches after answering a request of MoE layer `source` that
-  // carries a hidden state: for each target, `router` ranks the experts and the top
-  // `budget` go to ExpertCache::prefetch. Replaces the layer's earlier plan; empty: none.
+  // carries hidden states: for each target, `router` ranks the experts for each row and
+  // ExpertCache::prefetch takes the top `budget` of every row, rank by rank (each row's
+  // best first, then each row's second, ...), an expert once. Replaces the layer's earlier plan; empty: none.
   // Throws std::out_of_range for a layer the cache does not have, std::invalid_argument
   // for mismatched lengths, a router of another hidden size or expert count, or a budget
   // outside [1, experts].
@@ -158,8 +162,9 @@ class AcquireMailbox {
   // table where it has every id, posted kFast; else posts, waits for this answer and
   // performs the delivered copies) and returns the rows: the tests' stand-in for the
   // device, on any build (pools in host memory). n ids (at most max_ids; 0: prefetch
-  // only), x: hidden floats or null.
-  std::vector<int32_t> post(int layer, const int32_t* ids, int n, const float* x);
+  // only), x: x_rows * hidden floats (row-major; x_rows at most x_rows()) or null.
+  std::vector<int32_t> post(int layer, const int32_t* ids, int n, const float* x,
+                            int x_rows = 1);
 
   // The sequence numbers of the latest request and of the latest answer (equal when no
   // request waits).
@@ -224,9 +229,9 @@ class AcquireMailbox {
   }
   void run();
   void answer(uint32_t seq);
-  // Thread: after an answer to a request of MoE layer li with a hidden state, the fills
-  // its plan predicts (set_prefetch).
-  void prefetch(int li);
+  // Thread: after an answer to a request of MoE layer li with `rows` rows of hidden state
+  // (x_), the fills its plan predicts (set_prefetch).
+  void prefetch(int li, int rows);
   // Thread: whether the latest worker runs and may take a batch.
   bool worker_ready() const;
   // Thread: hands the worker the fills staged for side rows of layers other than `layer`
@@ -239,6 +244,7 @@ class AcquireMailbox {
   std::shared_ptr<ExpertCache> cache_;
   int hidden_;
   int max_ids_;
+  int x_rows_;
   std::shared_ptr<StagedCopies> staged_;
   size_t copies_offset_ = 0;  // bytes from the mailbox's start
   size_t fills_offset_ = 0;
@@ -249,7 +255,7 @@ class AcquireMailbox {
   std::vector<std::vector<Target>> plan_;  // [source layer]
   std::vector<int> budget_;                // [source layer]
   std::vector<int32_t> ids_, rows_;        // the request being answered
-  std::vector<float> x_;
+  std::vector<float> x_;                   // [row * hidden + i]
 
   std::atomic<int32_t> handled_{0};      // the latest request answered, prefetch and all
   std::atomic<uint32_t> published_{0};  // the latest fill batch handed to the worker

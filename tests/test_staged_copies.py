@@ -36,7 +36,9 @@ def staged_cache(store, fill_slots=4, tier_slots=0, **config):
     # (tests/test_prefetch_throttle.py).
     config.setdefault("adaptive_prefetch", False)
     cache = open_cache(store, StreamConfig(reader_threads=1, **config))
-    mailbox = AcquireMailbox(cache, HIDDEN, max_ids=4, fill_slots=fill_slots, tier_slots=tier_slots)
+    mailbox = AcquireMailbox(
+        cache, HIDDEN, max_ids=4, fill_slots=fill_slots, tier_slots=tier_slots, x_rows=2
+    )
     cache.set_staging(True)
     return cache, mailbox
 
@@ -126,6 +128,48 @@ def test_a_prefetch_fill_comes_from_the_host_tier(qwen_store):
     assert cache.snapshot(2)["stats"]["side_hits"] == 1
 
 
+def one_hot_router(hidden=HIDDEN, experts=8):
+    """A router whose logit for expert e is x[e]: a one-hot x picks the expert it names."""
+    return Router(np.eye(experts, hidden, dtype=np.float32), np.zeros(experts, np.float32))
+
+
+def test_a_batch_prefetches_what_every_row_predicts(qwen_store):
+    cache = open_cache(
+        qwen_store,
+        StreamConfig(reader_threads=1, adaptive_prefetch=False, expert_slots=2, side_slots=4,
+                     sync=True),
+    )
+    # Staging for the three fills beside the first request's two demand reads, which may
+    # take any slot.
+    mailbox = AcquireMailbox(cache, HIDDEN, max_ids=4, fill_slots=8, x_rows=3)
+    cache.set_staging(True)
+    assert mailbox.x_rows == 3
+    # Budget 2: row 0 ranks 5 then 0 (ties go to the lower id), row 1 ranks 3 then 0,
+    # row 2 ranks 5 then 0 again: rank by rank, 5, 3, then 0 once.
+    mailbox.set_prefetch(0, [1], [one_hot_router()], 2)
+    x = np.zeros((3, HIDDEN), np.float32)
+    x[0, 5] = x[1, 3] = x[2, 5] = 1.0
+    mailbox.post(0, np.array([1, 2], np.int32), x)
+    mailbox.wait()
+    assert cache.snapshot(1)["stats"]["prefetch_issued"] == 3
+    rows = mailbox.post(1, np.array([5, 3, 0], np.int32))
+    assert cache.snapshot(1)["stats"]["side_hits"] == 3
+    checker = RowChecker(qwen_store, cache)
+    for e, r in zip([5, 3, 0], rows, strict=True):
+        checker.assert_row(1, int(r), e)
+    # One row (a decode step of one reply) predicts from that row only.
+    mailbox.set_prefetch(0, [2], [one_hot_router()], 1)
+    one = np.zeros(HIDDEN, np.float32)
+    one[6] = 1.0
+    mailbox.post(0, np.array([1, 2], np.int32), one)
+    mailbox.wait()
+    assert cache.snapshot(2)["stats"]["prefetch_issued"] == 1
+    with pytest.raises(ValueError, match="1 to 3 rows"):
+        mailbox.post(0, np.array([1], np.int32), np.zeros((4, HIDDEN), np.float32))
+    with pytest.raises(ValueError, match="x_rows must be >= 1"):
+        AcquireMailbox(open_cache(qwen_store, StreamConfig(reader_threads=1)), HIDDEN, 4, 4, x_rows=0)
+
+
 def test_a_mailbox_is_made_once_per_cache(qwen_store):
     cache, mailbox = staged_cache(qwen_store, expert_slots=2)
     with pytest.raises(RuntimeError, match="already staged"):
@@ -186,8 +230,9 @@ def test_every_answer_holds_its_experts(
     # With a fill worker (its host stand-in on a thread of its own), fills are copied
     # beside the rows being checked, as the copy stream runs beside the compute.
     serving = start_fill_worker(mailbox) if worker else None
-    # With predict, requests carry a hidden state and the thread prefetches the next
-    # layer's top 2 after each answer (random routers), between the answer and its batch.
+    # With predict, requests carry hidden states (one row or a batch's two) and the thread
+    # prefetches the next layer's top 2 of each row after each answer (random routers),
+    # between the answer and its batch.
     rng = np.random.default_rng(len(tokens))
     if predict and side:
         for li in range(3):
@@ -196,7 +241,8 @@ def test_every_answer_holds_its_experts(
     step, pinned = 0, None
     for n, t in enumerate(tokens):
         for li, ids in enumerate(t):
-            x = rng.standard_normal(HIDDEN).astype(np.float32) if predict else None
+            shape = (HIDDEN,) if step % 2 else (2, HIDDEN)
+            x = rng.standard_normal(shape).astype(np.float32) if predict else None
             rows = mailbox.post(li, np.array(ids, np.int32), x)
             for e, r in zip(ids, rows, strict=True):
                 checker.assert_row(li, int(r), e)
@@ -609,7 +655,7 @@ class SlowKernels:
         previous = w[box.REQUEST]
         while w[box.REPLY] != previous:
             time.sleep(0)
-        w[box.LAYER], w[box.COUNT], w[box.HAS_X], w[box.FAST] = layer, len(ids), 1, 0
+        w[box.LAYER], w[box.COUNT], w[box.X_ROWS], w[box.FAST] = layer, len(ids), 1, 0
         for i, e in enumerate(ids):
             w[box.IDS + i] = e
         hidden = (ctypes.c_float * HIDDEN).from_address(self.mailbox.address + 4 * box.HIDDEN)
