@@ -39,7 +39,9 @@ decode rows out.
 With --batch, many conversations at once (`bench.batch`): 1, 2, 4 and 8 clients
 streaming replies through `expertstream serve` side by side, total and per-client tokens/s
 and times to first token, and a client joining a running batch: the embedded model, and
-a synthetic store at 100% and at 25% of the experts with the host tier.
+a synthetic store at 100% and at 25% of the experts with the host tier, prefetch off
+and on (--side-slots side rows, 2 x top_k by default; a batch's decode step predicts from
+every reply's row). --clients picks the batch sizes.
 
 Figures go to stdout, DIR/device.json and DIR/device.md, each section's as it ends.
 """
@@ -209,13 +211,14 @@ def fractions(text: str) -> tuple[float, ...]:
 
 
 def lengths(text: str) -> tuple[int, ...]:
-    """--prefill-tokens: comma-separated prompt lengths, each at least 1."""
+    """--prefill-tokens, --clients: comma-separated counts (prompt lengths, clients at
+    once), each at least 1."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token counts") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of counts") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every length must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
     return values
 
 
@@ -496,24 +499,36 @@ def prefill(store: Path | None, log, rounds: int, lengths=(2048,)) -> dict:
     return out
 
 
-def batch(store: Path | None, tokens: int, log) -> dict:
-    """Many conversations at once (`bench.batch.suite`): the embedded model with every
-    expert, or `store` at 100% and at 25% of the experts with the host tier."""
-    from bench.batch import suite
+def batch(
+    store: Path | None, tokens: int, log, clients=None, side_slots: int | None = None
+) -> dict:
+    """Many conversations at once (`bench.batch.suite`, `clients` at once per row): the
+    embedded model with every expert, or `store` at 100% and at 25% of the experts with
+    the host tier, prefetch off and on (`side_slots` side rows, default 2 x top_k: each
+    decode step predicts from every reply's row). `clients` None: `bench.batch.CLIENTS`."""
+    from bench.batch import CLIENTS, suite
     from engine.model import resolve_store
+
+    clients = clients or CLIENTS
 
     if store is None:
         log("\n### Many conversations at once, embedded model, every expert\n")
-        return {"100%": suite(None, StreamConfig(), tokens=tokens, log=log)}
+        return {"100%": suite(None, StreamConfig(), clients, tokens=tokens, log=log)}
     manifest = resolve_store(store).manifest
+    quarter = max(manifest.top_k, manifest.num_experts // 4)
+    side = side_slots or 2 * manifest.top_k
     out = {}
-    for frac, config in (
-        (1.0, StreamConfig()),
-        (0.25, StreamConfig(expert_slots=max(manifest.top_k, manifest.num_experts // 4))),
+    for name, title, config in (
+        ("100%", "100% of the experts", StreamConfig()),
+        ("25%", "25% of the experts, host tier", StreamConfig(expert_slots=quarter)),
+        (
+            "25%, prefetch",
+            f"25% of the experts, host tier, prefetch on ({side} side rows)",
+            StreamConfig(expert_slots=quarter, prefetch=True, side_slots=side),
+        ),
     ):
-        tier = "" if frac == 1.0 else ", host tier"
-        log(f"\n### Many conversations at once, {store}, {frac:.0%} of the experts{tier}\n")
-        out[f"{frac:.0%}"] = suite(store, config, tokens=tokens, log=log)
+        log(f"\n### Many conversations at once, {store}, {title}\n")
+        out[name] = suite(store, config, clients, tokens=tokens, log=log)
     return out
 
 
@@ -618,7 +633,13 @@ def main(argv=None) -> int:
         "--batch",
         action="store_true",
         help="also drive 1, 2, 4 and 8 clients at once through serve (bench.batch): the "
-        "embedded model; a synthetic store at 100%% and at 25%% with the host tier",
+        "embedded model; a synthetic store at 100%% and at 25%% with the host tier, "
+        "prefetch off and on (--side-slots side rows)",
+    )
+    p.add_argument(
+        "--clients",
+        type=lengths,
+        help="with --batch: clients at once per row, comma-separated (default 1,2,4,8)",
     )
     p.add_argument(
         "--prefill-tokens",
@@ -653,11 +674,12 @@ def main(argv=None) -> int:
         p.error("nothing to run: give --synthetic STORE, or leave out --skip-embedded")
     if args.synthetic and not list(args.synthetic.glob("layer*.blob")):
         p.error(f"--synthetic {args.synthetic}: not a store (no layer*.blob files)")
-    if args.side_slots and not args.no_decode:
+    if args.side_slots:
         from engine.model import resolve_store
         from engine.resources import default_model_path
 
-        for model in [args.synthetic] * bool(sections["synthetic"]) + [default_model_path()] * bool(
+        uses_synthetic = sections["synthetic"] or sections["batch_synthetic"]
+        for model in [args.synthetic] * bool(uses_synthetic) + [default_model_path()] * bool(
             sections["embedded"]
         ):
             experts = resolve_store(model).manifest.num_experts
@@ -686,7 +708,8 @@ def main(argv=None) -> int:
         if section == "synthetic":
             return synthetic(store, args.tokens, log, args.fractions, rounds, side, res)
         if section.startswith("batch"):
-            return batch(None if section == "batch_embedded" else store, args.tokens, log)
+            model = None if section == "batch_embedded" else store
+            return batch(model, args.tokens, log, args.clients, side)
         if section == "prefill_embedded":
             return prefill(None, log, rounds or 3)
         return prefill(store, log, rounds or 3, args.prefill_tokens)

@@ -349,26 +349,28 @@ def test_the_device_bench_times_a_stores_first_token(qwen_store, tmp_path):
 
 def test_the_device_bench_drives_clients_at_once_through_serve(qwen_store, tmp_path):
     """`bench.device --batch --no-decode` on a store (served with a tokenizer of its
-    own): 1, 2, 4 and 8 streamed clients at once at 100% and at 25% of the experts, their
-    tokens all counted, and a client joining each running batch."""
+    own): 1 and 4 streamed clients at once (--clients) at 100% and at 25% of the experts,
+    prefetch off and on, their tokens all counted, and a client joining the running
+    batch."""
     import json
 
     import bench.device as device
 
     argv = ["--out", str(tmp_path), "--skip-embedded", "--synthetic", str(qwen_store.path)]
-    assert device.main([*argv, "--batch", "--no-decode", "--tokens", "4"]) == 0
+    assert device.main([*argv, "--batch", "--no-decode", "--tokens", "4", "--clients", "1,4"]) == 0
     results = json.loads((tmp_path / "device.json").read_text())
     assert list(results) == ["batch_synthetic"]
-    for fraction in ("100%", "25%"):
-        out = results["batch_synthetic"][fraction]
-        assert list(out["rows"]) == ["1", "2", "4", "8"] and list(out["join"]) == ["2", "4", "8"]
+    assert list(results["batch_synthetic"]) == ["100%", "25%", "25%, prefetch"]
+    for out in results["batch_synthetic"].values():
+        assert list(out["rows"]) == ["1", "4"] and list(out["join"]) == ["4"]
         for clients, row in out["rows"].items():
             # every client's 4 tokens (the random model never says its end of sequence)
             assert row["tokens"] == 4 * int(clients) and row["total_tps"] > 0, row
             assert 0 < row["ttft_median_s"] <= row["ttft_max_s"]
         assert all(j["join_ttft_s"] > 0 and j["prefill_s"] > 0 for j in out["join"].values())
-        assert out["exact"] == {"clients": 8, "same": 8, "first_difference_chars": []}
-    assert "| 8 |" in (tmp_path / "device.md").read_text()
+        assert out["exact"] == {"clients": 4, "same": 4, "first_difference_chars": []}
+    md = (tmp_path / "device.md").read_text()
+    assert "| 4 |" in md and "| 8 |" not in md and "prefetch on (4 side rows)" in md
 
 
 def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys):
@@ -384,7 +386,8 @@ def test_the_device_bench_refuses_bad_arguments_before_running(tmp_path, capsys)
         (["--synthetic", str(tmp_path)], f"--synthetic {tmp_path}: not a store"),
         (["--no-decode"], "--no-decode leaves nothing to run without --prefill"),
         (["--tokens", "1"], "--tokens: must be an integer >= 2, got '1'"),
-        (["--prefill-tokens", "2048,0"], "--prefill-tokens: '2048,0': every length"),
+        (["--prefill-tokens", "2048,0"], "--prefill-tokens: '2048,0': every count"),
+        (["--clients", "1,x"], "--clients: '1,x' is not a list of counts"),
     ):
         with pytest.raises(SystemExit) as e:
             device.main(out + argv)
