@@ -196,9 +196,9 @@ class StreamConfig:
             memory (CPU, Metal) the pools are the tier: no other is made.
         fill_worker: with device_acquire, prefetch fills are copied by a worker kernel on
             a stream of its own while the compute runs (`engine.device_acquire`); False
-            (the default: with the worker a decode step ran several times slower on the
-            H200, docs/benchmarks.md): by the copy kernel of the next answer, on the
-            compute stream ahead of the experts.
+            (the default: on the H200 the compute stream's work waited while the worker
+            ran, and a decode step ran several times slower, docs/benchmarks.md): by the
+            copy kernel of the next answer, on the compute stream ahead of the experts.
         max_batch: the most sequences one forward carries (`expertstream serve
             --max-batch`): with device_acquire, one acquire kernel's request holds up to
             max_batch x top_k ids, its mailbox and staging slots sized at load.

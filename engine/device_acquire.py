@@ -22,9 +22,10 @@ promotions, all at once, before the rows reach the experts' kernels; only where 
 the answer writes what a promotion reads or writes does the acquire kernel make the
 promotions first, one after another.
 
-With `fill_worker` (`StreamConfig.fill_worker`, off by default: a host call that waits
-for every kernel to end then waits until the worker ends, 50 ms without a request, and a
-decode step ran several times slower on the H200; docs/benchmarks.md), prefetch
+With `fill_worker` (`StreamConfig.fill_worker`, off by default: on the H200 the compute
+stream's work waited while the worker ran, until it ended after 50 ms without a request,
+and a decode step ran several times slower; no CUDA call of the host waited:
+docs/benchmarks.md), prefetch
 fills need not wait for that copy kernel, which runs on the compute stream ahead of the
 experts: a fill worker, a kernel of as many blocks on a stream of its own, copies
 the fill batches the mailbox's thread hands it while the compute stream runs (which rows

@@ -26,8 +26,9 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kSpin = std::chrono::milliseconds(100);
 constexpr auto kNap = std::chrono::microseconds(20);
 // The fill worker ends after this long without a request: a kernel that spins holds its
-// blocks' share of the GPU, and its stream cannot be synchronised while it runs. The
-// next forward starts another (a launch).
+// blocks' share of the GPU, and its stream cannot be synchronised while it runs (on the
+// H200 the compute stream waited for it, docs/benchmarks.md). The next forward starts
+// another (a launch).
 constexpr auto kWorkerIdle = std::chrono::milliseconds(50);
 
 inline void relax() {
