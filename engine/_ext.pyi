@@ -111,14 +111,17 @@ class Router:
     @property
     def hidden(self) -> int: ...
 
-    def top(self, x: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)], budget: int) -> NDArray[numpy.int32]:
+    def top(self, x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], budget: int) -> NDArray[numpy.int32]:
         """
         The `budget` experts of highest logit for hidden state `x`
         ((hidden,) float32 numpy array), highest first (ties: lower expert id first; NaN logits
-        last), as an int32 numpy array.
+        last), as an int32 numpy array. For (rows, hidden) x (a decode step's replies): each
+        row's top `budget` merged rank by rank (every row's best, then every row's second, ...),
+        an expert once, at most rows x budget of them.
 
         Raises:
-            ValueError: x's length is not hidden, or budget not in [1, num_experts].
+            ValueError: x is not (hidden,) or (rows, hidden) with rows >= 1, or budget not in
+                [1, num_experts].
         """
 
 class ScratchStream:
@@ -566,11 +569,13 @@ class ExpertCache:
             IndexError: `layer` out of range.
         """
 
-    def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, budget: int, cpu_stream: bool = False, after: mlx.core.array | None = None) -> mlx.core.array:
+    def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, budget: int, cpu_stream: bool = False, after: mlx.core.array | None = None, rows: int = 1) -> mlx.core.array:
         """
         Lazy uint8 scalar that, when evaluated, ranks the experts of MoE
-        layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
-        the prefetch of the top `budget`, like prefetch: one target's prediction in one op. On the
+        layer `layer` with `router` (that layer's Router) for the last `rows` tokens of `x` (a
+        decode step's replies; one by default) and starts the prefetch of every row's top
+        `budget`, rank by rank (every row's best, then every row's second, ...), like prefetch:
+        one target's prediction in one op. On the
         default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
         mx.depends, or pass it as an earlier acquire_op's `after` (same stream). `after`: an
         mx.array evaluated first (not read), e.g. the scalar of a nearer target's prediction
@@ -579,12 +584,13 @@ class ExpertCache:
         Args:
             x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden
                 state entering an earlier MoE layer.
-            budget: experts to prefetch, in [1, router.num_experts].
+            budget: experts to prefetch per row, in [1, router.num_experts].
+            rows: the most tokens of x predicted from, its last ones (at least 1).
 
         Raises:
             IndexError: `layer` out of range.
             ValueError: x's dtype, x's last axis not the router's hidden size, a router of
-                another expert count, or budget out of range (each naming the layer).
+                another expert count, budget out of range, or rows < 1 (each naming the layer).
         """
 
     def drain(self) -> None:

@@ -91,8 +91,8 @@ class Predictor:
         # as the load's memory plan sized them.
         self.tier_slots = tier_slots if self.device_path else 0
         self.fill_worker = config.fill_worker
-        # The rows of a batch's decode step (one token per reply): on the device path each
-        # row's hidden state is a prediction of its own (`AcquireMailbox` x_rows).
+        # The rows of a batch's decode step (one token per reply): each row's hidden state
+        # is a prediction of its own (`prefetch_op` rows, `AcquireMailbox` x_rows).
         self.batch_rows = config.max_batch
         self._targets = _schedule(self.num_layers, self.ahead_lo, self.ahead_hi, self.cutoff)
         # Polled at every MoE layer call, so a stop lands mid-prefill too (set by generate).
@@ -188,12 +188,15 @@ class Predictor:
 
     def prefetch_token(self, layer: int, x: mx.array) -> mx.array | None:
         """A lazy uint8 scalar that, when evaluated, reserves and starts the fills
-        predicted from `x` at MoE layer `layer` for each of its targets (one prefetch op
-        each, chained through `after`); None when nothing is predicted (`predicted`)."""
+        predicted from `x` (every reply's row of a decode step, up to `batch_rows`) at MoE
+        layer `layer` for each of its targets (one prefetch op each, chained through
+        `after`); None when nothing is predicted (`predicted`)."""
         token = None
-        for target in self.predicted(layer, x):
+        for target in self.predicted(layer, x, self.batch_rows):
             router = self.router(target, x.shape[-1])
-            token = self.cache.prefetch_op(target, x, router, self.budget, self.cpu_stream, token)
+            token = self.cache.prefetch_op(
+                target, x, router, self.budget, self.cpu_stream, token, self.batch_rows
+            )
         return token
 
     def device_acquire(self, x: mx.array, n: int) -> DeviceAcquire | None:

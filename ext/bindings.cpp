@@ -351,8 +351,10 @@ Raises:
     IndexError: `layer` out of range.)";
 
 const char* kPrefetchOp = R"(Lazy uint8 scalar that, when evaluated, ranks the experts of MoE
-layer `layer` with `router` (that layer's Router) for the last token of `x` and starts
-the prefetch of the top `budget`, like prefetch: one target's prediction in one op. On the
+layer `layer` with `router` (that layer's Router) for the last `rows` tokens of `x` (a
+decode step's replies; one by default) and starts the prefetch of every row's top
+`budget`, rank by rank (every row's best, then every row's second, ...), like prefetch:
+one target's prediction in one op. On the
 default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
 mx.depends, or pass it as an earlier acquire_op's `after` (same stream). `after`: an
 mx.array evaluated first (not read), e.g. the scalar of a nearer target's prediction
@@ -361,12 +363,13 @@ from the same x, so one scalar stands for a chain of predictions.
 Args:
     x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden
         state entering an earlier MoE layer.
-    budget: experts to prefetch, in [1, router.num_experts].
+    budget: experts to prefetch per row, in [1, router.num_experts].
+    rows: the most tokens of x predicted from, its last ones (at least 1).
 
 Raises:
     IndexError: `layer` out of range.
     ValueError: x's dtype, x's last axis not the router's hidden size, a router of
-        another expert count, or budget out of range (each naming the layer).)";
+        another expert count, budget out of range, or rows < 1 (each naming the layer).)";
 
 const char* kRouter = R"(A dense copy of one MoE layer's router for the prefetch prediction:
 logits = weight @ x + bias, with weight kept as bfloat16 (num_experts x hidden x 2
@@ -382,10 +385,13 @@ Raises:
 
 const char* kRouterTop = R"(The `budget` experts of highest logit for hidden state `x`
 ((hidden,) float32 numpy array), highest first (ties: lower expert id first; NaN logits
-last), as an int32 numpy array.
+last), as an int32 numpy array. For (rows, hidden) x (a decode step's replies): each
+row's top `budget` merged rank by rank (every row's best, then every row's second, ...),
+an expert once, at most rows x budget of them.
 
 Raises:
-    ValueError: x's length is not hidden, or budget not in [1, num_experts].)";
+    ValueError: x is not (hidden,) or (rows, hidden) with rows >= 1, or budget not in
+        [1, num_experts].)";
 
 const char* kDrain = R"(Cancels queued prefetch fills and waits for started ones. A fill still
 reading after read_timeout seconds without any fill finishing is given up: its row is
@@ -670,7 +676,20 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("hidden", [](const RouterHandle& r) { return r.impl->hidden(); })
       .def(
           "top",
-          [](const RouterHandle& r, Vector x, int budget) {
+          [](const RouterHandle& r, Probs x, int budget) {
+            const int hidden = r.impl->hidden();
+            if (x.ndim() == 2) {
+              if (static_cast<int>(x.shape(1)) != hidden)
+                throw std::invalid_argument("router: x rows have " +
+                                            std::to_string(x.shape(1)) + " values, hidden is " +
+                                            std::to_string(hidden));
+              std::vector<int32_t> out =
+                  r.impl->top_rows(x.data(), static_cast<int>(x.shape(0)), budget);
+              const size_t n = out.size();
+              return to_numpy(std::move(out), {n});
+            }
+            if (x.ndim() != 1)
+              throw std::invalid_argument("router: x must be (hidden,) or (rows, hidden)");
             const size_t n = static_cast<size_t>(std::max(budget, 0));
             std::vector<int32_t> out(n);
             r.impl->top(x.data(), x.shape(0), budget, out.data());
@@ -919,17 +938,17 @@ NB_MODULE(_ext, m) {
       .def(
           "prefetch_op",
           [](Cache& c, int li, const mx::array& x, const RouterHandle& router, int budget,
-             bool cpu_stream, std::optional<mx::array> after) {
+             bool cpu_stream, std::optional<mx::array> after, int rows) {
             if (cpu_stream)
-              return es::prefetch_op(c.impl, li, x, router.impl, budget, after,
+              return es::prefetch_op(c.impl, li, x, router.impl, budget, rows, after,
                                      mx::Device(mx::Device::cpu));
-            return es::prefetch_op(c.impl, li, x, router.impl, budget, after);
+            return es::prefetch_op(c.impl, li, x, router.impl, budget, rows, after);
           },
           "layer"_a, "x"_a, "router"_a, "budget"_a, "cpu_stream"_a = false,
-          "after"_a = nb::none(),
+          "after"_a = nb::none(), "rows"_a = 1,
           nb::sig("def prefetch_op(self, layer: int, x: mlx.core.array, router: Router, "
-                  "budget: int, cpu_stream: bool = False, after: mlx.core.array | None = None) "
-                  "-> mlx.core.array"),
+                  "budget: int, cpu_stream: bool = False, after: mlx.core.array | None = None, "
+                  "rows: int = 1) -> mlx.core.array"),
           doc::kPrefetchOp)
       .def(
           "drain",

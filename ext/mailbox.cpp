@@ -274,28 +274,10 @@ void AcquireMailbox::prefetch(int li, int rows) {
     plan = plan_[static_cast<size_t>(li)];
     budget = budget_[static_cast<size_t>(li)];
   }
-  if (plan.empty()) return;
-  const size_t width = static_cast<size_t>(budget);
-  std::vector<int32_t> ranked(static_cast<size_t>(rows) * width), merged;
-  std::vector<uint8_t> seen(static_cast<size_t>(cache_->num_experts()));
   for (const auto& t : plan) {
     try {
-      for (int r = 0; r < rows; ++r)
-        t.router->top(x_.data() + static_cast<size_t>(r) * hidden_, static_cast<size_t>(hidden_),
-                      budget, ranked.data() + static_cast<size_t>(r) * width);
-      // Rank-major over the rows: every reply's best expert before any reply's second,
-      // so the fills the side rows hold serve every row of a batch alike.
-      merged.clear();
-      std::fill(seen.begin(), seen.end(), 0);
-      for (size_t k = 0; k < width; ++k)
-        for (int r = 0; r < rows; ++r) {
-          const int32_t e = ranked[static_cast<size_t>(r) * width + k];
-          if (!seen[static_cast<size_t>(e)]) {
-            seen[static_cast<size_t>(e)] = 1;
-            merged.push_back(e);
-          }
-        }
-      cache_->prefetch(t.layer, merged.data(), merged.size());
+      const std::vector<int32_t> top = t.router->top_rows(x_.data(), rows, budget);
+      cache_->prefetch(t.layer, top.data(), top.size());
     } catch (const std::exception&) {
       // A failed prediction or reservation only costs the demand reads it would have saved.
     }

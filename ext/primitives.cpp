@@ -65,26 +65,36 @@ std::vector<int32_t> gather_ids(const mx::array& ids, int layer) {
   return out;
 }
 
-// The last token's row of an evaluated (..., hidden) float array, as float32.
+// The last `rows` tokens' rows of an evaluated (..., hidden) float array (fewer where it
+// has fewer tokens), as float32, row-major; their count in `rows`.
 template <typename T>
-void last_row_as(const mx::array& x, std::vector<float>& out) {
+void last_rows_as(const mx::array& x, int& rows, std::vector<float>& out) {
   const auto& shape = x.shape();
   const auto& strides = x.strides();
   const size_t nd = shape.size();
-  int64_t off = 0;
-  for (size_t d = 0; d + 1 < nd; ++d) off += static_cast<int64_t>(shape[d] - 1) * strides[d];
-  const T* base = x.data<T>() + off;
-  const int64_t step = strides[nd - 1];
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = static_cast<float>(base[static_cast<int64_t>(i) * step]);
+  const size_t hidden = static_cast<size_t>(shape[nd - 1]);
+  const int64_t tokens = static_cast<int64_t>(x.size() / hidden);
+  rows = static_cast<int>(std::min<int64_t>(rows, tokens));
+  out.resize(static_cast<size_t>(rows) * hidden);
+  for (int r = 0; r < rows; ++r) {
+    int64_t rest = tokens - rows + r, off = 0;
+    for (size_t d = nd - 1; d-- > 0;) {
+      off += rest % shape[d] * strides[d];
+      rest /= shape[d];
+    }
+    const T* base = x.data<T>() + off;
+    for (size_t i = 0; i < hidden; ++i)
+      out[static_cast<size_t>(r) * hidden + i] =
+          static_cast<float>(base[static_cast<int64_t>(i) * strides[nd - 1]]);
+  }
 }
 
-std::vector<float> last_row(const mx::array& x) {
-  std::vector<float> out(static_cast<size_t>(x.shape().back()));
+std::vector<float> last_rows(const mx::array& x, int& rows) {
+  std::vector<float> out;
   switch (x.dtype()) {
-    case mx::float32: last_row_as<float>(x, out); break;
-    case mx::float16: last_row_as<mx::float16_t>(x, out); break;
-    case mx::bfloat16: last_row_as<mx::bfloat16_t>(x, out); break;
+    case mx::float32: last_rows_as<float>(x, rows, out); break;
+    case mx::float16: last_rows_as<mx::float16_t>(x, rows, out); break;
+    case mx::bfloat16: last_rows_as<mx::bfloat16_t>(x, rows, out); break;
     default: throw std::logic_error("prefetch: hidden dtype not checked by prefetch_op");
   }
   return out;
@@ -135,12 +145,12 @@ void PrefetchPrimitive::eval_cpu(const std::vector<mx::array>& inputs,
   // Runs on the stream's thread once `x` (and `after`) have been computed. A failed prediction or
   // reservation only costs the demand reads it would have saved.
   encoder.dispatch([x = inputs[0], out = mx::array::unsafe_weak_copy(out), cache = cache_,
-                    layer = layer_, router = router_, budget = budget_]() mutable {
+                    layer = layer_, router = router_, budget = budget_,
+                    rows = rows_]() mutable {
     out.data<uint8_t>()[0] = 0;
     try {
-      std::vector<int32_t> ids(static_cast<size_t>(budget));
-      const std::vector<float> row = last_row(x);
-      router->top(row.data(), row.size(), budget, ids.data());
+      const std::vector<float> x_rows = last_rows(x, rows);
+      const std::vector<int32_t> ids = router->top_rows(x_rows.data(), rows, budget);
       cache->prefetch(layer, ids.data(), ids.size());
     } catch (const std::exception&) {
     }
@@ -164,7 +174,7 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
 }
 
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
-                      std::shared_ptr<const Router> router, int budget,
+                      std::shared_ptr<const Router> router, int budget, int rows,
                       const std::optional<mx::array>& after, mx::StreamOrDevice s) {
   if (layer < 0 || layer >= cache->num_layers())
     throw std::out_of_range("prefetch: MoE layer " + std::to_string(layer) + " out of range [0, " +
@@ -188,11 +198,12 @@ mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::a
   if (budget < 1 || budget > router->num_experts())
     throw std::invalid_argument(where + "budget " + std::to_string(budget) + " not in [1, " +
                                 std::to_string(router->num_experts()) + "]");
+  if (rows < 1) throw std::invalid_argument(where + "rows " + std::to_string(rows) + " < 1");
   std::vector<mx::array> inputs{x};
   if (after) inputs.push_back(*after);
   return mx::array(mx::Shape{}, mx::uint8,
                    std::make_shared<PrefetchPrimitive>(mx::to_stream(s), std::move(cache), layer,
-                                                       std::move(router), budget),
+                                                       std::move(router), budget, rows),
                    std::move(inputs));
 }
 

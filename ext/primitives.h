@@ -47,12 +47,13 @@ class AcquirePrimitive : public mx::Primitive {
 class PrefetchPrimitive : public mx::Primitive {
  public:
   PrefetchPrimitive(mx::Stream stream, std::shared_ptr<ExpertCache> cache, int layer,
-                    std::shared_ptr<const Router> router, int budget)
+                    std::shared_ptr<const Router> router, int budget, int rows)
       : mx::Primitive(stream),
         cache_(std::move(cache)),
         layer_(layer),
         router_(std::move(router)),
-        budget_(budget) {}
+        budget_(budget),
+        rows_(rows) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -63,6 +64,7 @@ class PrefetchPrimitive : public mx::Primitive {
   int layer_;
   std::shared_ptr<const Router> router_;
   int budget_;
+  int rows_;
 };
 
 // ids: any shape, strides and integer dtype (the router's ids as they are: read in place
@@ -78,14 +80,15 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
                      const std::optional<mx::array>& after = std::nullopt,
                      mx::StreamOrDevice s = {});
 
-// x: (..., hidden) float32, float16 or bfloat16, any strides; its last token's row is read
-// in place. budget in [1, router's experts]. Throws std::out_of_range for a layer the
-// cache does not have, std::invalid_argument for another dtype, a hidden size other than
-// the router's, an empty x, a router of another expert count or a budget out of range
-// (each naming the layer). `after`: an array to evaluate first (not read), e.g. the
+// x: (..., hidden) float32, float16 or bfloat16, any strides; the rows of its last `rows`
+// tokens (a decode step's replies; fewer where it has fewer) are read in place and ranked
+// by Router::top_rows. budget in [1, router's experts]. Throws std::out_of_range for a
+// layer the cache does not have, std::invalid_argument for another dtype, a hidden size
+// other than the router's, an empty x, a router of another expert count, a budget out of
+// range or rows < 1 (each naming the layer). `after`: an array to evaluate first (not read), e.g. the
 // scalar of a nearer target's prediction from the same x, as in acquire_op.
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
-                      std::shared_ptr<const Router> router, int budget,
+                      std::shared_ptr<const Router> router, int budget, int rows = 1,
                       const std::optional<mx::array>& after = std::nullopt,
                       mx::StreamOrDevice s = {});
 

@@ -77,4 +77,25 @@ void Router::top(const float* x, size_t x_values, int budget, int32_t* out) cons
   std::copy(order.begin(), order.begin() + budget, out);
 }
 
+std::vector<int32_t> Router::top_rows(const float* x, int rows, int budget) const {
+  if (rows < 1) throw std::invalid_argument("router: rows " + std::to_string(rows) + " < 1");
+  const size_t width = budget > 0 ? static_cast<size_t>(budget) : 0;
+  std::vector<int32_t> ranked(static_cast<size_t>(rows) * width);
+  for (int r = 0; r < rows; ++r)
+    top(x + static_cast<size_t>(r) * hidden_, static_cast<size_t>(hidden_), budget,
+        ranked.data() + static_cast<size_t>(r) * width);
+  if (rows == 1) return ranked;
+  std::vector<int32_t> merged;
+  std::vector<uint8_t> seen(static_cast<size_t>(num_experts_), 0);
+  for (size_t k = 0; k < width; ++k)
+    for (int r = 0; r < rows; ++r) {
+      const int32_t e = ranked[static_cast<size_t>(r) * width + k];
+      if (!seen[static_cast<size_t>(e)]) {
+        seen[static_cast<size_t>(e)] = 1;
+        merged.push_back(e);
+      }
+    }
+  return merged;
+}
+
 }  // namespace es

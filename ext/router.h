@@ -32,6 +32,13 @@ class Router {
   // id first). budget must be in [1, num_experts]. Throws std::invalid_argument otherwise.
   void top(const float* x, size_t x_values, int budget, int32_t* out) const;
 
+  // For `rows` hidden states (x: rows * hidden floats, row-major; a decode step of a
+  // batch has a row per reply), each row's top `budget` merged rank by rank: every row's
+  // best expert, then every row's second, ..., an expert once (at its first place), so a
+  // caller that keeps only the first n serves every row alike. Throws as top() does, and
+  // std::invalid_argument for rows < 1.
+  std::vector<int32_t> top_rows(const float* x, int rows, int budget) const;
+
  private:
   int num_experts_;
   int hidden_;

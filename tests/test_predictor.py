@@ -164,3 +164,24 @@ def test_prefetch_op_reads_the_last_token_of_any_float_hidden_state(qwen_store, 
         )
     with pytest.raises(ValueError, match="budget 9 not in"):
         cache.prefetch_op(1, mx.zeros((1, 4)), router, 9)
+
+
+def test_a_decode_step_of_several_replies_prefetches_for_every_row(qwen_store):
+    config = StreamConfig(expert_slots=2, side_slots=4, prefetch=True, sync=True)
+    cache = open_cache(qwen_store, config)
+    weight = np.zeros((8, 4), np.float32)
+    weight[3, 0] = weight[5, 1] = weight[1, 2] = weight[2, 3] = 1  # expert e follows x[d]
+    router = Router(weight, np.zeros(8, np.float32))
+    # Three replies' rows of a step, (3, 1, hidden) as a batch's decode step has them: the
+    # last two are predicted (rows=2), the first never.
+    x = mx.array([[[0, 0, 0, 7]], [[0, 0, 9, 8]], [[1, 2, 0, 0]]], mx.float32)
+    mx.eval(cache.prefetch_op(1, x, router, 1, rows=2))
+    # Each row's best: 1 for the second reply, 5 for the third (2, the first's, is not).
+    assert sorted(e for e in cache.snapshot(1)["side_expert"].tolist() if e >= 0) == [1, 5]
+    # Rank by rank: both rows' best, then both rows' second (2, then 3).
+    assert router.top(np.asarray(x[1:, 0]), 2).tolist() == [1, 5, 2, 3]
+    assert router.top(np.asarray(x[1:, 0]), 1).tolist() == [1, 5]
+    with pytest.raises(ValueError, match="MoE layer 1: rows 0 < 1"):
+        cache.prefetch_op(1, x, router, 1, rows=0)
+    with pytest.raises(ValueError, match="x must be"):
+        router.top(np.zeros((1, 1, 4), np.float32), 1)

@@ -279,13 +279,16 @@ def test_every_answer_holds_its_experts(
 
 def start_fill_worker(mailbox):
     """The fill worker's host stand-in on a thread of its own, as a launch would start the
-    kernel: returns the thread."""
+    kernel: returns the thread once the worker has started. It may have ended since: the
+    mailbox's thread ends a worker 50 ms after its start without a request, which a
+    loaded machine can let pass before this thread looks (serve_fills returns only after
+    it started)."""
     thread = threading.Thread(target=mailbox.serve_fills, args=(mailbox.start_worker(),))
     thread.start()
     deadline = time.monotonic() + 5
-    while not mailbox.worker_running and time.monotonic() < deadline:
+    while not mailbox.worker_running and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert mailbox.worker_running
+    assert mailbox.worker_running or not thread.is_alive()
     return thread
 
 
@@ -328,10 +331,13 @@ def test_a_fill_goes_to_the_worker_after_a_request_of_another_layer(qwen_store):
 def test_a_fill_worker_ends_when_idle_and_another_can_start(qwen_store):
     cache, mailbox = staged_cache(qwen_store, tier_slots=2, expert_slots=2, side_slots=2)
     assert mailbox.worker_wanted
-    serving = start_fill_worker(mailbox)
+    # Launched, not yet started (a worker is idle only once it has started).
+    generation = mailbox.start_worker()
     assert not mailbox.worker_wanted
     with pytest.raises(RuntimeError, match="running already"):
         mailbox.start_worker()
+    serving = threading.Thread(target=mailbox.serve_fills, args=(generation,))
+    serving.start()
     serving.join(5.0)  # no request for longer than the idle time: the thread ends it
     assert not serving.is_alive() and mailbox.worker_wanted
     again = start_fill_worker(mailbox)
