@@ -24,8 +24,9 @@ waited beyond the prefill in decode steps of the batch: the rest of the step in 
 when it came (under one step, half on average: its first token comes out of its
 prefill, before the batch's next step).
 
-    python -m bench.batch [--model DIR_OR_STORE | --synthetic WORK_DIR] [--clients 1,2,4,8]
+    python -m bench.batch [--model DIR_OR_STORE] [--clients 1,2,4,8]
         [--tokens 64] [--prompt 64] [--reps 2] [--fraction F] [--host-memory SIZE|auto|off]
+        [--side-slots N]
 
 bench.device runs `suite` on the H200 (the embedded model, and a 30B-A3B-shaped synthetic
 store at 100% and at 25% of the experts with the host tier).
@@ -215,9 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--host-memory", default="auto", help="the host tier (MLX CUDA): SIZE, auto or off"
     )
+    p.add_argument(
+        "--side-slots",
+        type=int,
+        default=0,
+        help="side rows per layer, prefetch on (a decode step predicted from every reply's "
+        "row); default 0: prefetch off",
+    )
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.tokens < 2 or args.prompt < 1 or args.reps < 1:
         p.error("--clients, --prompt and --reps must be >= 1, --tokens >= 2")
+    if args.side_slots < 0:
+        p.error(f"--side-slots {args.side_slots}: must be >= 0")
     from engine.config import StreamConfig, parse_memory
     from engine.model import resolve_store
     from engine.resources import default_model_path
@@ -228,11 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.fraction is not None:
         slots = max(store.manifest.top_k, round(store.manifest.num_experts * args.fraction))
     host = None if args.host_memory == "off" else parse_memory(args.host_memory)
-    config = StreamConfig(expert_slots=slots, host_memory=host)
+    config = StreamConfig(
+        expert_slots=slots,
+        host_memory=host,
+        side_slots=args.side_slots,
+        prefetch=args.side_slots > 0,
+    )
     load = machine_load()
     print(
         f"model {model or 'embedded (tinystories-moe)'}, {slots or 'all'} expert slots per "
-        f"layer; {platform.system()} {platform.machine()}, {load['cpus']} CPUs; "
+        f"layer, {args.side_slots} side rows; {platform.system()} {platform.machine()}, {load['cpus']} CPUs; "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC (load average {load['loadavg_1m']:.2f}); "
         f"{args.prompt}-token prompts, {args.tokens}-token replies, median of {args.reps}\n"
     )
