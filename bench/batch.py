@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     load = machine_load()
     print(
         f"model {model or 'embedded (tinystories-moe)'}, {slots or 'all'} expert slots per "
-        f"layer, {args.side_slots} side rows; {platform.system()} {platform.machine()}, {load['cpus']} CPUs; "
+        f"layer, {args.side_slots} side rows; {platform.system()} {platform.machine()}, "
+        f"{load['cpus']} CPUs; "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC (load average {load['loadavg_1m']:.2f}); "
         f"{args.prompt}-token prompts, {args.tokens}-token replies, median of {args.reps}\n"
     )

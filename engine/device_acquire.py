@@ -57,9 +57,9 @@ _BLOCK = 256
 _COPY_BLOCKS = 16
 
 # The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
-# copies, hit table, experts, fill copies, x rows]), not as literals: the source is then the same for every
-# cache, and MLX compiles each kernel once per process (its JIT modules are keyed by name
-# and source).
+# copies, hit table, experts, fill copies, x rows]), not as literals: the source is then
+# the same for every cache, and MLX compiles each kernel once per process (its JIT modules
+# are keyed by name and source).
 _HEADER = """
 #define ES_WORD(i) (reinterpret_cast<volatile int*>(es_words)[(i)])
 #define ES_COPY(i, f) (reinterpret_cast<volatile unsigned long long*>(es_copies)[4 * (i) + (f)])

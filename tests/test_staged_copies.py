@@ -136,8 +136,9 @@ def one_hot_router(hidden=HIDDEN, experts=8):
 def test_a_batch_prefetches_what_every_row_predicts(qwen_store):
     cache = open_cache(
         qwen_store,
-        StreamConfig(reader_threads=1, adaptive_prefetch=False, expert_slots=2, side_slots=4,
-                     sync=True),
+        StreamConfig(
+            reader_threads=1, adaptive_prefetch=False, expert_slots=2, side_slots=4, sync=True
+        ),
     )
     # Staging for the three fills beside the first request's two demand reads, which may
     # take any slot.
@@ -167,7 +168,9 @@ def test_a_batch_prefetches_what_every_row_predicts(qwen_store):
     with pytest.raises(ValueError, match="1 to 3 rows"):
         mailbox.post(0, np.array([1], np.int32), np.zeros((4, HIDDEN), np.float32))
     with pytest.raises(ValueError, match="x_rows must be >= 1"):
-        AcquireMailbox(open_cache(qwen_store, StreamConfig(reader_threads=1)), HIDDEN, 4, 4, x_rows=0)
+        AcquireMailbox(
+            open_cache(qwen_store, StreamConfig(reader_threads=1)), HIDDEN, 4, 4, x_rows=0
+        )
 
 
 def test_a_mailbox_is_made_once_per_cache(qwen_store):
