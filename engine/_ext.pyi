@@ -575,11 +575,11 @@ class ExpertCache:
         layer `layer` with `router` (that layer's Router) for the last `rows` tokens of `x` (a
         decode step's replies; one by default) and starts the prefetch of every row's top
         `budget`, rank by rank (every row's best, then every row's second, ...), like prefetch:
-        one target's prediction in one op. On the
-        default stream, or the CPU stream if `cpu_stream`. Tie it into the graph with
-        mx.depends, or pass it as an earlier acquire_op's `after` (same stream). `after`: an
-        mx.array evaluated first (not read), e.g. the scalar of a nearer target's prediction
-        from the same x, so one scalar stands for a chain of predictions.
+        one target's prediction in one op. On the default stream, or the CPU stream if
+        `cpu_stream`. Tie it into the graph with mx.depends, or pass it as an earlier acquire_op's
+        `after` (same stream). `after`: an mx.array evaluated first (not read), e.g. the scalar of
+        a nearer target's prediction from the same x, so one scalar stands for a chain of
+        predictions.
 
         Args:
             x: (..., hidden) mx.array, float32, float16 or bfloat16, any strides: the hidden
@@ -722,9 +722,10 @@ class AcquireMailbox:
     optionally the hidden state of each row's last token (a batch has a row per reply), into
     this mailbox in mapped host memory and spins until the mailbox's thread has answered with
     their pool rows (ExpertCache.acquire: hits, side hits, demand reads); the thread then
-    prefetches what the hidden states predict for the layer's targets (set_prefetch). No MLX cross-stream event is involved. The cache's pool
-    writes are staged in mapped memory (ExpertCache.set_staging) and each answer delivers them
-    to its kernels, which copy them into the pools (ext/staged_copies.h).
+    prefetches what the hidden states predict for the layer's targets (set_prefetch). No MLX
+    cross-stream event is involved. The cache's pool writes are staged in mapped memory
+    (ExpertCache.set_staging) and each answer delivers them to its kernels, which copy them
+    into the pools (ext/staged_copies.h).
 
     Args:
         cache: the ExpertCache whose acquire answers the requests.
@@ -942,10 +943,9 @@ class AcquireMailbox:
 
         Waits until the previous request was answered, writes `layer`, `ids` (int32, at most
         max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,) or (rows, hidden) with
-        rows at most x_rows, or None) and
-        publishes the request. Where the hit table has every id, the rows are its entries and the
-        request is posted FAST (answered later, not waited for: `wait`); else it waits for the
-        answer and performs the pool copies it delivers. The host's stand-in for the kernels
+        rows at most x_rows, or None) and publishes the request. Where the hit table has every id,
+        the rows are its entries and the request is posted FAST (answered later, not waited for:
+        `wait`); else it waits for the answer and performs the pool copies it delivers. The host's stand-in for the kernels
         (tests, pools in host memory): never while kernels post to this mailbox.
 
         Returns:

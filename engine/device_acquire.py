@@ -8,11 +8,11 @@ prefetch source, the hidden state of each row's last token: a batch's decode ste
 row per reply) into the cache's `AcquireMailbox` in mapped host memory and spins until the
 mailbox's thread has answered with their pool rows; the thread runs the same
 `ExpertCache.acquire` (hits, side hits, demand reads) and then the prefetch the hidden
-states predict (ext/mailbox.h). A layer whose experts all
-have real slots does not wait for the thread at all: the kernel takes their rows from the
-cache's hit table (mapped host memory the host keeps) and posts the request for the
-thread to count later; the next request's kernel waits for that answer, by which time
-the device has computed the layer.
+states predict (ext/mailbox.h). A layer whose experts all have real slots does not wait
+for the thread at all: the kernel takes their rows from the cache's hit table (mapped
+host memory the host keeps) and posts the request for the thread to count later; the
+next request's kernel waits for that answer, by which time the device has computed the
+layer.
 
 Neither that thread nor a reader thread may call the CUDA runtime while a kernel spins
 (a runtime call can wait for work queued behind it), so the cache stages its pool writes
@@ -25,14 +25,13 @@ promotions first, one after another.
 With `fill_worker` (`StreamConfig.fill_worker`, off by default: on the H200 the compute
 stream's work waited while the worker ran, until it ended after 50 ms without a request,
 and a decode step ran several times slower; no CUDA call of the host waited:
-docs/benchmarks.md), prefetch
-fills need not wait for that copy kernel, which runs on the compute stream ahead of the
-experts: a fill worker, a kernel of as many blocks on a stream of its own, copies
-the fill batches the mailbox's thread hands it while the compute stream runs (which rows
-a batch may write, and why that is safe: ext/mailbox.h), and an answer that is waited for
-names the latest batch, which its acquire kernel waits for before any copy or row. The
-worker ends when the thread tells it to (idle, or `synchronize`); the next decode step
-launches another.
+docs/benchmarks.md), prefetch fills need not wait for that copy kernel, which runs on the
+compute stream ahead of the experts: a fill worker, a kernel of as many blocks on a
+stream of its own, copies the fill batches the mailbox's thread hands it while the
+compute stream runs (which rows a batch may write, and why that is safe: ext/mailbox.h),
+and an answer that is waited for names the latest batch, which its acquire kernel waits
+for before any copy or row. The worker ends when the thread tells it to (idle, or
+`synchronize`); the next decode step launches another.
 
 CUDA only: `mx.fast.cuda_kernel` compiles the kernels at first use. Metal keeps the
 CPU-stream path (no Metal kernel of this kind has been run).
