@@ -40,6 +40,13 @@ class Router {
   std::vector<int32_t> top_rows(const float* x, int rows, int budget) const;
 
  private:
+  // out[r * num_experts + e]: expert e's logit for row r of x (rows * hidden floats); a
+  // NaN logit as -infinity.
+  void logits(const float* x, int rows, float* out) const;
+  // The `budget` experts of highest logit, highest first (ties: lower id first).
+  void select(const float* logits, int budget, int32_t* out) const;
+  void check_budget(int budget) const;
+
   int num_experts_;
   int hidden_;
   std::vector<uint16_t> weight_;  // bfloat16 bits, row-major

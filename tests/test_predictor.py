@@ -110,6 +110,29 @@ def test_router_ranking_equals_numpy_over_whole_and_partial_lanes(hidden):
     assert Router(weight, bias).top(x, 24).tolist() == want
 
 
+@given(
+    rows=st.integers(1, 9),
+    hidden=st.sampled_from([8, 37, 64]),
+    budget=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_a_ranking_of_rows_merges_each_rows_own_rank_by_rank(rows, hidden, budget, seed):
+    # Rows go through the router four at a time; each row's ranking must be the one it
+    # has alone (float weights and inputs: near-ties too), merged best ranks first.
+    rng = np.random.default_rng(seed)
+    r = Router(rng.standard_normal((12, hidden)).astype(np.float32), np.zeros(12, np.float32))
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    alone = [r.top(row, budget).tolist() for row in x]
+    want = []
+    for k in range(budget):
+        for ranking in alone:
+            if ranking[k] not in want:
+                want.append(ranking[k])
+    assert r.top(x, budget).tolist() == want
+    with pytest.raises(ValueError, match="rows 0 < 1"):
+        r.top(np.zeros((0, hidden), np.float32), budget)
+
+
 @pytest.mark.parametrize("kind", ["linear", "bfloat16", "quantized", "gate", "extras"])
 def test_dense_router_copies_the_routers_weight_and_bias_exactly(kind, monkeypatch):
     mx.random.seed(3)
