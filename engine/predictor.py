@@ -136,12 +136,12 @@ class Predictor:
             router = self._dense[target] = dense_router(self.routers[target], hidden)
         return router
 
-    def predicted(self, layer: int, x: mx.array, rows: int = 1) -> list[int]:
+    def predicted(self, layer: int, x: mx.array) -> list[int]:
         """The targets of `layer` to predict from `x` ((..., hidden)): none when prefetch
-        is off or x is more than `rows` tokens (a prompt's prefill; rows: the tokens a
-        prediction takes, one per reply of a decode step), else those with a router that
-        are not complete (a complete layer cannot miss)."""
-        if not self.enabled or x.size // x.shape[-1] > rows:
+        is off or x is more than `batch_rows` tokens (a prompt's prefill; a decode step has
+        one per reply), else those with a router that are not complete (a complete layer
+        cannot miss)."""
+        if not self.enabled or x.size // x.shape[-1] > self.batch_rows:
             return []
         return [
             t
@@ -192,7 +192,7 @@ class Predictor:
         layer `layer` for each of its targets (one prefetch op each, chained through
         `after`); None when nothing is predicted (`predicted`)."""
         token = None
-        for target in self.predicted(layer, x, self.batch_rows):
+        for target in self.predicted(layer, x):
             router = self.router(target, x.shape[-1])
             token = self.cache.prefetch_op(
                 target, x, router, self.budget, self.cpu_stream, token, self.batch_rows

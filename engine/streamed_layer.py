@@ -94,7 +94,7 @@ class StreamedExperts(nn.Module):
         hook = self._predictor.on_acquire
         plan = PLAN_SYNC if hook else self._cache.plan(self._index, indices.size, indices.shape[-1])
         if self._predictor.device_path and plan != PLAN_SYNC:
-            targets = self._predictor.predicted(self._index, x, self._predictor.batch_rows)
+            targets = self._predictor.predicted(self._index, x)
             if plan == PLAN_STREAM or targets:
                 device = self._predictor.device_acquire(x, indices.size)
                 if device is not None:

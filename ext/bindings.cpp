@@ -549,8 +549,9 @@ Waits until the previous request was answered, writes `layer`, `ids` (int32, at 
 max_ids; empty: a prefetch-only request) and `x` (float32 (hidden,) or (rows, hidden) with
 rows at most x_rows, or None) and publishes the request. Where the hit table has every id,
 the rows are its entries and the request is posted FAST (answered later, not waited for:
-`wait`); else it waits for the answer and performs the pool copies it delivers. The host's stand-in for the kernels
-(tests, pools in host memory): never while kernels post to this mailbox.
+`wait`); else it waits for the answer and performs the pool copies it delivers. The host's
+stand-in for the kernels (tests, pools in host memory): never while kernels post to this
+mailbox.
 
 Returns:
     (len(ids),) int32 pool rows (all 0 after a failed acquire, whose error

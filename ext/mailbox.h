@@ -6,8 +6,9 @@
 // then waits for that thread's own signal: two graph commits and two thread wake-ups per
 // MoE layer, hit or miss. Here the acquire is a kernel on the GPU's own stream
 // (engine/device_acquire.py) that writes the layer's ids, and optionally the hidden state
-// of each row's last token (a decode step of a batch has a row per reply), into this mailbox in mapped host memory and spins until the mailbox's
-// thread has written the rows back; that thread polls the mailbox, runs
+// of each row's last token (a decode step of a batch has a row per reply), into this
+// mailbox in mapped host memory and spins until the mailbox's thread has written the rows
+// back; that thread polls the mailbox, runs
 // ExpertCache::acquire (hits, side hits, demand reads: the same calls acquire_op makes)
 // and answers, then ranks and queues the prefetch predicted from the hidden states.
 //
@@ -114,14 +115,13 @@ class AcquireMailbox {
   // of one request (at most kMaxIds), which is also how many staging slots are kept for
   // a request's demand reads; fill_slots: staging slots for prefetch fills; tier_slots:
   // host-tier slots per MoE layer (staged_copies.h; 0: no tier); x_rows: the most rows of
-  // hidden state a request carries (a batch's replies). Allocates the
-  // mailbox and the staging (ExpertCache::enable_staging) in host memory mapped for the
-  // pools' CUDA device (plain host memory where the pools are not CUDA memory: for tests
-  // of the host side, `post`) and starts its thread. Throws std::invalid_argument for
-  // hidden < 1, max_ids outside [1, kMaxIds], fill_slots < 1 or x_rows < 1,
-  // std::logic_error when the
-  // cache already stages its writes, std::runtime_error when the CUDA runtime refuses to
-  // map the memory.
+  // hidden state a request carries (a batch's replies). Allocates the mailbox and the
+  // staging (ExpertCache::enable_staging) in host memory mapped for the pools' CUDA device
+  // (plain host memory where the pools are not CUDA memory: for tests of the host side,
+  // `post`) and starts its thread. Throws std::invalid_argument for hidden < 1, max_ids
+  // outside [1, kMaxIds], fill_slots < 1 or x_rows < 1, std::logic_error when the cache
+  // already stages its writes, std::runtime_error when the CUDA runtime refuses to map
+  // the memory.
   AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
                  int tier_slots = 0, int x_rows = 1);
   // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's), ends
@@ -151,7 +151,8 @@ class AcquireMailbox {
   // What the thread prefetches after answering a request of MoE layer `source` that
   // carries hidden states: for each target, `router` ranks the experts for each row and
   // ExpertCache::prefetch takes the top `budget` of every row, rank by rank (each row's
-  // best first, then each row's second, ...), an expert once. Replaces the layer's earlier plan; empty: none.
+  // best first, then each row's second, ...: Router::top_rows), an expert once. Replaces
+  // the layer's earlier plan; empty: none.
   // Throws std::out_of_range for a layer the cache does not have, std::invalid_argument
   // for mismatched lengths, a router of another hidden size or expert count, or a budget
   // outside [1, experts].

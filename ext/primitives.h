@@ -85,8 +85,8 @@ mx::array acquire_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::ar
 // by Router::top_rows. budget in [1, router's experts]. Throws std::out_of_range for a
 // layer the cache does not have, std::invalid_argument for another dtype, a hidden size
 // other than the router's, an empty x, a router of another expert count, a budget out of
-// range or rows < 1 (each naming the layer). `after`: an array to evaluate first (not read), e.g. the
-// scalar of a nearer target's prediction from the same x, as in acquire_op.
+// range or rows < 1 (each naming the layer). `after`: an array to evaluate first (not
+// read), e.g. the scalar of a nearer target's prediction from the same x, as in acquire_op.
 mx::array prefetch_op(std::shared_ptr<ExpertCache> cache, int layer, const mx::array& x,
                       std::shared_ptr<const Router> router, int budget, int rows = 1,
                       const std::optional<mx::array>& after = std::nullopt,
