@@ -22,7 +22,7 @@ reading (bytes over
 the wall time with a read in flight, `reading_seconds`); the synthetic store's disk rows
 against `dd`'s own O_DIRECT rate of two of its blob files just before and just after the
 row (`dd_beside`). With --rounds R, the synthetic store's engine 100%, each fraction's
-host-tier row, the same row with the fill worker (`StreamConfig.fill_worker`) and the
+host-tier row, the same row with the fill stream (`StreamConfig.fill_stream`) and the
 bare table again, alternated R times in one process.
 
 With --prefill, time to first token of a long prompt: the embedded model's
@@ -84,7 +84,7 @@ def decode(model, prompt: list[int], tokens: int) -> tuple[list[int], float, flo
 
 
 def mailbox_answers(sm) -> tuple[int, int, int]:
-    """(answered from the hit table, answered, record copies handed to the fill worker)
+    """(answered from the hit table, answered, record copies handed to the fill stream)
     by the acquire kernels' mailbox so far, once its thread has answered every request;
     zeros without one."""
     box = sm.predictor.mailbox
@@ -137,7 +137,7 @@ def run_streamed(sm, prompt, tokens, sync_path=False) -> dict:
         "acquire_ms_per_token": 1e3 * acq / n,
         # the acquire kernels' requests that took their rows from the hit table
         "hit_table_share": fast / answered if answered else 0.0,
-        # record copies (a segment of an expert each) the fill worker made beside the compute
+        # record copies (a segment of an expert each) the fill stream made beside the compute
         "fill_copies_beside_per_token": beside / n,
         "read_ms_per_token": 1e3 * rd / n,
         "other_ms_per_token": 1e3 * (dt - acq) / n,
@@ -429,23 +429,23 @@ def synthetic(
             del sm
     if rounds:
         runs = {name: tps_of(s.model, prompt, tokens) for name, s in kept.items()}
-        # Each host-tier row again with its fills copied by the fill worker beside the
-        # compute (StreamConfig.fill_worker), not by the answers' copy kernel.
+        # Each host-tier row again with its fills copied by the fill stream beside the
+        # compute (StreamConfig.fill_stream), not by the answers' copy kernel.
         for name, s in list(kept.items())[1:]:
-            runs[f"{name}, fill worker"] = fill_worker(s, tps_of(s.model, prompt, tokens))
+            runs[f"{name}, fill stream"] = fill_stream(s, tps_of(s.model, prompt, tokens))
         res["alternated"] = alternated(runs | {"bare device table": bare}, rounds, log)
     return res
 
 
-def fill_worker(sm, run: Callable[[], float]) -> Callable[[], float]:
-    """`run` with the model's fill worker on (`Predictor.set_fill_worker`)."""
+def fill_stream(sm, run: Callable[[], float]) -> Callable[[], float]:
+    """`run` with the model's fill stream on (`Predictor.set_fill_stream`)."""
 
     def on() -> float:
-        sm.predictor.set_fill_worker(True)
+        sm.predictor.set_fill_stream(True)
         try:
             return run()
         finally:
-            sm.predictor.set_fill_worker(False)
+            sm.predictor.set_fill_stream(False)
 
     return on
 

@@ -777,30 +777,6 @@ class AcquireMailbox:
     Word: 1 when the kernel took the rows from the hit table and does not wait for the answer.
     """
 
-    NEED_BATCH: Final[int] = ...
-    """Word: the fill batch an answer's kernel waits for before its copies."""
-
-    BATCH_DONE: Final[int] = ...
-    """Word: the latest fill batch the worker copied (written by it)."""
-
-    WORKER_UP: Final[int] = ...
-    """Word: the generation of the fill worker that started."""
-
-    WORKER_DOWN: Final[int] = ...
-    """Word: the generation of the fill worker that ended."""
-
-    BATCH: Final[int] = ...
-    """Word: the latest fill batch handed to the worker."""
-
-    BATCH_RECORDS: Final[int] = ...
-    """Word: that batch's record copies."""
-
-    BATCH_CHUNKS: Final[int] = ...
-    """Word: their chunks in all."""
-
-    WORKER_STOP: Final[int] = ...
-    """Word: the generation of the fill worker told to end."""
-
     IDS: Final[int] = ...
     """First word of the ids (int32)."""
 
@@ -831,43 +807,18 @@ class AcquireMailbox:
         """
 
     @property
-    def fills_address(self) -> int:
+    def fill_stream(self) -> bool:
         """
-        The device address of the latest fill batch's copies: (src, dst, bytes, first_chunk) uint64 each, records only.
-        """
-
-    @property
-    def worker_wanted(self) -> bool:
-        """
-        Whether a fill worker should be launched: none was started, or the latest was told to end.
+        Whether the thread queues prefetch fills on a CUDA stream of their own after each request, copied by the device's copy engines beside the compute (False, the default: they go with the next answer that is waited for). Set False, the batches in flight still land.
         """
 
-    @property
-    def worker_running(self) -> bool:
-        """Whether the latest fill worker has started and not ended."""
-
-    def start_worker(self) -> int:
-        """
-        The generation number of a fill worker about to be launched (its kernel's input); the thread hands it batches once it runs.
-
-        Raises:
-            RuntimeError: while one is running (worker_wanted is False).
-        """
-
-    def stop_worker(self, timeout_s: float) -> bool:
-        """
-        Asks the mailbox's thread to end the latest fill worker once it has copied every batch, and waits up to timeout_s seconds; True when it ended (or, never started, can take no batch).
-        """
-
-    def serve_fills(self, generation: int) -> None:
-        """
-        Does on the host what the fill worker kernel does (copies each batch, then marks it done) until its generation is told to end: the tests' stand-in, for a thread of their own.
-        """
+    @fill_stream.setter
+    def fill_stream(self, arg: bool, /) -> None: ...
 
     @property
     def fill_batches(self) -> tuple[int, int]:
         """
-        (batches, records): fill batches handed to the worker since creation, and the record copies in them.
+        (batches, copies): fill batches queued on the fill stream since creation, and the copies in them (a record segment each, before merging).
         """
 
     @property

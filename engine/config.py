@@ -194,11 +194,10 @@ class StreamConfig:
             (`engine.memory_plan.auto_bytes`); a budget that the plan cannot hold with
             the rest is refused at load; 0 or None: no tier. Where the pools are host
             memory (CPU, Metal) the pools are the tier: no other is made.
-        fill_worker: with device_acquire, prefetch fills are copied by a worker kernel on
-            a stream of its own while the compute runs (`engine.device_acquire`); False
-            (the default: on the H200 the compute stream's work waited while the worker
-            ran, and a decode step ran several times slower, docs/benchmarks.md): by the
-            copy kernel of the next answer, on the compute stream ahead of the experts.
+        fill_stream: with device_acquire, prefetch fills are copied by the device's copy
+            engines on a CUDA stream of their own while the compute runs
+            (`engine.device_acquire`; not yet measured on a GPU); False: by the copy
+            kernel of the next answer, on the compute stream ahead of the experts.
         max_batch: the most sequences one forward carries (`expertstream serve
             --max-batch`): with device_acquire, one acquire kernel's request holds up to
             max_batch x top_k ids, its mailbox and staging slots sized at load.
@@ -230,7 +229,7 @@ class StreamConfig:
     io_uring: bool = True
     device_acquire: bool = True
     host_memory: int | str | None = "auto"
-    fill_worker: bool = False
+    fill_stream: bool = False
     max_batch: int = 1
     expert_major: str = "auto"
 

@@ -14,30 +14,25 @@ host memory the host keeps) and posts the request for the thread to count later;
 next request's kernel waits for that answer, by which time the device has computed the
 layer.
 
-Neither that thread nor a reader thread may call the CUDA runtime while a kernel spins
-(a runtime call can wait for work queued behind it), so the cache stages its pool writes
+Neither that thread nor a reader thread may make a CUDA call that waits for the device
+while a kernel spins (a pool write waits for its copy, which can queue behind the
+spinning kernel), so the cache stages its pool writes
 in mapped host memory (ext/staged_copies.h) and each answer delivers them: a copy kernel
 of many blocks copies the records (demand reads and prefetch fills) and the side-row
 promotions, all at once, before the rows reach the experts' kernels; only where a copy of
 the answer writes what a promotion reads or writes does the acquire kernel make the
 promotions first, one after another.
 
-With `fill_worker` (`StreamConfig.fill_worker`, off by default: on the H200 the compute
-stream's work waited while the worker ran, until it ended after 50 ms without a request,
-and a decode step ran several times slower; no CUDA call of the host waited:
-docs/benchmarks.md), prefetch fills need not wait for that copy kernel, which runs on the
-compute stream ahead of the experts: a fill worker, a kernel of as many blocks on a
-stream of its own, copies the fill batches the mailbox's thread hands it while the
-compute stream runs (which rows a batch may write, and why that is safe: ext/mailbox.h),
-and an answer that is waited for names the latest batch, which its acquire kernel waits
-for before any copy or row. The worker ends when the thread tells it to (idle, or
-`synchronize`); the next decode step launches another.
+With `fill_stream` (`StreamConfig.fill_stream`), prefetch fills need not wait for that
+copy kernel, which runs on the compute stream ahead of the experts: the mailbox's thread
+queues them on a CUDA stream of their own, where the device's copy engines copy them
+while the compute stream runs; a batch's side rows are handed out again once its copies
+have landed (which rows a batch may write, and why no kernel waits for it:
+ext/mailbox.h).
 
 CUDA only: `mx.fast.cuda_kernel` compiles the kernels at first use. Metal keeps the
 CPU-stream path (no Metal kernel of this kind has been run).
 """
-
-import threading
 
 import mlx.core as mx
 
@@ -56,7 +51,7 @@ _BLOCK = 256
 _COPY_BLOCKS = 16
 
 # The mailbox's addresses come in as the kernels' first input, `box` (uint64 [words,
-# copies, hit table, experts, fill copies, x rows]), not as literals: the source is then
+# copies, hit table, experts, x rows]), not as literals: the source is then
 # the same for every cache, and MLX compiles each kernel once per process (its JIT modules
 # are keyed by name and source).
 _HEADER = """
@@ -101,23 +96,6 @@ __device__ void es_copy(unsigned long long src, unsigned long long dst,
 __device__ void es_wait_reply(unsigned long long es_words, int seq) {{
   const unsigned long long start = es_now();
   while (ES_WORD({reply}) != seq) {{
-    __nanosleep(128);
-    if (es_now() - start > {timeout_ns}ULL) __trap();
-  }}
-  __threadfence_system();
-}}
-// Whether sequence number a is b or after it (the numbers wrap).
-__device__ bool es_reached(int a, int b) {{
-  return static_cast<int>(static_cast<unsigned>(a) - static_cast<unsigned>(b)) >= 0;
-}}
-// After a reply that is waited for: until the fill worker has copied the batch it names,
-// or a later one (the host may hand it the next before this reads the done word). Batch
-// numbers skip 0, so 0 names none: without a worker no done word is read.
-__device__ void es_wait_batch(unsigned long long es_words) {{
-  const int need = ES_WORD({need_batch});
-  if (need == 0) return;
-  const unsigned long long start = es_now();
-  while (!es_reached(ES_WORD({batch_done}), need)) {{
     __nanosleep(128);
     if (es_now() - start > {timeout_ns}ULL) __trap();
   }}
@@ -214,14 +192,14 @@ _COPY_IDS = """
   }}
 """
 
-# The hidden states of x's last `es_x_rows` tokens (at most the mailbox's x_rows, box[5]):
+# The hidden states of x's last `es_x_rows` tokens (at most the mailbox's x_rows, box[4]):
 # a decode step's rows, one token each.
 _COPY_X = """
   {{
     const int h = x_shape[x_ndim - 1];
     int tokens = 1;
     for (int d = 0; d + 1 < x_ndim; ++d) tokens *= x_shape[d];
-    es_x_rows = min(tokens, static_cast<int>(box[5]));
+    es_x_rows = min(tokens, static_cast<int>(box[4]));
     volatile float* hx = reinterpret_cast<volatile float*>(&ES_WORD({hidden_word}));
     for (int i = tid; i < es_x_rows * h; i += blockDim.x) {{
       const int j = i % h;
@@ -269,71 +247,6 @@ _COPY = """
   es_copy_records(es_copies, head[0], head[1], tid);
 """
 
-# The fill worker: announces its generation, then copies each fill batch the host hands
-# it and, once every block has copied its share, marks the batch done; no block starts
-# the next batch before (the host rewrites one region for each). Ends when the host
-# writes its generation, or a later one (a worker stopped before it ran), to the stop
-# word, which it does only with every batch copied.
-# Its counters are device memory the DeviceAcquire keeps (`counters`, written through an
-# input: its output is never written, so that one freed early harms nothing): [0] blocks
-# done with the batch, back to 0 after each; [2 + generation % 2] blocks ended, counted
-# modulo the blocks (a worker told to end may still be ending when the next starts).
-_WORKER = """
-  const unsigned long long es_words = box[0];
-  const unsigned long long es_copies = box[4];
-  const int tid = threadIdx.x;
-  const int gen = generation[0];
-  int* state = const_cast<int*>(reinterpret_cast<const int*>(counters));
-  __shared__ int es_last, es_batch, es_exit;
-  if (tid == 0) {{
-    es_last = ES_WORD({batch_done});
-    if (blockIdx.x == 0) {{
-      ES_WORD({worker_up}) = gen;
-      __threadfence_system();
-    }}
-  }}
-  for (;;) {{
-    if (tid == 0) {{
-      es_exit = 0;
-      for (;;) {{
-        const int b = ES_WORD({batch});
-        if (b != es_last) {{
-          es_batch = b;
-          break;
-        }}
-        if (es_reached(ES_WORD({worker_stop}), gen)) {{
-          es_exit = 1;
-          break;
-        }}
-        __nanosleep(256);
-      }}
-      __threadfence_system();
-    }}
-    __syncthreads();
-    if (es_exit) break;
-    es_copy_records(es_copies, 0, ES_WORD({batch_records}), tid);
-    if (tid == 0) {{
-      __threadfence();
-      if (atomicAdd(&state[0], 1) == static_cast<int>(gridDim.x) - 1) {{
-        atomicExch(&state[0], 0);
-        __threadfence_system();
-        ES_WORD({batch_done}) = es_batch;
-        __threadfence_system();
-      }}
-      while (ES_WORD({batch_done}) != es_batch) __nanosleep(64);
-      es_last = es_batch;
-    }}
-    __syncthreads();
-  }}
-  if (tid == 0 &&
-      atomicAdd(&state[2 + (gen & 1)], 1) % static_cast<int>(gridDim.x) ==
-          static_cast<int>(gridDim.x) - 1) {{
-    __threadfence_system();
-    ES_WORD({worker_down}) = gen;
-    __threadfence_system();
-  }}
-"""
-
 
 class DeviceAcquire:
     """Acquire, copy and prefetch kernels of one cache on MLX CUDA's default stream.
@@ -345,9 +258,9 @@ class DeviceAcquire:
         max_ids: the most ids of one acquire (`AcquireMailbox.max_ids`).
         fill_slots: staging slots for prefetch fills.
         tier_slots: host-tier slots per MoE layer (`AcquireMailbox`; 0: no tier).
-        fill_worker: prefetch fills copied by a worker kernel on a stream of its own,
-            beside the compute (`StreamConfig.fill_worker`); False: by the next answer's
-            copy kernel.
+        fill_stream: prefetch fills copied by the device's copy engines on a stream of
+            their own, beside the compute (`StreamConfig.fill_stream`); False: by the next
+            answer's copy kernel.
         x_rows: the most rows of x a prediction reads (a decode step's replies): the
             last `x_rows` tokens of a longer x.
 
@@ -362,7 +275,7 @@ class DeviceAcquire:
         max_ids: int,
         fill_slots: int,
         tier_slots: int = 0,
-        fill_worker: bool = False,
+        fill_stream: bool = False,
         x_rows: int = 1,
     ):
         # Every stream a kernel was queued on (mlx-lm generates on a stream of its own,
@@ -378,7 +291,6 @@ class DeviceAcquire:
                 self.mailbox.copies_address,
                 self.mailbox.hit_table_address,
                 cache.num_experts,
-                self.mailbox.fills_address,
                 x_rows,
             ],
             mx.uint64,
@@ -397,13 +309,6 @@ class DeviceAcquire:
             "ids_word": layout.IDS,
             "rows_word": layout.ROWS,
             "hidden_word": layout.HIDDEN,
-            "need_batch": layout.NEED_BATCH,
-            "batch_done": layout.BATCH_DONE,
-            "worker_up": layout.WORKER_UP,
-            "worker_down": layout.WORKER_DOWN,
-            "batch": layout.BATCH,
-            "batch_records": layout.BATCH_RECORDS,
-            "worker_stop": layout.WORKER_STOP,
             "timeout_ns": ANSWER_TIMEOUT_S * 10**9,
             "block": _BLOCK,
             "chunk": f"{layout.CHUNK_BYTES}ULL",
@@ -422,7 +327,7 @@ class DeviceAcquire:
                 copy_x=_COPY_X.format(**words) if with_x else "",
                 n="n" if with_ids else 0,
                 lookup=int(with_ids),
-                wait="es_wait_reply(es_words, seq); es_wait_batch(es_words);" if with_ids else "",
+                wait="es_wait_reply(es_words, seq);" if with_ids else "",
                 out=_HEAD_OUT.format(**words) if with_ids else "if (tid == 0) head[0] = 0;",
                 **words,
             )
@@ -441,21 +346,9 @@ class DeviceAcquire:
             source=_COPY.format(**words),
             header=header,
         )
-        self._worker = mx.fast.cuda_kernel(
-            name="expert_fill_worker",
-            input_names=["box", "generation", "counters"],
-            output_names=["unused"],
-            source=_WORKER.format(**words),
-            header=header,
-        )
-        self._fill_worker = fill_worker
-        self._counters = mx.zeros((4,), mx.int32)
-        mx.eval(self._counters)
-        # Per thread that generates (MLX's streams belong to the thread that made them):
-        # the fill worker's stream.
-        self._fill_stream = threading.local()
-        self._worker_started = False
-        self._prefetching = False  # some layer's plan has targets: fills to copy
+        # Set on the mailbox at the first decode step (`_stage`): its CUDA stream is then
+        # made after MLX's own.
+        self._fill_stream = fill_stream
         self._layers: dict[int, mx.array] = {}
         self._plans: dict[int, tuple] = {}
         self._cache = cache
@@ -466,48 +359,20 @@ class DeviceAcquire:
         self.synchronize()
 
     def synchronize(self) -> None:
-        """Waits until every kernel queued so far has run, on whichever stream, and the
-        fill worker has ended (a stream whose worker runs cannot be synchronised)."""
+        """Waits until every kernel queued so far has run, on whichever stream."""
         for stream in self._streams:
             mx.synchronize(stream)
-        self._end_worker()
 
     @property
-    def fill_worker(self) -> bool:
-        """Whether prefetch fills are copied by the fill worker (the constructor's
-        `fill_worker`); set False, the running worker ends once it has copied its batches,
-        and fills go with the answers' copies until set True."""
-        return self._fill_worker
+    def fill_stream(self) -> bool:
+        """Whether prefetch fills are copied on the fill stream beside the compute (the
+        constructor's `fill_stream`), from the next decode step on; set False, the batches
+        in flight still land, and fills go with the answers' copies until set True."""
+        return self._fill_stream
 
-    @fill_worker.setter
-    def fill_worker(self, on: bool) -> None:
-        self._fill_worker = bool(on)
-        if not on:
-            self._end_worker()
-
-    def _end_worker(self) -> None:
-        if self._worker_started and not self.mailbox.stop_worker(ANSWER_TIMEOUT_S):
-            raise RuntimeError(f"the fill worker did not end within {ANSWER_TIMEOUT_S} s")
-
-    def _start_worker(self) -> None:
-        """Launches a fill worker on this thread's fill stream, where prefetch is planned
-        and none runs."""
-        if not self._fill_worker or not self._prefetching or not self.mailbox.worker_wanted:
-            return
-        stream = getattr(self._fill_stream, "stream", None)
-        if stream is None:
-            stream = self._fill_stream.stream = mx.new_stream(mx.gpu)
-        generation = self.mailbox.start_worker()
-        (unused,) = self._worker(
-            inputs=[self._box, mx.array([generation], mx.int32), self._counters],
-            output_shapes=[(1,)],
-            output_dtypes=[mx.int32],
-            grid=(_BLOCK * _COPY_BLOCKS, 1, 1),
-            threadgroup=(_BLOCK, 1, 1),
-            stream=stream,
-        )
-        mx.async_eval(unused)
-        self._worker_started = True
+    @fill_stream.setter
+    def fill_stream(self, on: bool) -> None:
+        self._fill_stream = bool(on)
 
     def _stage(self):
         """Staged pool writes from here on, on the current stream. The graph is built
@@ -519,7 +384,8 @@ class DeviceAcquire:
         if not self._cache.staging_on:
             self.synchronize()
             self._cache.set_staging(True)
-        self._start_worker()
+        if self.mailbox.fill_stream != self._fill_stream:
+            self.mailbox.fill_stream = self._fill_stream
 
     def _layer(self, layer: int) -> mx.array:
         arr = self._layers.get(layer)
@@ -574,4 +440,3 @@ class DeviceAcquire:
         if self._plans.get(layer) != plan:
             self.mailbox.set_prefetch(layer, targets, routers, budget)
             self._plans[layer] = plan
-            self._prefetching = any(p[0] for p in self._plans.values())

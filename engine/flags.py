@@ -213,12 +213,12 @@ FLAGS = (
         "through mapped memory (--no-device-acquire: on the CPU stream, as other backends)",
     ),
     Flag(
-        "--fill-worker",
-        "fill_worker",
+        "--fill-stream",
+        "fill_stream",
         None,
-        "with the device acquire, prefetch fills are copied on a stream of their own beside "
-        "the compute (experimental: slower on the H200 measured; default off, the fills go "
-        "with the next layer's copies on the compute stream)",
+        "with the device acquire, prefetch fills are copied by the GPU's copy engines on a "
+        "stream of their own beside the compute (experimental: not yet measured; default "
+        "off, the fills go with the next layer's copies on the compute stream)",
     ),
     Flag(
         "--io-uring",

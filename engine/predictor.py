@@ -90,7 +90,7 @@ class Predictor:
         # Host-tier slots per MoE layer (0: none, off MLX CUDA or with host memory off),
         # as the load's memory plan sized them.
         self.tier_slots = tier_slots if self.device_path else 0
-        self.fill_worker = config.fill_worker
+        self.fill_stream = config.fill_stream
         # The rows of a batch's decode step (one token per reply): each row's hidden state
         # is a prediction of its own (`prefetch_op` rows, `AcquireMailbox` x_rows).
         self.batch_rows = config.max_batch
@@ -219,12 +219,12 @@ class Predictor:
         first device acquire or where there is none."""
         return None if self._device is None else self._device.mailbox
 
-    def set_fill_worker(self, on: bool) -> None:
-        """Prefetch fills copied by the fill worker beside the compute, or with the next
-        answer's copies (`StreamConfig.fill_worker`), from the next decode step on."""
-        self.fill_worker = on
+    def set_fill_stream(self, on: bool) -> None:
+        """Prefetch fills copied by the fill stream beside the compute, or with the next
+        answer's copies (`StreamConfig.fill_stream`), from the next decode step on."""
+        self.fill_stream = on
         if self._device is not None:
-            self._device.fill_worker = on
+            self._device.fill_stream = on
 
     def start_device(self, hidden: int | None, n: int) -> None:
         """What a model load calls, so that allocating and page-locking is part of the
@@ -253,7 +253,7 @@ class Predictor:
             mailbox_ids(n),
             mailbox_fill_slots(self.budget),
             self.tier_slots,
-            self.fill_worker,
+            self.fill_stream,
             self.batch_rows,
         )
 

@@ -1051,19 +1051,6 @@ NB_MODULE(_ext, m) {
       .def_ro_static("FAST", &Box::kFast,
                      "Word: 1 when the kernel took the rows from the hit table and does not "
                      "wait for the answer.")
-      .def_ro_static("NEED_BATCH", &Box::kNeedBatch,
-                     "Word: the fill batch an answer's kernel waits for before its copies.")
-      .def_ro_static("BATCH_DONE", &Box::kBatchDone,
-                     "Word: the latest fill batch the worker copied (written by it).")
-      .def_ro_static("WORKER_UP", &Box::kWorkerUp,
-                     "Word: the generation of the fill worker that started.")
-      .def_ro_static("WORKER_DOWN", &Box::kWorkerDown,
-                     "Word: the generation of the fill worker that ended.")
-      .def_ro_static("BATCH", &Box::kBatch, "Word: the latest fill batch handed to the worker.")
-      .def_ro_static("BATCH_RECORDS", &Box::kBatchRecords, "Word: that batch's record copies.")
-      .def_ro_static("BATCH_CHUNKS", &Box::kBatchChunks, "Word: their chunks in all.")
-      .def_ro_static("WORKER_STOP", &Box::kWorkerStop,
-                     "Word: the generation of the fill worker told to end.")
       .def_ro_static("IDS", &Box::kIds, "First word of the ids (int32).")
       .def_ro_static("ROWS", &Box::kRows, "First word of the rows (int32).")
       .def_ro_static("HIDDEN", &Box::kHidden,
@@ -1081,46 +1068,17 @@ NB_MODULE(_ext, m) {
           "copies_address", [](const MailboxHandle& b) { return b.impl->copies_address(); },
           "The device address of the answer's copies: (src, dst, bytes, first_chunk) uint64 "
           "each, row copies first.")
-      .def_prop_ro(
-          "fills_address", [](const MailboxHandle& b) { return b.impl->fills_address(); },
-          "The device address of the latest fill batch's copies: (src, dst, bytes, "
-          "first_chunk) uint64 each, records only.")
-      .def_prop_ro(
-          "worker_wanted", [](const MailboxHandle& b) { return b.impl->worker_wanted(); },
-          "Whether a fill worker should be launched: none was started, or the latest was "
-          "told to end.")
-      .def_prop_ro(
-          "worker_running", [](const MailboxHandle& b) { return b.impl->worker_running(); },
-          "Whether the latest fill worker has started and not ended.")
-      .def(
-          "start_worker", [](MailboxHandle& b) { return b.impl->start_worker(); },
-          "The generation number of a fill worker about to be launched (its kernel's "
-          "input); the thread hands it batches once it runs.\n\nRaises:\n"
-          "    RuntimeError: while one is running (worker_wanted is False).")
-      .def(
-          "stop_worker",
-          [](MailboxHandle& b, double timeout_s) {
-            nb::gil_scoped_release release;
-            return b.impl->stop_worker(timeout_s);
-          },
-          "timeout_s"_a,
-          "Asks the mailbox's thread to end the latest fill worker once it has copied "
-          "every batch, and waits up to timeout_s seconds; True when it ended (or, never "
-          "started, can take no batch).")
-      .def(
-          "serve_fills",
-          [](MailboxHandle& b, int generation) {
-            nb::gil_scoped_release release;
-            b.impl->serve_fills(generation);
-          },
-          "generation"_a,
-          "Does on the host what the fill worker kernel does (copies each batch, then "
-          "marks it done) until its generation is told to end: the tests' stand-in, for a "
-          "thread of their own.")
+      .def_prop_rw(
+          "fill_stream", [](const MailboxHandle& b) { return b.impl->fill_stream(); },
+          [](MailboxHandle& b, bool on) { b.impl->set_fill_stream(on); },
+          "Whether the thread queues prefetch fills on a CUDA stream of their own after each "
+          "request, copied by the device's copy engines beside the compute (False, the "
+          "default: they go with the next answer that is waited for). Set False, the "
+          "batches in flight still land.")
       .def_prop_ro(
           "fill_batches", [](const MailboxHandle& b) { return b.impl->fill_batches(); },
-          "(batches, records): fill batches handed to the worker since creation, and the "
-          "record copies in them.")
+          "(batches, copies): fill batches queued on the fill stream since creation, and "
+          "the copies in them (a record segment each, before merging).")
       .def_prop_ro(
           "address", [](const MailboxHandle& b) { return b.impl->device_address(); },
           "The address kernels write to (the device pointer of the mapped memory).")

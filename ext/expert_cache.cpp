@@ -1,6 +1,7 @@
 #include "expert_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -155,7 +156,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
       const size_t n = static_cast<size_t>(L.segments[s].nbytes);
       ranges.emplace_back(ptrs[s], ptrs[s] + static_cast<size_t>(rows) * n);
       side_ranges_.push_back({ptrs[s] + static_cast<size_t>(slots_[li]) * n,
-                              ptrs[s] + static_cast<size_t>(rows) * n, static_cast<int>(li)});
+                              ptrs[s] + static_cast<size_t>(rows) * n, static_cast<int>(li), n});
     }
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
@@ -168,6 +169,7 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     tables_.push_back(std::move(table));
     complete_.push_back(0);
     fill_tickets_.emplace_back(2 * static_cast<size_t>(side_slots_[li]));
+    in_batch_.emplace_back(2 * static_cast<size_t>(side_slots_[li]), 0);
   }
   std::sort(side_ranges_.begin(), side_ranges_.end(),
             [](const SideRange& a, const SideRange& b) { return a.lo < b.lo; });
@@ -274,17 +276,58 @@ Delivery ExpertCache::deliver(StagedCopy* out, size_t capacity) {
   return d;
 }
 
-Delivery ExpertCache::deliver_fills(StagedCopy* out, size_t capacity, int layer,
-                                    uint32_t batch) {
+std::vector<Span> ExpertCache::deliver_fills(int layer, uint32_t batch) {
   if (!staged_) throw std::logic_error("deliver_fills before enable_staging");
-  auto take = [&](const uint8_t* dst) {
+  std::lock_guard<std::mutex> lk(mu_);
+  // The side row a pool address is in: (MoE layer, gen, row), or layer -1.
+  auto side_row = [&](const uint8_t* dst) {
     auto it = std::upper_bound(side_ranges_.begin(), side_ranges_.end(), dst,
                                [](const uint8_t* p, const SideRange& r) { return p < r.lo; });
-    if (it == side_ranges_.begin()) return false;
-    --it;
-    return dst < it->hi && it->layer != layer;
+    if (it == side_ranges_.begin() || dst >= (--it)->hi) return std::array<int, 3>{-1, 0, 0};
+    // Pool row slots + g * side + r is row r of ledger g; LFU keeps one ledger of both.
+    const int i = static_cast<int>(static_cast<size_t>(dst - it->lo) / it->row_bytes);
+    const int side = side_[it->layer].size() == 1 ? 2 * side_slots_[it->layer]
+                                                    : side_slots_[it->layer];
+    return std::array<int, 3>{it->layer, i / side, i % side};
   };
-  return staged_->deliver_batch(out, capacity, take, batch);
+  // Only a published row: one still in flight is a reader's fill whose copy is staged and
+  // whose publication is under way (this lock waits for it), which a later batch takes.
+  auto take = [&](const uint8_t* dst) {
+    const auto [li, gen, row] = side_row(dst);
+    return li >= 0 && li != layer &&
+           side_[li][gen].state(row) == RowState::kPublished;
+  };
+  std::vector<Span> copies = staged_->deliver_batch(take, batch);
+  for (const auto& c : copies) {
+    const auto [li, gen, row] = side_row(c.dst);
+    auto& flag = in_batch_[li][static_cast<size_t>(gen * side_slots_[li] + row)];
+    if (flag) continue;  // another segment of the same record
+    auto& S = side_[li][gen];
+    const int expert = S.expert_at(row);
+    S.withdraw(expert, row);
+    flag = 1;
+    batched_rows_.push_back({batch, li, gen, expert, row});
+  }
+  return copies;
+}
+
+void ExpertCache::fills_landed(uint32_t done) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    // Fewer than 2^31 batches are ever outstanding: a batch has landed when it is not
+    // after `done`.
+    size_t kept = 0;
+    for (const auto& b : batched_rows_) {
+      if (static_cast<int32_t>(done - b.batch) < 0) {
+        batched_rows_[kept++] = b;
+        continue;
+      }
+      side_[b.layer][b.gen].publish(b.expert, b.row);
+      in_batch_[b.layer][static_cast<size_t>(b.gen * side_slots_[b.layer] + b.row)] = 0;
+    }
+    batched_rows_.resize(kept);
+  }
+  staged_->completed_batches(done);
 }
 
 void ExpertCache::set_answer_wait(std::function<void()> wait) {
@@ -540,7 +583,8 @@ void ExpertCache::begin_forward_locked(std::unique_lock<std::mutex>& lk) {
     drain_locked(lk);
   }
   ++forward_;
-  if (pending_lfu_ != side_lfu_) {
+  // A fill batch still landing writes rows the new ledgers would hand out: later.
+  if (pending_lfu_ != side_lfu_ && batched_rows_.empty()) {
     side_lfu_ = pending_lfu_;
     for (size_t li = 0; li < side_.size(); ++li) {
       for (auto& g : side_[li]) stats_[li].prefetch_wasted += g.clear();
@@ -699,7 +743,10 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     int r = S.in_flight(e);
     if (r < 0) continue;
     const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * side_slots_[li] + r)];
-    if (!t || !t->reading) continue;
+    // A row in a fill batch publishes when its batch lands, which this thread may be
+    // the one to notice (the mailbox's): not waited for.
+    if (!t || !t->reading || in_batch_[li][static_cast<size_t>(read_gen() * side_slots_[li] + r)])
+      continue;
     auto settled = [&] { return S.in_flight(e) < 0; };
     if (read_timeout_ms_ > 0) {
       drained_cv_.wait_for(lk, std::chrono::milliseconds(read_timeout_ms_), settled);
@@ -1319,6 +1366,7 @@ std::string ExpertCache::check() const {
       inflight += side_[li][g].count(RowState::kInFlight);
     }
   }
+  inflight -= static_cast<int>(batched_rows_.size());  // fills landing, not reads
   if (inflight != inflight_)
     return "in-flight rows " + std::to_string(inflight) + " != in-flight counter " +
            std::to_string(inflight_);

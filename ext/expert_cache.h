@@ -211,12 +211,16 @@ class ExpertCache {
   // table of each layer whose real region changed since the last delivery. Throws as
   // StagedCopies::deliver does (nothing delivered, the table unchanged).
   Delivery deliver(StagedCopy* out, size_t capacity);
-  // A fill batch for the copy stream's worker (AcquireMailbox), numbered `batch`: the
-  // staged records into side rows of every MoE layer but `layer` (StagedCopies::
-  // deliver_batch), whose rows an answer may have handed to kernels still running. Real
-  // slots are left to the answers: a kernel may read a real slot from the hit table at
-  // any time. The hit table is not touched.
-  Delivery deliver_fills(StagedCopy* out, size_t capacity, int layer, uint32_t batch);
+  // A fill batch for the mailbox's copy stream (AcquireMailbox), numbered `batch`: the
+  // staged records into published side rows of every MoE layer but `layer`
+  // (StagedCopies::deliver_batch), whose rows an answer may have handed to kernels still
+  // running. Real slots are left to the answers: a kernel may read a real slot from the
+  // hit table at any time. The hit table is not touched. Each batched row is withdrawn
+  // (in flight: no acquire hands it out, no prefetch reuses it) until fills_landed.
+  std::vector<Span> deliver_fills(int layer, uint32_t batch);
+  // The fill batches numbered up to `done` (and no later one) have landed: their rows are
+  // published again and their staging slots freed. Batches land in order.
+  void fills_landed(uint32_t done);
   // What set_staging(false) and reset() call first (AcquireMailbox: waits until its
   // thread has answered every request posted): an answer of an earlier forward then
   // never runs after them. Empty: none.
@@ -450,7 +454,15 @@ class ExpertCache {
     const uint8_t* lo;
     const uint8_t* hi;
     int layer;
+    size_t row_bytes;  // the segment's bytes per row
   };
+  // A side row whose fill is in a batch on the copy stream (deliver_fills), until it lands.
+  struct BatchedRow {
+    uint32_t batch;
+    int layer, gen, expert, row;
+  };
+  std::vector<BatchedRow> batched_rows_;              // under mu_, oldest batch first
+  std::vector<std::vector<uint8_t>> in_batch_;        // [layer][gen * side_slots + row]
   std::vector<SideRange> side_ranges_;
   std::vector<std::unique_ptr<BlobFile>> files_;
 

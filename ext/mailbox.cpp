@@ -25,11 +25,9 @@ using Clock = std::chrono::steady_clock;
 // decode, so that only a pause in generation lets it sleep: a core spins while decoding.
 constexpr auto kSpin = std::chrono::milliseconds(100);
 constexpr auto kNap = std::chrono::microseconds(20);
-// The fill worker ends after this long without a request: a kernel that spins holds its
-// blocks' share of the GPU, and its stream cannot be synchronised while it runs (on the
-// H200 the compute stream waited for it, docs/benchmarks.md). The next forward starts
-// another (a launch).
-constexpr auto kWorkerIdle = std::chrono::milliseconds(50);
+// Fill batches in flight on the copy stream at most: a batch per answer, so about a
+// decode step's MoE layers.
+constexpr int kFillDepth = 64;
 
 inline void relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -47,11 +45,6 @@ inline int32_t load(volatile int32_t* p) {
 }
 inline void store(volatile int32_t* p, int32_t v) {
   __atomic_store_n(const_cast<int32_t*>(p), v, __ATOMIC_RELEASE);
-}
-
-// Sequence numbers (batches, generations) wrap: a is b or after it.
-inline bool reached(int32_t a, int32_t b) {
-  return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)) >= 0;
 }
 
 }  // namespace
@@ -77,9 +70,8 @@ AcquireMailbox::AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, i
   const size_t x_floats = static_cast<size_t>(hidden) * static_cast<size_t>(x_rows);
   copies_offset_ = (static_cast<size_t>(kHidden) * sizeof(int32_t) + x_floats * sizeof(float) +
                     255) / 256 * 256;
-  fills_offset_ = copies_offset_ + (capacity_ * sizeof(StagedCopy) + 255) / 256 * 256;
   memory_ = std::make_unique<MappedHost>(
-      cache_->writer(), fills_offset_ + capacity_ * sizeof(StagedCopy), "the acquire mailbox");
+      cache_->writer(), copies_offset_ + capacity_ * sizeof(StagedCopy), "the acquire mailbox");
   std::memset(memory_->data(), 0, memory_->bytes());
   const size_t layers = static_cast<size_t>(cache_->num_layers());
   plan_.resize(layers);
@@ -96,15 +88,13 @@ AcquireMailbox::~AcquireMailbox() {
   // A request no kernel waits for (posted kFast, or a prefetch's) is answered as any
   // other: the cache counts the forward that ran.
   if (load(word(kFast)) != 0 || load(word(kCount)) == 0) wait();
-  stop_worker(10.0);
   stop_.store(true, std::memory_order_release);
   thread_.join();
-  const int32_t g = worker_gen_.load(std::memory_order_acquire);
-  if (g != 0 && !reached(load(word(kWorkerDown)), g)) {
-    // A worker launched and never started, or one that hangs: it must find its stop
-    // word whenever it runs.
-    memory_->abandon();
-    return;
+  // The batches in flight read staging slots and write pool rows: they land first, and
+  // their rows are published.
+  while (streaming() && streaming()->in_flight() > 0) {
+    land();
+    std::this_thread::yield();
   }
   const int32_t request = load(word(kRequest));
   if (request != load(word(kReply))) {
@@ -169,8 +159,8 @@ void AcquireMailbox::run() {
   int32_t seen = load(word(kReply));
   handled_.store(seen, std::memory_order_release);
   auto last = Clock::now();
-  int32_t started = 0;
   while (!stop_.load(std::memory_order_acquire)) {
+    if (CopyStream* cs = streaming(); cs && cs->in_flight() > 0) land();
     const int32_t request = load(word(kRequest));
     if (request != seen) {
       answer(static_cast<uint32_t>(request));
@@ -179,15 +169,7 @@ void AcquireMailbox::run() {
       last = Clock::now();
       continue;
     }
-    // A worker is idle from when it started, not from a request before it.
-    const int32_t up = load(word(kWorkerUp));
-    if (up != started) {
-      started = up;
-      last = Clock::now();
-    }
-    const auto quiet = Clock::now() - last;
-    end_worker(quiet >= kWorkerIdle);
-    if (quiet < kSpin)
+    if (Clock::now() - last < kSpin)
       relax();
     else
       std::this_thread::sleep_for(kNap);
@@ -199,8 +181,6 @@ void AcquireMailbox::answer(uint32_t seq) {
   // The kernel that posted this request runs after the kernels of every earlier answer,
   // so the copies those delivered are done: their staging slots are free again.
   staged_->completed();
-  if (worker_gen_.load(std::memory_order_relaxed) != 0)
-    staged_->completed_batches(static_cast<uint32_t>(load(word(kBatchDone))));
   const int li = load(word(kLayer));
   const int n = load(word(kCount));
   const int x_rows = load(word(kXRows));
@@ -248,7 +228,6 @@ void AcquireMailbox::answer(uint32_t seq) {
       word(kRowCopies)[0] = static_cast<int32_t>(delivery.rows);
       word(kRecordCopies)[0] = static_cast<int32_t>(delivery.records);
       word(kChunks)[0] = static_cast<int32_t>(delivery.chunks);
-      word(kNeedBatch)[0] = static_cast<int32_t>(published_.load(std::memory_order_relaxed));
       ordered_.fetch_add(delivery.rows, std::memory_order_relaxed);
       at_once_.fetch_add(delivery.records, std::memory_order_relaxed);
     }
@@ -292,98 +271,53 @@ void AcquireMailbox::wait() const {
   // Handled: answered, and its prefetch and fill batch made.
   while (handled_.load(std::memory_order_acquire) != load(word(kRequest)))
     std::this_thread::yield();
-  const auto published = static_cast<int32_t>(published_.load(std::memory_order_acquire));
-  while (load(word(kBatchDone)) != published) std::this_thread::yield();
+  const uint32_t published = published_.load(std::memory_order_acquire);
+  while (landed_.load(std::memory_order_acquire) != published) std::this_thread::yield();
 }
 
-bool AcquireMailbox::worker_ready() const {
-  const int32_t g = worker_gen_.load(std::memory_order_acquire);
-  return g != 0 && load(word(kWorkerUp)) == g && load(word(kWorkerStop)) != g;
+void AcquireMailbox::set_fill_stream(bool on) {
+  std::lock_guard<std::mutex> lk(plan_mu_);
+  if (on && !fill_stream_) {
+    fill_stream_ = std::make_unique<CopyStream>(cache_->writer(), kFillDepth);
+    stream_.store(fill_stream_.get(), std::memory_order_release);
+  }
+  fill_stream_on_.store(on, std::memory_order_relaxed);
 }
 
 void AcquireMailbox::publish_fills(int layer) {
-  const uint32_t last = published_.load(std::memory_order_relaxed);
-  if (!worker_ready() || static_cast<uint32_t>(load(word(kBatchDone))) != last) return;
-  staged_->completed_batches(last);
-  // 0 is no batch (the kernels then read no done word): numbers skip it when they wrap.
-  const uint32_t next = last + 1 == 0 ? 1 : last + 1;
-  const Delivery d = cache_->deliver_fills(fills(), capacity_, layer, next);
-  if (d.records == 0) return;
-  store(word(kBatchRecords), static_cast<int32_t>(d.records));
-  store(word(kBatchChunks), static_cast<int32_t>(d.chunks));
+  CopyStream* cs = streaming();
+  if (!fill_stream_on_.load(std::memory_order_relaxed) || !cs || cs->full()) return;
+  const uint32_t next = published_.load(std::memory_order_relaxed) + 1;  // wraps
+  const std::vector<Span> copies = cache_->deliver_fills(layer, next);
+  if (copies.empty()) return;
+  flying_.push_back(next);
   published_.store(next, std::memory_order_release);
-  store(word(kBatch), static_cast<int32_t>(next));
   batches_.fetch_add(1, std::memory_order_relaxed);
-  batch_records_.fetch_add(d.records, std::memory_order_relaxed);
-}
-
-void AcquireMailbox::end_worker(bool idle) {
-  const int32_t g = worker_gen_.load(std::memory_order_acquire);
-  if (g == 0 || load(word(kWorkerStop)) == g) return;
-  // Idle only once started: a launch may take a while to run.
-  const bool wanted = end_wanted_.load(std::memory_order_acquire) == g;
-  if (!wanted && !(idle && load(word(kWorkerUp)) == g)) return;
-  if (static_cast<uint32_t>(load(word(kBatchDone))) != published_.load(std::memory_order_relaxed))
-    return;
-  store(word(kWorkerStop), g);
-}
-
-bool AcquireMailbox::worker_wanted() const {
-  const int32_t g = worker_gen_.load(std::memory_order_acquire);
-  return g == 0 || load(word(kWorkerStop)) == g;
-}
-
-bool AcquireMailbox::worker_running() const {
-  const int32_t g = worker_gen_.load(std::memory_order_acquire);
-  return g != 0 && load(word(kWorkerUp)) == g && load(word(kWorkerDown)) != g;
-}
-
-int AcquireMailbox::start_worker() {
-  if (!worker_wanted()) throw std::logic_error("a fill worker is running already");
-  int32_t g = worker_gen_.load(std::memory_order_acquire) + 1;
-  if (g <= 0) g = 1;  // wrapped
-  worker_gen_.store(g, std::memory_order_release);
-  return g;
-}
-
-bool AcquireMailbox::stop_worker(double timeout_s) {
-  const int32_t g = worker_gen_.load(std::memory_order_acquire);
-  if (g == 0) return true;
-  end_wanted_.store(g, std::memory_order_release);
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                         std::chrono::duration<double>(timeout_s));
-  // Ended: it wrote its generation down, or it never started and its stop word is set
-  // (then it takes no batch and ends as soon as it runs).
-  auto ended = [&] {
-    return reached(load(word(kWorkerDown)), g) ||
-           (!reached(load(word(kWorkerUp)), g) && reached(load(word(kWorkerStop)), g));
-  };
-  while (!ended()) {
-    if (Clock::now() > until) return false;
-    std::this_thread::sleep_for(kNap);
+  batch_records_.fetch_add(copies.size(), std::memory_order_relaxed);
+  try {
+    cs->queue(copies);  // in flight even where it failed
+  } catch (...) {
+    cache_->set_stream_error(std::current_exception());
   }
-  return true;
 }
 
-void AcquireMailbox::serve_fills(int generation) {
-  store(word(kWorkerUp), generation);
-  int32_t done = load(word(kBatchDone));
-  for (;;) {
-    const int32_t batch = load(word(kBatch));
-    if (batch != done) {
-      Delivery d;
-      d.records = static_cast<uint32_t>(load(word(kBatchRecords)));
-      d.chunks = static_cast<uint64_t>(load(word(kBatchChunks)));
-      StagedCopies::execute(fills(), d);
-      done = batch;
-      store(word(kBatchDone), done);
-    } else if (reached(load(word(kWorkerStop)), generation)) {
-      break;
-    } else {
-      std::this_thread::yield();
-    }
+void AcquireMailbox::land() {
+  CopyStream* cs = streaming();
+  const uint64_t before = cs->landed();
+  try {
+    cs->poll();
+  } catch (...) {
+    cache_->set_stream_error(std::current_exception());
   }
-  store(word(kWorkerDown), generation);
+  uint64_t n = cs->landed() - before;
+  if (n == 0) return;
+  uint32_t done = 0;
+  for (; n > 0; --n) {
+    done = flying_.front();
+    flying_.pop_front();
+  }
+  cache_->fills_landed(done);
+  landed_.store(done, std::memory_order_release);
 }
 
 std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, const float* x,
@@ -420,9 +354,6 @@ std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, 
   if (fast) return rows;
   while (load(word(kReply)) != seq) std::this_thread::yield();
   if (n > 0) {
-    // Batches are copied in order, and the thread may hand the worker the next one before
-    // this wait reads the done word: waits until the named one is done, or a later one.
-    while (!reached(load(word(kBatchDone)), load(word(kNeedBatch)))) std::this_thread::yield();
     Delivery d;
     d.rows = static_cast<uint32_t>(load(word(kRowCopies)));
     d.records = static_cast<uint32_t>(load(word(kRecordCopies)));

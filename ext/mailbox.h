@@ -30,18 +30,10 @@
 //               writes (staged_copies.h): counts of row and record copies, and of the
 //               record copies' chunks
 //   [kFast]     1 when the kernel took its rows from the hit table and does not wait
-//   [kNeedBatch] the fill batch the answer's rows may need (0: none, the numbers skip
-//               it): the kernel waits until [kBatchDone] is it or later before its
-//               copies and rows
-//   [kBatchDone], [kWorkerUp], [kWorkerDown]  written by the fill worker: the latest
-//               batch copied, and the generation that started and that ended
-//   [kBatch], [kBatchRecords], [kBatchChunks]  the latest fill batch and its copies'
-//               counts, [kWorkerStop] the generation to end, written by the host
 //   [kIds, kIds + kMaxIds)     ids (int32)
 //   [kRows, kRows + kMaxIds)   rows (int32), written by the host
 //   [kHidden, kHidden + x_rows * hidden) hidden states, row-major (float32)
-// and, from copies_address(), the delivery's StagedCopy entries: row copies, then records;
-// from fills_address(), the latest fill batch's.
+// and, from copies_address(), the delivery's StagedCopy entries: row copies, then records.
 //
 // Hits without the host: the kernel first looks the ids up in the cache's hit table
 // (ExpertCache::hit_table_address, mapped host memory). When every id has an entry, it
@@ -53,19 +45,21 @@
 //
 // Fills beside the compute: a prefetch fill (a record the host tier holds, or one a
 // reader thread read) need not wait for the next answer's copy kernel, which runs on the
-// compute stream ahead of the experts that use it. A fill worker, a kernel of many blocks
-// on a stream of its own (engine/device_acquire.py starts one per generation), copies
-// fill batches while the compute stream runs: after each request the thread hands the
-// worker, as batch b, the staged records into side rows of every layer but the
-// request's that no copy of the latest answer reads or writes (ExpertCache::
-// deliver_fills). That is safe because when the thread reads request k, every kernel
-// queued before k's kernel has run (k's own copies may still run beside the batch), and
-// until the next answer that is waited for, kernels read only the rows of k's answer and
-// real slots from the hit table; an answer that is waited for names the latest batch
-// ([kNeedBatch]) and its kernel waits until that one, or a later one, is copied. One
-// batch is outstanding at a time; the worker ends when the thread writes its generation
-// to [kWorkerStop], which it does only with no batch outstanding, after kWorkerIdle
-// without a request or when asked (stop_worker).
+// compute stream ahead of the experts that use it. With the fill stream on
+// (set_fill_stream), after each request the thread queues, as fill batch b, the staged
+// records into published side rows of every layer but the request's that no copy of the
+// latest answer reads or writes (ExpertCache::deliver_fills) on a CUDA stream of its own
+// (CopyStream: the device's copy engines copy them while the compute stream runs). Their
+// rows are in flight from then until the thread sees the batch's event pass and calls
+// ExpertCache::fills_landed: no answer hands them out and no prefetch reuses them. That is
+// safe because when the thread reads request k, every kernel queued before k's kernel has
+// run (k's own copies may still run beside the batch), and a row whose copy is still
+// staged was never handed out (the answer that hands a row out delivers its copies).
+// No kernel waits for the copy stream: a stream can share a hardware queue with the
+// compute stream, behind a kernel that spins for an answer, and a kernel that waited for
+// a batch could then wait for itself. The thread's CUDA calls are ones that never wait
+// for the device (cudaMemcpyAsync from page-locked memory, cudaEventRecord,
+// cudaEventQuery), on a stream no kernel uses.
 //
 // Pool writes: while the mailbox is in use the cache stages them (ExpertCache::
 // set_staging), so that neither this thread nor a reader thread calls the CUDA runtime
@@ -75,6 +69,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -98,14 +93,6 @@ class AcquireMailbox {
   static constexpr int kRecordCopies = 68;
   static constexpr int kChunks = 69;
   static constexpr int kFast = 70;
-  static constexpr int kNeedBatch = 71;
-  static constexpr int kBatchDone = 96;  // own line: written by the fill worker
-  static constexpr int kWorkerUp = 97;
-  static constexpr int kWorkerDown = 98;
-  static constexpr int kBatch = 128;  // own line: written by the host
-  static constexpr int kBatchRecords = 129;
-  static constexpr int kBatchChunks = 130;
-  static constexpr int kWorkerStop = 131;
   static constexpr int kMaxIds = 256;
   static constexpr int kIds = 160;
   static constexpr int kRows = kIds + kMaxIds;
@@ -124,10 +111,10 @@ class AcquireMailbox {
   // the memory.
   AcquireMailbox(std::shared_ptr<ExpertCache> cache, int hidden, int max_ids, int fill_slots,
                  int tier_slots = 0, int x_rows = 1);
-  // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's), ends
-  // the fill worker (stop_worker), answers a request still waited for (rows 0, an error
-  // for the host), then stops the thread. Memory a kernel may still read (a request
-  // waited for, a worker that did not end) is kept.
+  // Waits for the answer to a request no kernel waits for (kFast, or a prefetch's),
+  // answers a request still waited for (rows 0, an error for the host), stops the thread,
+  // then waits for the fill batches in flight. Memory a kernel may still read (a request
+  // waited for) is kept.
   // Kernels of a forward still queued must not run after this (the cache's pools have
   // the same rule).
   ~AcquireMailbox();
@@ -141,8 +128,6 @@ class AcquireMailbox {
   int x_rows() const { return x_rows_; }
   // The device address of the delivery's StagedCopy entries.
   uintptr_t copies_address() const { return memory_->device_address() + copies_offset_; }
-  // The device address of the latest fill batch's StagedCopy entries (records only).
-  uintptr_t fills_address() const { return memory_->device_address() + fills_offset_; }
   // The device address of the cache's hit table (ExpertCache::hit_table_address).
   uintptr_t hit_table_address() const { return cache_->hit_table_address(); }
   // Whether the memory is mapped for a CUDA device (false: plain host memory).
@@ -171,27 +156,18 @@ class AcquireMailbox {
   // request waits).
   std::pair<uint32_t, uint32_t> sequence() const;
 
-  // Waits until the thread has answered every request posted so far and the fill worker
-  // has copied every batch handed to it (registered with the cache as its answer wait:
+  // Waits until the thread has answered every request posted so far and every fill batch
+  // queued has landed (registered with the cache as its answer wait:
   // ExpertCache::set_answer_wait).
   void wait() const;
 
-  // The fill worker. worker_wanted(): none was started, or the latest was told to end.
-  // start_worker(): the next generation's number, for a worker about to be launched
-  // (std::logic_error while one is wanted no more than now: !worker_wanted()); the thread
-  // hands it batches once it has written the number to [kWorkerUp]. stop_worker(): asks
-  // the thread to end the latest worker and waits up to timeout_s seconds until it has
-  // ended (or, never started, will end as soon as it runs: a worker ends at its own stop
-  // word or a later generation's); true when so.
-  bool worker_wanted() const;
-  // Whether the latest worker has started and not ended.
-  bool worker_running() const;
-  int start_worker();
-  bool stop_worker(double timeout_s);
-  // Does on the host what the fill worker kernel does, until told to end: the tests'
-  // stand-in for it (pools in host memory). `generation` from start_worker().
-  void serve_fills(int generation);
-  // Fill batches handed to the worker since creation, and their record copies.
+  // Whether prefetch fills are queued on the fill stream after each request (off: they go
+  // with the next answer that is waited for). Off, the batches in flight still land.
+  bool fill_stream() const { return fill_stream_on_.load(std::memory_order_relaxed); }
+  // The stream and its events are made when first set on (std::runtime_error naming the
+  // CUDA error where they cannot be).
+  void set_fill_stream(bool on);
+  // Fill batches queued since creation, and their copies (spans, before merging).
   std::pair<uint64_t, uint64_t> fill_batches() const {
     return {batches_.load(std::memory_order_relaxed),
             batch_records_.load(std::memory_order_relaxed)};
@@ -225,22 +201,16 @@ class AcquireMailbox {
   StagedCopy* copies() const {
     return reinterpret_cast<StagedCopy*>(memory_->data() + copies_offset_);
   }
-  StagedCopy* fills() const {
-    return reinterpret_cast<StagedCopy*>(memory_->data() + fills_offset_);
-  }
   void run();
   void answer(uint32_t seq);
   // Thread: after an answer to a request of MoE layer li with `rows` rows of hidden state
   // (x_), the fills its plan predicts (set_prefetch).
   void prefetch(int li, int rows);
-  // Thread: whether the latest worker runs and may take a batch.
-  bool worker_ready() const;
-  // Thread: hands the worker the fills staged for side rows of layers other than `layer`
-  // (the latest request's), when it is ready and has copied the last batch.
+  // Thread: queues the fills staged for side rows of layers other than `layer` (the
+  // latest request's) as the next batch, when the fill stream is on and not full.
   void publish_fills(int layer);
-  // Thread: ends the latest worker when asked to, or when `idle`, once it has copied
-  // every batch.
-  void end_worker(bool idle);
+  // Thread: counts the batches landed and hands the latest to ExpertCache::fills_landed.
+  void land();
 
   std::shared_ptr<ExpertCache> cache_;
   int hidden_;
@@ -248,9 +218,13 @@ class AcquireMailbox {
   int x_rows_;
   std::shared_ptr<StagedCopies> staged_;
   size_t copies_offset_ = 0;  // bytes from the mailbox's start
-  size_t fills_offset_ = 0;
   size_t capacity_ = 0;       // StagedCopy entries there
   std::unique_ptr<MappedHost> memory_;
+  std::unique_ptr<CopyStream> fill_stream_;  // made by set_fill_stream, under plan_mu_
+  std::atomic<CopyStream*> stream_{nullptr};  // it, for the thread (and ~AcquireMailbox)
+  CopyStream* streaming() const { return stream_.load(std::memory_order_acquire); }
+  std::deque<uint32_t> flying_;               // the batches in flight, oldest first
+  std::atomic<bool> fill_stream_on_{false};
 
   std::mutex plan_mu_;
   std::vector<std::vector<Target>> plan_;  // [source layer]
@@ -259,9 +233,8 @@ class AcquireMailbox {
   std::vector<float> x_;                   // [row * hidden + i]
 
   std::atomic<int32_t> handled_{0};      // the latest request answered, prefetch and all
-  std::atomic<uint32_t> published_{0};  // the latest fill batch handed to the worker
-  std::atomic<int32_t> worker_gen_{0};   // the latest worker's generation (0: none)
-  std::atomic<int32_t> end_wanted_{0};   // stop_worker asked this generation to end
+  std::atomic<uint32_t> published_{0};  // the latest fill batch queued
+  std::atomic<uint32_t> landed_{0};     // the latest fill batch landed
   std::atomic<uint64_t> batches_{0}, batch_records_{0};
 
   std::atomic<bool> stop_{false};

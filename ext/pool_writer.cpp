@@ -19,8 +19,10 @@ namespace {
 // The few CUDA runtime entry points the writer uses, declared here so that nothing is
 // linked against (cuda_runtime_api.h gives the same signatures; the enum values are
 // CUDA's: cudaMemcpyDefault 4, cudaMemoryTypeDevice 2, cudaMemoryTypeManaged 3,
-// cudaStreamNonBlocking 1, cudaHostRegisterPortable | cudaHostRegisterMapped 3).
+// cudaStreamNonBlocking 1, cudaHostRegisterPortable | cudaHostRegisterMapped 3,
+// cudaEventDisableTiming 2, cudaErrorNotReady 600).
 using Stream = void*;
+using Event = void*;
 struct PointerAttributes {
   int type;
   int device;
@@ -39,6 +41,10 @@ struct Cuda {
   int (*host_register)(void*, size_t, unsigned) = nullptr;
   int (*host_unregister)(void*) = nullptr;
   int (*host_device_pointer)(void**, void*, unsigned) = nullptr;
+  int (*event_create)(Event*, unsigned) = nullptr;
+  int (*event_record)(Event, Stream) = nullptr;
+  int (*event_query)(Event) = nullptr;
+  int (*event_destroy)(Event) = nullptr;
   const char* (*error_string)(int) = nullptr;
 };
 
@@ -65,6 +71,10 @@ const Cuda* cuda() {
           sym(table.host_register, "cudaHostRegister") &&
           sym(table.host_unregister, "cudaHostUnregister") &&
           sym(table.host_device_pointer, "cudaHostGetDevicePointer") &&
+          sym(table.event_create, "cudaEventCreateWithFlags") &&
+          sym(table.event_record, "cudaEventRecord") &&
+          sym(table.event_query, "cudaEventQuery") &&
+          sym(table.event_destroy, "cudaEventDestroy") &&
           sym(table.error_string, "cudaGetErrorString")) {
         found = &table;
         return;
@@ -80,6 +90,8 @@ void check(int rc, const char* what) {
     throw std::runtime_error(std::string("pool write: ") + what + " failed: " +
                              cuda()->error_string(rc));
 }
+
+constexpr int kNotReady = 600;  // cudaErrorNotReady: an event's work has not all run
 
 // Non-blocking streams for pool writes, one per concurrent writer, kept for the process:
 // a stream is never destroyed, so no thread exit or interpreter shutdown races the
@@ -206,6 +218,82 @@ void PoolWriter::zero(uint8_t* dst, size_t bytes) const {
   on_stream(device_, [&](Stream st) {
     check(cuda()->memset_async(dst, 0, bytes, st), "cudaMemsetAsync");
   });
+}
+
+CopyStream::CopyStream(const PoolWriter& writer, int depth) : device_(writer.device_) {
+  if (depth < 1)
+    throw std::invalid_argument("copy stream depth must be >= 1, got " + std::to_string(depth));
+  marks_.resize(static_cast<size_t>(depth), nullptr);
+  if (device_ < 0) return;
+  check(cuda()->set_device(device_), "cudaSetDevice");
+  stream_ = streams().take(device_);
+  for (auto& e : marks_) {
+    const int rc = cuda()->event_create(&e, 2);
+    if (rc != 0) {
+      release();
+      check(rc, "cudaEventCreateWithFlags");
+    }
+  }
+}
+
+CopyStream::~CopyStream() { release(); }
+
+void CopyStream::release() {
+  if (device_ < 0) return;
+  if (stream_) {
+    // The copies still read staging slots and write pool rows: they end first.
+    cuda()->stream_sync(stream_);
+    streams().give(stream_, device_);
+    stream_ = nullptr;
+  }
+  for (auto& e : marks_)
+    if (e) cuda()->event_destroy(e), e = nullptr;
+}
+
+void CopyStream::queue(const std::vector<Span>& copies) {
+  if (full()) throw std::logic_error("copy stream: " + std::to_string(marks_.size()) +
+                                     " batches in flight already");
+  const size_t slot = (first_ + in_flight_) % marks_.size();
+  ++in_flight_;
+  if (device_ < 0) {
+    held_.push_back(copies);  // copied by the next poll(), in order
+    return;
+  }
+  // The batch is in flight from here on, whatever fails: it lands once the copies issued
+  // before a failure have run (or at once, where not even its mark was recorded).
+  // The calling thread's device may be another (cudaSetDevice is per thread).
+  int rc = cuda()->set_device(device_);
+  const char* what = rc == 0 ? "cudaMemcpyAsync" : "cudaSetDevice";
+  for (const auto& s : coalesced(copies)) {
+    if (rc != 0) break;
+    rc = cuda()->memcpy_async(s.dst, s.src, s.bytes, 4, stream_);
+  }
+  const int recorded = cuda()->event_record(marks_[slot], stream_);
+  if (recorded != 0) {
+    unmarked_.push_back(slot);
+    if (rc == 0) rc = recorded, what = "cudaEventRecord";
+  }
+  check(rc, what);
+}
+
+void CopyStream::poll() {
+  int rc = 0;
+  while (in_flight_ > 0) {
+    if (device_ < 0) {
+      for (const auto& s : held_.front()) std::memmove(s.dst, s.src, s.bytes);
+      held_.erase(held_.begin());
+    } else if (!unmarked_.empty() && unmarked_.front() == first_) {
+      unmarked_.erase(unmarked_.begin());
+    } else {
+      const int q = cuda()->event_query(marks_[first_]);
+      if (q == kNotReady) break;
+      if (q != 0 && rc == 0) rc = q;
+    }
+    first_ = (first_ + 1) % marks_.size();
+    --in_flight_;
+    ++landed_;
+  }
+  check(rc, "a queued copy");
 }
 
 MappedHost::MappedHost(const PoolWriter& writer, size_t bytes, const std::string& what) {

@@ -78,6 +78,14 @@ bool SideLedger::publish(int expert, int row) {
   return true;
 }
 
+bool SideLedger::withdraw(int expert, int row) {
+  if (row < 0 || row >= rows() || row_expert_[row] != expert ||
+      row_state_[row] != RowState::kPublished)
+    return false;
+  row_state_[row] = RowState::kInFlight;
+  return true;
+}
+
 bool SideLedger::abandon(int expert, int row) {
   if (row < 0 || row >= rows() || row_expert_[row] != expert ||
       row_state_[row] != RowState::kInFlight)

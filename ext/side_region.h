@@ -37,6 +37,10 @@ class SideLedger {
   // In flight -> published. Returns false (and changes nothing) if (expert, row) is not an
   // in-flight reservation: that would be a ledger bug, counted by the caller.
   bool publish(int expert, int row);
+  // Published -> in flight: its bytes are being written again (a fill batch on the copy
+  // stream, AcquireMailbox), and it is not looked up until published again. False (and
+  // nothing changes) if (expert, row) is not published.
+  bool withdraw(int expert, int row);
   // In flight -> free (the fill failed or was cancelled).
   bool abandon(int expert, int row);
 

@@ -308,9 +308,8 @@ Delivery StagedCopies::deliver(StagedCopy* out, size_t capacity) {
   return d;
 }
 
-Delivery StagedCopies::deliver_batch(StagedCopy* out, size_t capacity,
-                                     const std::function<bool(const uint8_t*)>& take,
-                                     uint32_t batch) {
+std::vector<Span> StagedCopies::deliver_batch(const std::function<bool(const uint8_t*)>& take,
+                                              uint32_t batch) {
   std::lock_guard<std::mutex> lk(mu_);
   auto overlap = [](const uint8_t* a, const uint8_t* b, size_t n, size_t m) {
     return a < b + m && b < a + n;
@@ -328,20 +327,19 @@ Delivery StagedCopies::deliver_batch(StagedCopy* out, size_t capacity,
       if (overlap(lo, p.dst, static_cast<size_t>(hi - lo), p.bytes)) return true;
     return false;
   };
-  Delivery d;
+  std::vector<Span> out;
   std::vector<Pending> rest;
   for (const auto& p : pending_) {
     if (!p.live) continue;  // dropped: its reference went with it
-    if (p.slot < 0 || d.records == capacity || !take(p.dst) || held(p)) {
+    if (p.slot < 0 || !take(p.dst) || held(p)) {
       rest.push_back(p);
       continue;
     }
-    out[d.records++] = {device(p.src), device(p.dst), p.bytes, d.chunks};
-    d.chunks += (p.bytes + kChunkBytes - 1) / kChunkBytes;
+    out.push_back({p.dst, p.src, p.bytes, p.segment});
     batched_.emplace_back(batch, p.slot);
   }
   pending_.swap(rest);
-  return d;
+  return out;
 }
 
 void StagedCopies::completed() {

@@ -2,14 +2,16 @@
 //
 // With the acquire mailbox (mailbox.h) a kernel of the forward spins until a host thread
 // answers it. That thread, and the reader threads whose prefetch fills it may wait for,
-// must then never call the CUDA runtime: a runtime call can wait for work queued behind
-// the spinning kernel, which waits for the thread. So while staging is on, a pool write
-// is not made by the host: a record is copied into a slot of page-locked host memory
-// mapped for the device (`stage_record`), a row-to-row copy is noted (`stage_rows`), and
-// the mailbox's next answer hands every pending copy to its kernels (`deliver`), which
-// copy them into the pools before any kernel reads the rows the answer gives. Stream
-// order makes that safe: the kernels run after every earlier use of the pools, and a row
-// the cache hands out is only ever read after the answer that handed it out.
+// must then never make a CUDA runtime call that can wait for the device (a pool write,
+// which waits for its copy: copies may queue behind the spinning kernel, which waits for
+// the thread; the fill stream's calls do not wait: mailbox.h). So while staging is on,
+// a pool write is not made by the host: a record is copied into a slot of page-locked
+// host memory mapped for the device (`stage_record`), a row-to-row copy is noted
+// (`stage_rows`), and the mailbox's next answer hands every pending copy to its kernels
+// (`deliver`), which copy them into the pools before any kernel reads the rows the answer
+// gives. Stream order makes that safe: the kernels run after every earlier use of the
+// pools, and a row the cache hands out is only ever read after the answer that handed it
+// out.
 //
 // Ordering: row-to-row copies (side-row promotions) run first, one after the other in
 // the order staged, where a copy of the same delivery writes what one of them reads or
@@ -147,13 +149,13 @@ class StagedCopies {
   // first) and returns their counts; their slots stay taken until completed(). Throws
   // std::length_error when more are pending than `capacity` (then nothing is delivered).
   Delivery deliver(StagedCopy* out, size_t capacity);
-  // A fill batch for the copy stream's worker (mailbox.h): the pending records whose
+  // A fill batch for the mailbox's copy stream (mailbox.h): the pending records whose
   // destination `take` accepts and that no pending row copy, nor any copy of a delivery
-  // not yet completed, reads or writes, into out[0, capacity) as records (rows 0), at
-  // most `capacity` of them; the rest stay pending in their order. Their slots stay
-  // taken until completed_batches(batch).
-  Delivery deliver_batch(StagedCopy* out, size_t capacity,
-                         const std::function<bool(const uint8_t*)>& take, uint32_t batch);
+  // not yet completed, reads or writes, as copies from their host slots, numbered
+  // `batch`; the rest stay pending in their order. Their slots stay taken until
+  // completed_batches(batch).
+  std::vector<Span> deliver_batch(const std::function<bool(const uint8_t*)>& take,
+                                  uint32_t batch);
   // Every delivery made so far has been performed: frees its slots.
   void completed();
   // The fill batches numbered up to `done` (and no later one) have been copied: frees

@@ -5,7 +5,10 @@
  * the stream is synchronized, as a DMA may run any time until then; fake_fail_at(n) makes
  * the n-th cudaMemcpyAsync from now fail. fake_pending() counts queued copies,
  * fake_copies() every cudaMemcpyAsync so far, fake_sync_delay_us(n) makes each stream
- * synchronisation take n microseconds more (a transfer's time). */
+ * synchronisation take n microseconds more (a transfer's time). An event is passed once
+ * cudaEventQuery has answered cudaErrorNotReady fake_event_delay(n) times since it was
+ * recorded, or at once after fake_events_ready(); then its stream's queued copies are
+ * done. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +18,8 @@ struct attrs { int type, device; void *dptr, *hptr; };
 struct copy { void* dst; const void* src; size_t n; int stream; struct copy* next; };
 
 static struct copy* queued;
-static int streams, fail_at, calls, copies, sync_delay_us;
+struct event { int stream, not_ready; };
+static int streams, fail_at, calls, copies, sync_delay_us, event_delay, events_ready;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 int cudaPointerGetAttributes(struct attrs* a, const void* p) {
@@ -50,12 +54,11 @@ int cudaMemsetAsync(void* dst, int v, size_t n, void* s) {
   memset(dst, v, n);
   return 0;
 }
-int cudaStreamSynchronize(void* s) {
-  if (sync_delay_us > 0) usleep((useconds_t)sync_delay_us);
-  pthread_mutex_lock(&mu);
+/* Under mu: makes the copies queued on stream s. */
+static void drain(int s) {
   for (struct copy** p = &queued; *p;) {
     struct copy* c = *p;
-    if (c->stream != (int)(long)s) {
+    if (c->stream != s) {
       p = &c->next;
       continue;
     }
@@ -63,7 +66,35 @@ int cudaStreamSynchronize(void* s) {
     *p = c->next;
     free(c);
   }
+}
+int cudaStreamSynchronize(void* s) {
+  if (sync_delay_us > 0) usleep((useconds_t)sync_delay_us);
+  pthread_mutex_lock(&mu);
+  drain((int)(long)s);
   pthread_mutex_unlock(&mu);
+  return 0;
+}
+int cudaEventCreateWithFlags(void** e, unsigned flags) {
+  (void)flags;
+  *e = calloc(1, sizeof(struct event));
+  return *e ? 0 : 2; /* 2: cudaErrorMemoryAllocation */
+}
+int cudaEventRecord(void* e, void* s) {
+  pthread_mutex_lock(&mu);
+  *(struct event*)e = (struct event){(int)(long)s, event_delay};
+  pthread_mutex_unlock(&mu);
+  return 0;
+}
+int cudaEventQuery(void* e) {
+  struct event* ev = e;
+  pthread_mutex_lock(&mu);
+  const int ready = events_ready || ev->not_ready-- <= 0;
+  if (ready) drain(ev->stream);
+  pthread_mutex_unlock(&mu);
+  return ready ? 0 : 600; /* 600: cudaErrorNotReady */
+}
+int cudaEventDestroy(void* e) {
+  free(e);
   return 0;
 }
 int cudaHostRegister(void* p, size_t n, unsigned f) { (void)p, (void)n, (void)f; return 0; }
@@ -90,3 +121,9 @@ int fake_copies(void) {
   return n;
 }
 void fake_sync_delay_us(int n) { sync_delay_us = n; }
+void fake_event_delay(int n) { event_delay = n; }
+void fake_events_ready(void) {
+  pthread_mutex_lock(&mu);
+  events_ready = 1;
+  pthread_mutex_unlock(&mu);
+}

@@ -285,12 +285,12 @@ def test_the_device_bench_runs_on_any_backend(qwen_store, monkeypatch):
     )
     assert synthetic["side_slots"] == 1
     # --rounds: engine 100% (the ratios' baseline), each fraction with the host tier and
-    # the bare table, alternated; each host-tier row also with the fill worker
+    # the bare table, alternated; each host-tier row also with the fill stream
     rounds = synthetic["alternated"]
     assert list(rounds) == [
         "engine 100%",
         "engine 25%, host tier",
-        "engine 25%, host tier, fill worker",
+        "engine 25%, host tier, fill stream",
         "bare device table",
     ]
     assert all(len(r["decode_tps"]) == 2 for r in rounds.values())

@@ -220,3 +220,97 @@ def test_resident_experts_in_consecutive_slots_are_copied_as_one_span(fake_cudar
     assert slots == "[3, 2, 1, 0]"
     assert int(copies) == 2 * int(segments)
     assert ok == "True"
+
+
+FILL_STREAM = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    import numpy as np
+    from engine.cache import open_cache
+    from engine.config import StreamConfig
+    from engine.device_acquire import AcquireMailbox
+    from engine.store import ExpertStore
+
+    store = ExpertStore(sys.argv[2])
+    layer = store.manifest.layers[1]
+    cache = open_cache(store, StreamConfig(expert_slots=2, side_slots=2, policy="lru",
+                                           adaptive_prefetch=False, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
+    cache.set_staging(True)
+    mailbox.fill_stream = True
+    fake.fake_event_delay(3)  # each batch's event answers "not ready" three times
+    mailbox.post(1, np.array([4, 5], np.int32))
+    mailbox.post(1, np.array([6, 7], np.int32))  # 4 and 5 evicted; the tier keeps them
+    mailbox.post(0, np.array([1, 2], np.int32))
+    mailbox.wait()
+    cache.prefetch(1, np.array([4], np.int32))
+    side = int(cache.snapshot(1)["side_expert"].tolist().index(4)) + 2
+    row = lambda r: b"".join(np.array(a[r]).tobytes() for a in cache.pool(1))
+    before = fake.fake_copies()
+    mailbox.post(0, np.array([2, 1], np.int32))  # from the hit table: the fill is queued
+    mailbox.wait()  # until its event has passed
+    print(mailbox.fill_batches[0], fake.fake_copies() - before >= len(layer.segments),
+          fake.fake_pending(), row(side) == store.read_record(layer, 4))
+    rows = mailbox.post(1, np.array([4], np.int32))
+    print(int(rows[0]) == side, int(cache.snapshot(1)["stats"]["side_hits"]))
+    """
+)
+
+
+def test_a_fill_batch_lands_through_the_runtime_events(fake_cudart, qwen_store):
+    """The fill stream through the runtime: a fill the host tier holds is queued with
+    cudaMemcpyAsync on the mailbox's copy stream after a request of another layer, and
+    wait() returns only once the batch's event has passed (the stand-in does a stream's
+    copies when an event of it passes: none is left queued, and the side row holds the
+    expert's record); the layer's next request takes the side row."""
+    out = run_with(fake_cudart, FILL_STREAM, str(qwen_store.path))
+    assert out.split("\n")[:2] == ["1 True 0 True", "True 1"]
+
+
+LATE_BATCH = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    import numpy as np
+    from engine.cache import open_cache
+    from engine.config import StreamConfig
+    from engine.device_acquire import AcquireMailbox
+    from engine.store import ExpertStore
+
+    store = ExpertStore(sys.argv[2])
+    layer = store.manifest.layers[1]
+    cache = open_cache(store, StreamConfig(expert_slots=2, side_slots=2, policy="lru",
+                                           adaptive_prefetch=False, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
+    cache.set_staging(True)
+    mailbox.fill_stream = True
+    fake.fake_event_delay(1 << 30)  # no batch lands until fake_events_ready()
+    mailbox.post(1, np.array([4, 5], np.int32))
+    mailbox.post(1, np.array([6, 7], np.int32))  # 4 and 5 evicted; the tier keeps them
+    mailbox.post(0, np.array([1, 2], np.int32))
+    mailbox.wait()
+    cache.prefetch(1, np.array([4], np.int32))
+    side = int(cache.snapshot(1)["side_expert"].tolist().index(4)) + 2
+    mailbox.post(0, np.array([2, 1], np.int32))  # from the hit table: the fill is queued
+    rows = mailbox.post(1, np.array([4], np.int32))  # its batch has not landed
+    row = lambda r: b"".join(np.array(a[r]).tobytes() for a in cache.pool(1))
+    s = cache.snapshot(1)["stats"]
+    held = row(int(rows[0])) == store.read_record(layer, 4)
+    print(mailbox.fill_batches[0], int(rows[0]) < 2, held, int(s["side_hits"]),
+          fake.fake_pending() > 0)
+    fake.fake_events_ready()
+    mailbox.wait()  # landed: the side row is published, holding the record
+    again = mailbox.post(1, np.array([4], np.int32))
+    print(row(side) == store.read_record(layer, 4), fake.fake_pending(), cache.check() == "")
+    """
+)
+
+
+def test_a_side_row_is_handed_out_only_once_its_batch_has_landed(fake_cudart, qwen_store):
+    """No kernel waits for the copy stream: a request for an expert whose fill batch has
+    not landed (its event never passes here) is a miss, copied from the host tier into a
+    real slot by the answer itself, while the batch's copy is still queued; once the
+    event passes the side row is published, holding the expert's record."""
+    out = run_with(fake_cudart, LATE_BATCH, str(qwen_store.path))
+    assert out.split("\n")[:2] == ["1 True True 0 True", "True 0 True"]

@@ -201,7 +201,7 @@ token = st.lists(request, min_size=4, max_size=4)
     tier_slots=st.integers(0, 3),
     host=st.lists(st.booleans(), min_size=6, max_size=6),
     pins=st.lists(st.integers(-1, 7), min_size=6, max_size=6),
-    worker=st.booleans(),
+    fill_stream=st.booleans(),
     predict=st.booleans(),
 )
 def test_every_answer_holds_its_experts(
@@ -216,7 +216,7 @@ def test_every_answer_holds_its_experts(
     tier_slots,
     host,
     pins,
-    worker,
+    fill_stream,
     predict,
 ):
     cache, mailbox = staged_cache(
@@ -230,9 +230,10 @@ def test_every_answer_holds_its_experts(
         io_uring=False,
     )
     checker = RowChecker(qwen_store, cache)
-    # With a fill worker (its host stand-in on a thread of its own), fills are copied
-    # beside the rows being checked, as the copy stream runs beside the compute.
-    serving = start_fill_worker(mailbox) if worker else None
+    # With the fill stream (on host memory, the thread copies a batch when it next polls),
+    # fills are copied beside the rows being checked, as copy engines run beside the
+    # compute.
+    mailbox.fill_stream = fill_stream
     # With predict, requests carry hidden states (one row or a batch's two) and the thread
     # prefetches the next layer's top 2 of each row after each answer (random routers),
     # between the answer and its batch.
@@ -274,37 +275,18 @@ def test_every_answer_holds_its_experts(
     cache.set_staging(False)
     checker.assert_all_published()
     assert cache.staged[0] == 0 and cache.check() == ""
-    if serving:
-        assert mailbox.stop_worker(5.0)
-        serving.join(5.0)
-        assert not serving.is_alive()
 
 
-def start_fill_worker(mailbox):
-    """The fill worker's host stand-in on a thread of its own, as a launch would start the
-    kernel: returns the thread once the worker has started. It may have ended since: the
-    mailbox's thread ends a worker 50 ms after its start without a request, which a
-    loaded machine can let pass before this thread looks (serve_fills returns only after
-    it started)."""
-    thread = threading.Thread(target=mailbox.serve_fills, args=(mailbox.start_worker(),))
-    thread.start()
-    deadline = time.monotonic() + 5
-    while not mailbox.worker_running and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert mailbox.worker_running or not thread.is_alive()
-    return thread
-
-
-def test_a_fill_goes_to_the_worker_after_a_request_of_another_layer(qwen_store):
+def test_a_fill_goes_to_the_fill_stream_after_a_request_of_another_layer(qwen_store):
     # Expert 4 of layer 1 is in the host tier, not in a real slot: its fill is staged
     # inline. A request of layer 1 whose rows come from the hit table leaves it pending
-    # (kernels may still read layer 1's rows); the next request, of layer 0, hands it to
-    # the worker, which copies it; layer 1's next request finds it in its side row.
+    # (kernels may still read layer 1's rows); the next request, of layer 0, queues it on
+    # the fill stream, where it lands; layer 1's next request finds it in its side row.
     cache, mailbox = staged_cache(
         qwen_store, tier_slots=8, expert_slots=2, side_slots=2, policy="lru"
     )
     checker = RowChecker(qwen_store, cache)
-    serving = start_fill_worker(mailbox)
+    mailbox.fill_stream = True
     mailbox.post(1, np.array([4, 5], np.int32))  # into the real slots and the tier
     mailbox.post(1, np.array([6, 7], np.int32))  # evicts 4 and 5
     mailbox.post(0, np.array([1, 2], np.int32))
@@ -326,28 +308,29 @@ def test_a_fill_goes_to_the_worker_after_a_request_of_another_layer(qwen_store):
     checker.assert_row(1, int(rows[0]), 4)
     s = cache.snapshot(1)["stats"]
     assert (s["side_hits"], s["host_hits"]) == (1, 1)
-    assert mailbox.stop_worker(5.0)
-    serving.join(5.0)
-    assert not serving.is_alive() and mailbox.worker_wanted
 
 
-def test_a_fill_worker_ends_when_idle_and_another_can_start(qwen_store):
-    cache, mailbox = staged_cache(qwen_store, tier_slots=2, expert_slots=2, side_slots=2)
-    assert mailbox.worker_wanted
-    # Launched, not yet started (a worker is idle only once it has started).
-    generation = mailbox.start_worker()
-    assert not mailbox.worker_wanted
-    with pytest.raises(RuntimeError, match="running already"):
-        mailbox.start_worker()
-    serving = threading.Thread(target=mailbox.serve_fills, args=(generation,))
-    serving.start()
-    serving.join(5.0)  # no request for longer than the idle time: the thread ends it
-    assert not serving.is_alive() and mailbox.worker_wanted
-    again = start_fill_worker(mailbox)
-    mailbox.post(0, np.array([1, 2], np.int32))
-    assert mailbox.stop_worker(5.0)
-    again.join(5.0)
-    assert not again.is_alive()
+def test_without_the_fill_stream_a_fill_goes_with_the_next_answer(qwen_store):
+    # The same fill, the fill stream off: no batch; the next answer that is waited for
+    # delivers its copies, and layer 1's request finds it in its side row.
+    cache, mailbox = staged_cache(
+        qwen_store, tier_slots=8, expert_slots=2, side_slots=2, policy="lru"
+    )
+    checker = RowChecker(qwen_store, cache)
+    assert not mailbox.fill_stream
+    mailbox.post(1, np.array([4, 5], np.int32))
+    mailbox.post(1, np.array([6, 7], np.int32))
+    mailbox.wait()
+    segments = len(cache.pool(1))
+    records = mailbox.delivered[1]
+    cache.prefetch(1, np.array([4], np.int32))
+    mailbox.post(0, np.array([1, 2], np.int32))  # waited for: delivers the fill
+    mailbox.wait()
+    assert mailbox.fill_batches == (0, 0) and cache.staged[0] == 0
+    assert mailbox.delivered[1] - records >= segments
+    rows = mailbox.post(1, np.array([4], np.int32))
+    checker.assert_row(1, int(rows[0]), 4)
+    assert cache.snapshot(1)["stats"]["side_hits"] == 1
 
 
 def test_the_host_tier_is_sized_by_layer_and_record(qwen_store):
@@ -593,24 +576,10 @@ def test_a_pin_while_every_slot_is_loading_is_refused(qwen_store):
     cache.raise_stream_error()
 
 
-def test_a_worker_stopped_before_it_ran_ends_when_it_runs(qwen_store):
-    # A launch queued behind other work is stopped, and the next one too: when the first
-    # finally runs, a later generation's stop word ends it as well as its own.
-    cache, mailbox = staged_cache(qwen_store, tier_slots=2, expert_slots=2, side_slots=2)
-    first = mailbox.start_worker()
-    assert mailbox.stop_worker(1.0)
-    mailbox.start_worker()
-    assert mailbox.stop_worker(1.0)
-    late = threading.Thread(target=mailbox.serve_fills, args=(first,), daemon=True)
-    late.start()
-    late.join(5.0)
-    assert not late.is_alive()
-
-
 def predicting_layer_1(store):
     """A cache and mailbox whose thread, after each request of layer 1 with a hidden
     state, prefetches expert 5 of layer 2 (one side row per bank, the host tier holding
-    layer 2's experts 4 to 7), and a worker's stand-in serving it."""
+    layer 2's experts 4 to 7), its fills on the fill stream."""
     cache, mailbox = staged_cache(
         store, tier_slots=8, expert_slots=2, side_slots=1, policy="lru", side_lfu=False
     )
@@ -619,39 +588,15 @@ def predicting_layer_1(store):
     mailbox.set_prefetch(1, [2], [Router(np.zeros((8, HIDDEN), np.float32), bias)], 1)
     mailbox.post(2, np.array([4, 5], np.int32))  # into the real slots and the tier
     mailbox.post(2, np.array([6, 7], np.int32))  # evicts 4 and 5; the tier keeps them
-    return cache, mailbox, start_fill_worker(mailbox)
-
-
-def test_an_answer_waits_for_its_batch_or_a_later_one(qwen_store):
-    # Layer 1's answer names the batch before its prefetch's; the worker may copy that one
-    # too before the answer's wait reads the done word.
-    for _ in range(10):
-        cache, mailbox, serving = predicting_layer_1(qwen_store)
-        checker = RowChecker(qwen_store, cache)
-        mailbox.post(0, np.array([1, 2], np.int32))
-        cache.prefetch(2, np.array([4], np.int32))
-        x = np.ones(HIDDEN, np.float32)
-        waiting = threading.Thread(
-            target=mailbox.post, args=(1, np.array([0, 3], np.int32), x), daemon=True
-        )
-        waiting.start()
-        waiting.join(5.0)
-        assert not waiting.is_alive()
-        # A request with no ids, waited for, after batches were copied.
-        empty = threading.Thread(target=mailbox.post, args=(2, np.array([], np.int32)))
-        empty.start()
-        empty.join(5.0)
-        assert not empty.is_alive()
-        cache.set_staging(False)
-        checker.assert_all_published()
-        assert mailbox.stop_worker(5.0)
-        serving.join(5.0)
+    mailbox.fill_stream = True
+    return cache, mailbox
 
 
 class SlowKernels:
     """The acquire kernels' side of the mailbox, as AcquireMailbox.post plays it, on the
     mapped words themselves, with a hook between the reply and the answer's copies: a
-    compute stream that runs them after the worker's next batch, as two streams may."""
+    compute stream that runs them after the fill stream's next batch has landed, as two
+    streams may."""
 
     def __init__(self, mailbox):
         self.mailbox = mailbox
@@ -673,8 +618,6 @@ class SlowKernels:
         while w[box.REPLY] != previous + 1:
             time.sleep(0)
         before_copies()
-        while ctypes.c_int32(w[box.BATCH_DONE] - w[box.NEED_BATCH]).value < 0:
-            time.sleep(0)
         n = w[box.ROW_COPIES] + w[box.RECORD_COPIES]
         copies = (ctypes.c_uint64 * (4 * max(n, 1))).from_address(self.mailbox.copies_address)
         for i in range(n):  # one after another: no copy of one answer reads another's target
@@ -683,25 +626,22 @@ class SlowKernels:
 
 def test_a_batch_never_writes_a_row_the_latest_answer_copies(qwen_store):
     # Layer 1's answer delivers the staged fill of expert 4 into layer 2's side row; its
-    # prefetch then takes that row for expert 5. The fill of 5 must not go to the worker,
+    # prefetch then takes that row for expert 5. The fill of 5 must not go to the fill stream,
     # which may copy it before the answer's copies run, leaving 4's bytes under 5's name.
-    cache, mailbox, serving = predicting_layer_1(qwen_store)
+    cache, mailbox = predicting_layer_1(qwen_store)
     checker = RowChecker(qwen_store, cache)
     kernels = SlowKernels(mailbox)
     mailbox.post(0, np.array([1, 2], np.int32))
     cache.prefetch(2, np.array([4], np.int32))
 
-    def worker_first():
+    def fill_stream_first():
         deadline = time.monotonic() + 0.5
         while mailbox.fill_batches[0] == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-        while kernels.words[AcquireMailbox.BATCH_DONE] != kernels.words[AcquireMailbox.BATCH]:
-            time.sleep(0)
+        mailbox.wait()  # the batch has landed
 
-    kernels.post(1, [0, 3], np.ones(HIDDEN, np.float32), worker_first)
+    kernels.post(1, [0, 3], np.ones(HIDDEN, np.float32), fill_stream_first)
     mailbox.wait()
     assert cache.snapshot(2)["side_expert"].tolist()[:1] == [5]
     cache.set_staging(False)
     checker.assert_all_published()
-    assert mailbox.stop_worker(5.0)
-    serving.join(5.0)

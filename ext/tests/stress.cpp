@@ -15,7 +15,7 @@
 // 11, ... stage the pool writes as the acquire kernels need them (staged_copies.h, with a
 // host tier of two slots per layer), and the driving thread performs each delivery right
 // after its acquire, as the kernels would, checks that every row the hit table then gives
-// holds its expert, sometimes copies a fill batch as the fill worker would (the fills
+// holds its expert, sometimes copies a fill batch as the mailbox's copy stream would (the fills
 // staged for other layers' side rows), and sometimes turns staging off and on (the host
 // then writes what is staged).
 //
@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <mutex>
 #include <random>
@@ -130,8 +131,11 @@ class Stress {
     if (seed % 4 == 3) {
       staging_ = cache_->enable_staging(10, 6, 2);  // a call misses at most 6 experts
       deliveries_.resize(staging_->capacity(2, 16));
-      fills_.resize(deliveries_.size());
       cache_->set_staging(true);
+      // As the mailbox's wait: staging off and a reset first see every batch landed.
+      cache_->set_answer_wait([this] {
+        while (!landing_.empty()) land();
+      });
     }
   }
 
@@ -184,13 +188,21 @@ class Stress {
   }
   void verify_all(const char* when);
   void error(int li, const std::exception& e);
-  // What the fill worker does beside a request of layer li (mailbox.h), sometimes: the
-  // fills staged for other layers' side rows, copied as a batch, their slots freed.
+  // What the mailbox's copy stream does beside a request of layer li (mailbox.h),
+  // sometimes: the fills staged for other layers' side rows, taken as a batch and copied
+  // later (a DMA that lands after the requests that follow), then landed.
   void batch(int li) {
-    if (!staging_ || !chance(0.5)) return;
-    const es::Delivery d = cache_->deliver_fills(fills_.data(), fills_.size(), li, ++batches_);
-    es::StagedCopies::execute(fills_.data(), d);
-    staging_->completed_batches(batches_);
+    if (!staging_) return;
+    if (chance(0.5)) {
+      const uint32_t b = ++batches_;
+      landing_.emplace_back(b, cache_->deliver_fills(li, b));
+    }
+    while (!landing_.empty() && chance(0.5)) land();
+  }
+  void land() {
+    for (const auto& s : landing_.front().second) std::memmove(s.dst, s.src, s.bytes);
+    cache_->fills_landed(landing_.front().first);
+    landing_.pop_front();
   }
   // What the acquire kernels do after an answer: every staged copy made (staged seeds);
   // then every row the hit table gives holds its expert, as a kernel that takes its rows
@@ -220,8 +232,8 @@ class Stress {
   std::unique_ptr<es::ExpertCache> cache_;
   std::shared_ptr<es::StagedCopies> staging_;  // staged seeds
   std::vector<es::StagedCopy> deliveries_;
-  std::vector<es::StagedCopy> fills_;
   uint32_t batches_ = 0;
+  std::deque<std::pair<uint32_t, std::vector<es::Span>>> landing_;  // batches not landed yet
   int next_li_ = 0;
   bool hard_[kLayers] = {};       // a fault that may fail reads is armed on the layer
   Clock::time_point hang_until_;  // a hung read may hold a reader thread until then
