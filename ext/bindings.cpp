@@ -536,7 +536,8 @@ Args:
     x_rows: the most rows of hidden state one request carries (a batch's replies).
 
 Where the cache's pools are not CUDA memory the mailbox is plain host memory (`mapped` is
-False): only `post` reaches it, as the tests do.
+False): only `post` reaches it, as the tests do, and the fill stream's batches are copied
+by the thread itself, the next time it polls.
 
 Raises:
     ValueError: hidden < 1, max_ids, fill_slots, tier_slots or x_rows out of range.
