@@ -155,8 +155,10 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     for (size_t s = 0; s < ptrs.size(); ++s) {
       const size_t n = static_cast<size_t>(L.segments[s].nbytes);
       ranges.emplace_back(ptrs[s], ptrs[s] + static_cast<size_t>(rows) * n);
+      // The side rows only: scratch rows follow them.
+      const size_t side_end = static_cast<size_t>(slots_[li] + 2 * side_slots_[li]);
       side_ranges_.push_back({ptrs[s] + static_cast<size_t>(slots_[li]) * n,
-                              ptrs[s] + static_cast<size_t>(rows) * n, static_cast<int>(li), n});
+                              ptrs[s] + side_end * n, static_cast<int>(li), n});
     }
     pools_.push_back(std::move(arrays));
     pool_ptrs_.push_back(std::move(ptrs));
@@ -311,23 +313,30 @@ std::vector<Span> ExpertCache::deliver_fills(int layer, uint32_t batch) {
   return copies;
 }
 
-void ExpertCache::fills_landed(uint32_t done) {
+void ExpertCache::fills_landed(uint32_t batch, bool ok) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    // Fewer than 2^31 batches are ever outstanding: a batch has landed when it is not
-    // after `done`.
+    // Batches land in order and fewer than 2^31 are ever outstanding: a row's batch has
+    // landed when it is not after this one.
     size_t kept = 0;
     for (const auto& b : batched_rows_) {
-      if (static_cast<int32_t>(done - b.batch) < 0) {
+      if (static_cast<int32_t>(batch - b.batch) < 0) {
         batched_rows_[kept++] = b;
         continue;
       }
-      side_[b.layer][b.gen].publish(b.expert, b.row);
+      auto& S = side_[b.layer][b.gen];
+      if (ok) {
+        S.publish(b.expert, b.row);
+      } else {
+        S.abandon(b.expert, b.row);
+        ++stats_[b.layer].prefetch_wasted;
+      }
       in_batch_[b.layer][static_cast<size_t>(b.gen * side_slots_[b.layer] + b.row)] = 0;
     }
     batched_rows_.resize(kept);
   }
-  staged_->completed_batches(done);
+  drained_cv_.notify_all();  // a host acquire may wait for one of these rows
+  staged_->completed_batches(batch);
 }
 
 void ExpertCache::set_answer_wait(std::function<void()> wait) {

@@ -218,9 +218,9 @@ class ExpertCache {
   // hit table at any time. The hit table is not touched. Each batched row is withdrawn
   // (in flight: no acquire hands it out, no prefetch reuses it) until fills_landed.
   std::vector<Span> deliver_fills(int layer, uint32_t batch);
-  // The fill batches numbered up to `done` (and no later one) have landed: their rows are
-  // published again and their staging slots freed. Batches land in order.
-  void fills_landed(uint32_t done);
+  // Fill batch `batch` has landed (batches land in order): its rows are published again
+  // where every copy ran (`ok`), else freed; its staging slots are freed.
+  void fills_landed(uint32_t batch, bool ok);
   // What set_staging(false) and reset() call first (AcquireMailbox: waits until its
   // thread has answered every request posted): an answer of an earlier forward then
   // never runs after them. Empty: none.

@@ -90,16 +90,11 @@ AcquireMailbox::~AcquireMailbox() {
   if (load(word(kFast)) != 0 || load(word(kCount)) == 0) wait();
   stop_.store(true, std::memory_order_release);
   thread_.join();
-  // The batches in flight read staging slots and write pool rows: they land first, and
-  // their rows are published.
-  while (streaming() && streaming()->in_flight() > 0) {
-    land();
-    std::this_thread::yield();
-  }
   const int32_t request = load(word(kRequest));
-  if (request != load(word(kReply))) {
-    // A kernel is waiting: answer it with valid rows and fail the forward, and keep the
-    // memory, which it reads after this returns.
+  const bool waiting = request != load(word(kReply));
+  if (waiting) {
+    // A kernel is waiting: answer it with valid rows and fail the forward (before the
+    // batches below, whose copies may queue behind it).
     cache_->set_stream_error(std::make_exception_ptr(
         std::runtime_error("the acquire mailbox closed while a forward was running")));
     for (int i = 0; i < kMaxIds; ++i) word(kRows)[i] = 0;
@@ -107,7 +102,15 @@ AcquireMailbox::~AcquireMailbox() {
     store(word(kRecordCopies), 0);
     store(word(kChunks), 0);
     store(word(kReply), request);
-    memory_->abandon();
+  }
+  // The batches in flight read staging slots and write pool rows: they land first, and
+  // their rows are published.
+  while (streaming() && streaming()->in_flight() > 0) {
+    land();
+    std::this_thread::yield();
+  }
+  if (waiting) {
+    memory_->abandon();  // the kernel reads it after this returns
     return;
   }
   try {
@@ -276,10 +279,14 @@ void AcquireMailbox::wait() const {
 }
 
 void AcquireMailbox::set_fill_stream(bool on) {
-  std::lock_guard<std::mutex> lk(plan_mu_);
-  if (on && !fill_stream_) {
-    fill_stream_ = std::make_unique<CopyStream>(cache_->writer(), kFillDepth);
-    stream_.store(fill_stream_.get(), std::memory_order_release);
+  if (on && !streaming()) {
+    // Made outside the lock the thread's prefetch takes: it makes CUDA calls.
+    auto made = std::make_unique<CopyStream>(cache_->writer(), kFillDepth);
+    std::lock_guard<std::mutex> lk(plan_mu_);
+    if (!fill_stream_) {
+      fill_stream_ = std::move(made);
+      stream_.store(fill_stream_.get(), std::memory_order_release);
+    }
   }
   fill_stream_on_.store(on, std::memory_order_relaxed);
 }
@@ -295,29 +302,23 @@ void AcquireMailbox::publish_fills(int layer) {
   batches_.fetch_add(1, std::memory_order_relaxed);
   batch_records_.fetch_add(copies.size(), std::memory_order_relaxed);
   try {
-    cs->queue(copies);  // in flight even where it failed
-  } catch (...) {
-    cache_->set_stream_error(std::current_exception());
+    cs->queue(copies);
+  } catch (const std::runtime_error&) {
+    // In flight all the same: the failure is reported when the batch lands.
   }
 }
 
 void AcquireMailbox::land() {
-  CopyStream* cs = streaming();
-  const uint64_t before = cs->landed();
-  try {
-    cs->poll();
-  } catch (...) {
-    cache_->set_stream_error(std::current_exception());
-  }
-  uint64_t n = cs->landed() - before;
-  if (n == 0) return;
-  uint32_t done = 0;
-  for (; n > 0; --n) {
-    done = flying_.front();
+  for (const std::string& error : streaming()->poll()) {
+    const uint32_t batch = flying_.front();
     flying_.pop_front();
+    // A batch whose copies did not all run leaves its rows empty: the forward that
+    // prefetched them computed nothing from them, but the error is the process's to see.
+    if (!error.empty())
+      cache_->set_stream_error(std::make_exception_ptr(std::runtime_error(error)));
+    cache_->fills_landed(batch, error.empty());
+    landed_.store(batch, std::memory_order_release);
   }
-  cache_->fills_landed(done);
-  landed_.store(done, std::memory_order_release);
 }
 
 std::vector<int32_t> AcquireMailbox::post(int layer, const int32_t* ids, int n, const float* x,

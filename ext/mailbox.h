@@ -51,20 +51,21 @@
 // latest answer reads or writes (ExpertCache::deliver_fills) on a CUDA stream of its own
 // (CopyStream: the device's copy engines copy them while the compute stream runs). Their
 // rows are in flight from then until the thread sees the batch's event pass and calls
-// ExpertCache::fills_landed: no answer hands them out and no prefetch reuses them. That is
-// safe because when the thread reads request k, every kernel queued before k's kernel has
-// run (k's own copies may still run beside the batch), and a row whose copy is still
-// staged was never handed out (the answer that hands a row out delivers its copies).
-// No kernel waits for the copy stream: a stream can share a hardware queue with the
-// compute stream, behind a kernel that spins for an answer, and a kernel that waited for
-// a batch could then wait for itself. The thread's CUDA calls are ones that never wait
-// for the device (cudaMemcpyAsync from page-locked memory, cudaEventRecord,
-// cudaEventQuery), on a stream no kernel uses.
+// ExpertCache::fills_landed (which frees them instead where a copy failed): no answer
+// hands them out and no prefetch reuses them. That is safe because when the thread reads
+// request k, every kernel queued before k's kernel has run (k's own copies may still run
+// beside the batch), and a row whose copy is still staged was never handed out (the
+// answer that hands a row out delivers its copies). No kernel waits for the copy stream:
+// a stream can share a hardware queue with the compute stream, behind a kernel that
+// spins for an answer, and a kernel that waited for a batch could then wait for itself.
+// The thread's CUDA calls are ones that never wait for the device (cudaMemcpyAsync from
+// page-locked memory, cudaEventRecord, cudaEventQuery, cudaStreamQuery), on a stream no
+// kernel uses.
 //
 // Pool writes: while the mailbox is in use the cache stages them (ExpertCache::
-// set_staging), so that neither this thread nor a reader thread calls the CUDA runtime
-// while a kernel spins; every answer to an acquire delivers what is staged, and its
-// kernels copy it into the pools before the rows are read.
+// set_staging), so that neither this thread nor a reader thread makes a CUDA call that
+// waits while a kernel spins; every answer to an acquire delivers what is staged, and
+// its kernels copy it into the pools before the rows are read.
 #pragma once
 
 #include <atomic>
@@ -209,7 +210,8 @@ class AcquireMailbox {
   // Thread: queues the fills staged for side rows of layers other than `layer` (the
   // latest request's) as the next batch, when the fill stream is on and not full.
   void publish_fills(int layer);
-  // Thread: counts the batches landed and hands the latest to ExpertCache::fills_landed.
+  // Thread: hands each batch landed to ExpertCache::fills_landed (its rows published, or
+  // freed where a copy failed, the error then the forward's).
   void land();
 
   std::shared_ptr<ExpertCache> cache_;

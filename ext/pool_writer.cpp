@@ -20,7 +20,7 @@ namespace {
 // linked against (cuda_runtime_api.h gives the same signatures; the enum values are
 // CUDA's: cudaMemcpyDefault 4, cudaMemoryTypeDevice 2, cudaMemoryTypeManaged 3,
 // cudaStreamNonBlocking 1, cudaHostRegisterPortable | cudaHostRegisterMapped 3,
-// cudaEventDisableTiming 2, cudaErrorNotReady 600).
+// cudaEventDisableTiming 2, cudaErrorNotReady 600, cudaStreamCaptureModeRelaxed 2).
 using Stream = void*;
 using Event = void*;
 struct PointerAttributes {
@@ -38,6 +38,7 @@ struct Cuda {
   int (*memcpy_async)(void*, const void*, size_t, int, Stream) = nullptr;
   int (*memset_async)(void*, int, size_t, Stream) = nullptr;
   int (*stream_sync)(Stream) = nullptr;
+  int (*stream_query)(Stream) = nullptr;
   int (*host_register)(void*, size_t, unsigned) = nullptr;
   int (*host_unregister)(void*) = nullptr;
   int (*host_device_pointer)(void**, void*, unsigned) = nullptr;
@@ -45,6 +46,7 @@ struct Cuda {
   int (*event_record)(Event, Stream) = nullptr;
   int (*event_query)(Event) = nullptr;
   int (*event_destroy)(Event) = nullptr;
+  int (*exchange_capture_mode)(int*) = nullptr;  // optional
   const char* (*error_string)(int) = nullptr;
 };
 
@@ -68,6 +70,7 @@ const Cuda* cuda() {
           sym(table.memcpy_async, "cudaMemcpyAsync") &&
           sym(table.memset_async, "cudaMemsetAsync") &&
           sym(table.stream_sync, "cudaStreamSynchronize") &&
+          sym(table.stream_query, "cudaStreamQuery") &&
           sym(table.host_register, "cudaHostRegister") &&
           sym(table.host_unregister, "cudaHostUnregister") &&
           sym(table.host_device_pointer, "cudaHostGetDevicePointer") &&
@@ -76,6 +79,7 @@ const Cuda* cuda() {
           sym(table.event_query, "cudaEventQuery") &&
           sym(table.event_destroy, "cudaEventDestroy") &&
           sym(table.error_string, "cudaGetErrorString")) {
+        sym(table.exchange_capture_mode, "cudaThreadExchangeStreamCaptureMode");
         found = &table;
         return;
       }
@@ -224,6 +228,8 @@ CopyStream::CopyStream(const PoolWriter& writer, int depth) : device_(writer.dev
   if (depth < 1)
     throw std::invalid_argument("copy stream depth must be >= 1, got " + std::to_string(depth));
   marks_.resize(static_cast<size_t>(depth), nullptr);
+  unmarked_.resize(marks_.size(), 0);
+  errors_.resize(marks_.size());
   if (device_ < 0) return;
   check(cuda()->set_device(device_), "cudaSetDevice");
   stream_ = streams().take(device_);
@@ -250,50 +256,78 @@ void CopyStream::release() {
     if (e) cuda()->event_destroy(e), e = nullptr;
 }
 
+// A thread that queues and polls is not one that captures a graph: relaxed, so that a
+// capture another thread makes in the global mode neither refuses these calls nor is
+// spoiled by them (MLX's own captures are thread-local).
+void relax_capture() {
+  static thread_local bool relaxed = false;
+  if (relaxed) return;
+  relaxed = true;
+  int mode = 2;
+  if (cuda()->exchange_capture_mode) cuda()->exchange_capture_mode(&mode);
+}
+
 void CopyStream::queue(const std::vector<Span>& copies) {
   if (full()) throw std::logic_error("copy stream: " + std::to_string(marks_.size()) +
                                      " batches in flight already");
   const size_t slot = (first_ + in_flight_) % marks_.size();
   ++in_flight_;
+  errors_[slot].clear();
+  unmarked_[slot] = 0;
   if (device_ < 0) {
     held_.push_back(copies);  // copied by the next poll(), in order
     return;
   }
+  relax_capture();
   // The batch is in flight from here on, whatever fails: it lands once the copies issued
-  // before a failure have run (or at once, where not even its mark was recorded).
-  // The calling thread's device may be another (cudaSetDevice is per thread).
+  // before a failure have run. The calling thread's device may be another
+  // (cudaSetDevice is per thread).
   int rc = cuda()->set_device(device_);
   const char* what = rc == 0 ? "cudaMemcpyAsync" : "cudaSetDevice";
   for (const auto& s : coalesced(copies)) {
     if (rc != 0) break;
     rc = cuda()->memcpy_async(s.dst, s.src, s.bytes, 4, stream_);
   }
-  const int recorded = cuda()->event_record(marks_[slot], stream_);
-  if (recorded != 0) {
-    unmarked_.push_back(slot);
+  if (const int recorded = cuda()->event_record(marks_[slot], stream_); recorded != 0) {
+    unmarked_[slot] = 1;  // lands with the next batch whose mark passes, or at the end
     if (rc == 0) rc = recorded, what = "cudaEventRecord";
   }
-  check(rc, what);
+  if (rc != 0) {
+    errors_[slot] = std::string("fill batch: ") + what + " failed: " + cuda()->error_string(rc);
+    throw std::runtime_error(errors_[slot]);
+  }
 }
 
-void CopyStream::poll() {
-  int rc = 0;
-  while (in_flight_ > 0) {
-    if (device_ < 0) {
+std::vector<std::string> CopyStream::poll() {
+  std::vector<std::string> landed;
+  if (device_ < 0) {
+    for (; in_flight_ > 0; --in_flight_, first_ = (first_ + 1) % marks_.size()) {
       for (const auto& s : held_.front()) std::memmove(s.dst, s.src, s.bytes);
       held_.erase(held_.begin());
-    } else if (!unmarked_.empty() && unmarked_.front() == first_) {
-      unmarked_.erase(unmarked_.begin());
-    } else {
-      const int q = cuda()->event_query(marks_[first_]);
-      if (q == kNotReady) break;
-      if (q != 0 && rc == 0) rc = q;
+      landed.push_back(errors_[first_]);
     }
-    first_ = (first_ + 1) % marks_.size();
-    --in_flight_;
-    ++landed_;
+    return landed;
   }
-  check(rc, "a queued copy");
+  relax_capture();
+  // The oldest batches up to the last marked one whose mark has passed (stream order:
+  // every copy queued before it has run, unmarked batches' too); unmarked ones after it
+  // once the whole stream is idle.
+  int n = 0;
+  bool waiting = false;
+  for (int i = 0; i < in_flight_ && !waiting; ++i) {
+    const size_t slot = (first_ + static_cast<size_t>(i)) % marks_.size();
+    if (unmarked_[slot]) continue;
+    const int q = cuda()->event_query(marks_[slot]);
+    waiting = q == kNotReady;
+    if (waiting) break;
+    if (q != 0 && errors_[slot].empty())
+      errors_[slot] = std::string("fill batch: a copy failed: ") + cuda()->error_string(q);
+    n = i + 1;
+  }
+  if (!waiting && n < in_flight_ && cuda()->stream_query(stream_) != kNotReady) n = in_flight_;
+  for (; n > 0; --n, --in_flight_, first_ = (first_ + 1) % marks_.size())
+    landed.push_back(errors_[first_]);
+  return landed;
 }
 
 MappedHost::MappedHost(const PoolWriter& writer, size_t bytes, const std::string& what) {

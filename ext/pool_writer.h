@@ -82,9 +82,11 @@ class PoolWriter {
 // Copies a host thread queues on a CUDA stream of their own and never waits for: the
 // device's copy engines make them beside the kernels of every other stream, in the order
 // queued. Each queue() is a batch, marked by a CUDA event recorded after its copies;
-// poll() counts the batches whose marks have passed (cudaEventQuery). Nothing here waits
+// poll() returns the batches whose marks have passed (cudaEventQuery). Nothing here waits
 // for the device but the destructor, so a thread that a spinning kernel waits for may
-// queue and poll (the mailbox's: mailbox.h).
+// queue and poll (the mailbox's: mailbox.h); such a thread's stream captures are made
+// relaxed (cudaThreadExchangeStreamCaptureMode), so that a graph another thread
+// captures in the global mode does not refuse its calls.
 // Where the writer copies with memcpy (host memory: the CPU backend, tests), poll()
 // makes the copies of the batches queued before it: they still land after the call that
 // queued them, as on a device.
@@ -100,28 +102,27 @@ class CopyStream {
 
   bool full() const { return in_flight_ == static_cast<int>(marks_.size()); }
   int in_flight() const { return in_flight_; }
-  // Batches landed since creation (their copies have all run), counted by poll().
-  uint64_t landed() const { return landed_; }
 
   // Queues `copies` (host or pool addresses, as for PoolWriter::copy; runs of one
   // segment merged) as the next batch. Throws std::logic_error when full(), or
   // std::runtime_error naming the CUDA error, after which the batch is in flight all the
-  // same and lands once the copies queued before the failure have run.
+  // same: it lands, failed, once the copies queued before the failure have run.
   void queue(const std::vector<Span>& copies);
-  // Counts the batches landed since the last call, oldest first. Throws
-  // std::runtime_error naming the CUDA error a copy met (its batch counts as landed).
-  void poll();
+  // The batches landed since the last call, oldest first: for each, empty where every
+  // copy ran, else the CUDA error. A batch whose mark could not be recorded lands with
+  // the next batch whose mark passes (or when the stream is destroyed).
+  std::vector<std::string> poll();
 
  private:
   void release();
 
   int device_ = -1;
   void* stream_ = nullptr;
-  std::vector<void*> marks_;           // a CUDA event per batch in flight, a ring
-  size_t first_ = 0;                   // the oldest batch's mark
+  std::vector<void*> marks_;             // a CUDA event per batch in flight, a ring
+  std::vector<uint8_t> unmarked_;        // per slot: its mark was not recorded
+  std::vector<std::string> errors_;      // per slot: what failed (empty: nothing)
+  size_t first_ = 0;                     // the oldest batch's slot
   int in_flight_ = 0;
-  uint64_t landed_ = 0;
-  std::vector<size_t> unmarked_;       // marks not recorded: land at once
   std::vector<std::vector<Span>> held_;  // the memcpy path's batches, oldest first
 };
 

@@ -314,3 +314,50 @@ def test_a_side_row_is_handed_out_only_once_its_batch_has_landed(fake_cudart, qw
     event passes the side row is published, holding the expert's record."""
     out = run_with(fake_cudart, LATE_BATCH, str(qwen_store.path))
     assert out.split("\n")[:2] == ["1 True True 0 True", "True 0 True"]
+
+
+FAILED_BATCH = textwrap.dedent(
+    """
+    import ctypes, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    import numpy as np
+    from engine.cache import open_cache
+    from engine.config import StreamConfig
+    from engine.device_acquire import AcquireMailbox
+    from engine.store import ExpertStore
+
+    store = ExpertStore(sys.argv[2])
+    layer = store.manifest.layers[1]
+    cache = open_cache(store, StreamConfig(expert_slots=2, side_slots=2, policy="lru",
+                                           adaptive_prefetch=False, io_uring=False))
+    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
+    cache.set_staging(True)
+    mailbox.fill_stream = True
+    mailbox.post(1, np.array([4, 5], np.int32))
+    mailbox.post(1, np.array([6, 7], np.int32))  # 4 and 5 evicted; the tier keeps them
+    mailbox.post(0, np.array([1, 2], np.int32))
+    mailbox.wait()
+    cache.prefetch(1, np.array([4], np.int32))
+    fake.fake_fail_at(1)  # the batch's first copy
+    mailbox.post(0, np.array([2, 1], np.int32))  # from the hit table: the fill is queued
+    mailbox.wait()
+    try:
+        cache.raise_stream_error()
+        print("raised none")
+    except RuntimeError as e:
+        print("raised", "cudaMemcpyAsync failed: invalid argument" in str(e))
+    rows = mailbox.post(1, np.array([4], np.int32))
+    row = b"".join(np.array(a[int(rows[0])]).tobytes() for a in cache.pool(1))
+    s = cache.snapshot(1)["stats"]
+    print(int(rows[0]) < 2, row == store.read_record(layer, 4), int(s["side_hits"]),
+          4 not in cache.snapshot(1)["side_expert"].tolist(), cache.check() == "")
+    """
+)
+
+
+def test_a_failed_fill_batch_frees_its_rows_and_is_raised(fake_cudart, qwen_store):
+    """A fill batch whose copy the runtime refuses lands failed: the forward's error names
+    the CUDA error, its side row is freed (never published with bytes that did not
+    arrive), and the expert's next request is a miss served from the host tier."""
+    out = run_with(fake_cudart, FAILED_BATCH, str(qwen_store.path))
+    assert out.split("\n")[:2] == ["raised True", "True True 0 True True"]

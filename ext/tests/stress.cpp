@@ -201,7 +201,7 @@ class Stress {
   }
   void land() {
     for (const auto& s : landing_.front().second) std::memmove(s.dst, s.src, s.bytes);
-    cache_->fills_landed(landing_.front().first);
+    cache_->fills_landed(landing_.front().first, true);
     landing_.pop_front();
   }
   // What the acquire kernels do after an answer: every staged copy made (staged seeds);
