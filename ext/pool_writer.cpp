@@ -301,10 +301,14 @@ void CopyStream::queue(const std::vector<Span>& copies) {
 std::vector<std::string> CopyStream::poll() {
   std::vector<std::string> landed;
   if (device_ < 0) {
-    for (; in_flight_ > 0; --in_flight_, first_ = (first_ + 1) % marks_.size()) {
+    // The oldest batch once it has waited kHostPolls polls, so that it lands after the
+    // requests that follow it, as a device's copies may.
+    for (; in_flight_ > 0 && ++polls_ >= kHostPolls;
+         --in_flight_, first_ = (first_ + 1) % marks_.size()) {
       for (const auto& s : held_.front()) std::memmove(s.dst, s.src, s.bytes);
       held_.erase(held_.begin());
       landed.push_back(errors_[first_]);
+      polls_ = 0;
     }
     return landed;
   }

@@ -87,9 +87,9 @@ class PoolWriter {
 // queue and poll (the mailbox's: mailbox.h); such a thread's stream captures are made
 // relaxed (cudaThreadExchangeStreamCaptureMode), so that a graph another thread
 // captures in the global mode does not refuse its calls.
-// Where the writer copies with memcpy (host memory: the CPU backend, tests), poll()
-// makes the copies of the batches queued before it: they still land after the call that
-// queued them, as on a device.
+// Where the writer copies with memcpy (host memory: the CPU backend, tests), poll() makes
+// the copies of the oldest batch once it has been polled kHostPolls times: it lands a
+// while after the call that queued it, as on a device.
 class CopyStream {
  public:
   // At most `depth` batches in flight. Throws std::invalid_argument for depth < 1,
@@ -124,6 +124,8 @@ class CopyStream {
   size_t first_ = 0;                     // the oldest batch's slot
   int in_flight_ = 0;
   std::vector<std::vector<Span>> held_;  // the memcpy path's batches, oldest first
+  static constexpr int kHostPolls = 512;
+  int polls_ = 0;                        // the memcpy path's polls of the oldest batch
 };
 
 // Page-aligned host memory that kernels of the pools' device read and write: mapped for
