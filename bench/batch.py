@@ -26,7 +26,7 @@ prefill, before the batch's next step).
 
     python -m bench.batch [--model DIR_OR_STORE] [--clients 1,2,4,8]
         [--tokens 64] [--prompt 64] [--reps 2] [--fraction F] [--host-memory SIZE|auto|off]
-        [--side-slots N]
+        [--side-slots N [--fill-stream]]
 
 bench.device runs `suite` on the H200 (the embedded model, and a 30B-A3B-shaped synthetic
 store at 100% and at 25% of the experts with the host tier).
@@ -223,11 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         help="side rows per layer, prefetch on (a decode step predicted from every reply's "
         "row); default 0: prefetch off",
     )
+    p.add_argument(
+        "--fill-stream",
+        action="store_true",
+        help="with --side-slots, on MLX CUDA: prefetch fills copied by the copy engines "
+        "beside the compute (StreamConfig.fill_stream)",
+    )
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.tokens < 2 or args.prompt < 1 or args.reps < 1:
         p.error("--clients, --prompt and --reps must be >= 1, --tokens >= 2")
     if args.side_slots < 0:
         p.error(f"--side-slots {args.side_slots}: must be >= 0")
+    if args.fill_stream and args.side_slots == 0:
+        p.error("--fill-stream copies prefetch fills: give --side-slots too")
     from engine.config import StreamConfig, parse_memory
     from engine.model import resolve_store
     from engine.resources import default_model_path
@@ -243,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         host_memory=host,
         side_slots=args.side_slots,
         prefetch=args.side_slots > 0,
+        fill_stream=args.fill_stream,
     )
     load = machine_load()
     print(
         f"model {model or 'embedded (tinystories-moe)'}, {slots or 'all'} expert slots per "
-        f"layer, {args.side_slots} side rows; {platform.system()} {platform.machine()}, "
+        f"layer, {args.side_slots} side rows{', fill stream' if args.fill_stream else ''}; "
+        f"{platform.system()} {platform.machine()}, "
         f"{load['cpus']} CPUs; "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC (load average {load['loadavg_1m']:.2f}); "
         f"{args.prompt}-token prompts, {args.tokens}-token replies, median of {args.reps}\n"

@@ -538,3 +538,17 @@ def test_the_bench_server_loads_the_model_for_its_batch(qwen_store, tmp_path):
         assert server.engine.max_batch == 4
     finally:
         server.close()
+
+
+def test_the_batch_bench_refuses_bad_flags_by_name(capsys):
+    import bench.batch as batch
+
+    for argv, message in (
+        (["--side-slots", "-1"], "--side-slots -1: must be >= 0"),
+        (["--fill-stream"], "--fill-stream copies prefetch fills: give --side-slots too"),
+        (["--tokens", "1"], "--tokens >= 2"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            batch.main(argv)
+        assert e.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
