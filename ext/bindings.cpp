@@ -537,7 +537,7 @@ Args:
 
 Where the cache's pools are not CUDA memory the mailbox is plain host memory (`mapped` is
 False): only `post` reaches it, as the tests do, and the fill stream's batches are copied
-by the thread itself, the next time it polls.
+by the thread itself, a while after it queued them (ext/pool_writer.h, CopyStream).
 
 Raises:
     ValueError: hidden < 1, max_ids, fill_slots, tier_slots or x_rows out of range.
