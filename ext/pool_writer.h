@@ -110,7 +110,7 @@ class CopyStream {
   void queue(const std::vector<Span>& copies);
   // The batches landed since the last call, oldest first: for each, empty where every
   // copy ran, else the CUDA error. A batch whose mark could not be recorded lands with
-  // the next batch whose mark passes (or when the stream is destroyed).
+  // the next batch whose mark passes, or once the stream is idle (cudaStreamQuery).
   std::vector<std::string> poll();
 
  private:
