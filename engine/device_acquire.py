@@ -346,7 +346,7 @@ class DeviceAcquire:
             source=_COPY.format(**words),
             header=header,
         )
-        # Set on the mailbox at the first decode step (`_stage`): its CUDA stream is then
+        # Set on the mailbox when staging starts (`_stage`), so that its CUDA stream is
         # made after MLX's own.
         self._fill_stream = fill_stream
         self._layers: dict[int, mx.array] = {}
@@ -366,13 +366,14 @@ class DeviceAcquire:
     @property
     def fill_stream(self) -> bool:
         """Whether prefetch fills are copied on the fill stream beside the compute (the
-        constructor's `fill_stream`), from the next decode step on; set False, the batches
-        in flight still land, and fills go with the answers' copies until set True."""
+        constructor's `fill_stream`); set False, the batches in flight still land, and
+        fills go with the answers' copies until set True."""
         return self._fill_stream
 
     @fill_stream.setter
     def fill_stream(self, on: bool) -> None:
         self._fill_stream = bool(on)
+        self.mailbox.fill_stream = self._fill_stream
 
     def _stage(self):
         """Staged pool writes from here on, on the current stream. The graph is built
@@ -384,7 +385,6 @@ class DeviceAcquire:
         if not self._cache.staging_on:
             self.synchronize()
             self._cache.set_staging(True)
-        if self.mailbox.fill_stream != self._fill_stream:
             self.mailbox.fill_stream = self._fill_stream
 
     def _layer(self, layer: int) -> mx.array:

@@ -221,7 +221,7 @@ class Predictor:
 
     def set_fill_stream(self, on: bool) -> None:
         """Prefetch fills copied by the fill stream beside the compute, or with the next
-        answer's copies (`StreamConfig.fill_stream`), from the next decode step on."""
+        answer's copies (`StreamConfig.fill_stream`)."""
         self.fill_stream = on
         if self._device is not None:
             self._device.fill_stream = on

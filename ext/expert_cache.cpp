@@ -171,7 +171,6 @@ ExpertCache::ExpertCache(std::vector<LayerSpec> layers, int num_experts, CacheCo
     tables_.push_back(std::move(table));
     complete_.push_back(0);
     fill_tickets_.emplace_back(2 * static_cast<size_t>(side_slots_[li]));
-    in_batch_.emplace_back(2 * static_cast<size_t>(side_slots_[li]), 0);
   }
   std::sort(side_ranges_.begin(), side_ranges_.end(),
             [](const SideRange& a, const SideRange& b) { return a.lo < b.lo; });
@@ -302,15 +301,18 @@ std::vector<Span> ExpertCache::deliver_fills(int layer, uint32_t batch) {
   std::vector<Span> copies = staged_->deliver_batch(take, batch);
   for (const auto& c : copies) {
     const auto [li, gen, row] = side_row(c.dst);
-    auto& flag = in_batch_[li][static_cast<size_t>(gen * side_slots_[li] + row)];
-    if (flag) continue;  // another segment of the same record
     auto& S = side_[li][gen];
     const int expert = S.expert_at(row);
-    S.withdraw(expert, row);
-    flag = 1;
-    batched_rows_.push_back({batch, li, gen, expert, row});
+    // The record's first segment withdraws the row; its others find it withdrawn.
+    if (S.withdraw(expert, row)) batched_rows_.push_back({batch, li, gen, expert, row});
   }
   return copies;
+}
+
+bool ExpertCache::in_batch(int li, int gen, int row) const {
+  return std::any_of(batched_rows_.begin(), batched_rows_.end(), [&](const BatchedRow& b) {
+    return b.layer == li && b.gen == gen && b.row == row;
+  });
 }
 
 void ExpertCache::fills_landed(uint32_t batch, bool ok) {
@@ -331,7 +333,6 @@ void ExpertCache::fills_landed(uint32_t batch, bool ok) {
         S.abandon(b.expert, b.row);
         ++stats_[b.layer].prefetch_wasted;
       }
-      in_batch_[b.layer][static_cast<size_t>(b.gen * side_slots_[b.layer] + b.row)] = 0;
     }
     batched_rows_.resize(kept);
   }
@@ -754,8 +755,7 @@ std::vector<int> ExpertCache::acquire(int li, const int32_t* ids, int32_t* local
     const auto& t = fill_tickets_[li][static_cast<size_t>(read_gen() * side_slots_[li] + r)];
     // A row in a fill batch publishes when its batch lands, which this thread may be
     // the one to notice (the mailbox's): not waited for.
-    if (!t || !t->reading || in_batch_[li][static_cast<size_t>(read_gen() * side_slots_[li] + r)])
-      continue;
+    if (!t || !t->reading || in_batch(li, read_gen(), r)) continue;
     auto settled = [&] { return S.in_flight(e) < 0; };
     if (read_timeout_ms_ > 0) {
       drained_cv_.wait_for(lk, std::chrono::milliseconds(read_timeout_ms_), settled);

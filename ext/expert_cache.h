@@ -461,8 +461,9 @@ class ExpertCache {
     uint32_t batch;
     int layer, gen, expert, row;
   };
-  std::vector<BatchedRow> batched_rows_;              // under mu_, oldest batch first
-  std::vector<std::vector<uint8_t>> in_batch_;        // [layer][gen * side_slots + row]
+  std::vector<BatchedRow> batched_rows_;  // under mu_, oldest batch first
+  // Under mu_: whether row `row` of MoE layer li's ledger `gen` is in a batch not landed.
+  bool in_batch(int li, int gen, int row) const;
   std::vector<SideRange> side_ranges_;
   std::vector<std::unique_ptr<BlobFile>> files_;
 

@@ -70,26 +70,24 @@ std::vector<std::pair<int, int>> SideLedger::reserve(const std::vector<int>& pre
   return out;
 }
 
+bool SideLedger::owns(int expert, int row, RowState state) const {
+  return row >= 0 && row < rows() && row_expert_[row] == expert && row_state_[row] == state;
+}
+
 bool SideLedger::publish(int expert, int row) {
-  if (row < 0 || row >= rows() || row_expert_[row] != expert ||
-      row_state_[row] != RowState::kInFlight)
-    return false;
+  if (!owns(expert, row, RowState::kInFlight)) return false;
   row_state_[row] = RowState::kPublished;
   return true;
 }
 
 bool SideLedger::withdraw(int expert, int row) {
-  if (row < 0 || row >= rows() || row_expert_[row] != expert ||
-      row_state_[row] != RowState::kPublished)
-    return false;
+  if (!owns(expert, row, RowState::kPublished)) return false;
   row_state_[row] = RowState::kInFlight;
   return true;
 }
 
 bool SideLedger::abandon(int expert, int row) {
-  if (row < 0 || row >= rows() || row_expert_[row] != expert ||
-      row_state_[row] != RowState::kInFlight)
-    return false;
+  if (!owns(expert, row, RowState::kInFlight)) return false;
   expert_row_[expert] = -1;
   freq_[expert] = 0;
   row_expert_[row] = -1;

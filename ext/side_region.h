@@ -64,6 +64,8 @@ class SideLedger {
 
  private:
   void release(int row, int* dropped_unused);
+  // Whether `row` is `expert`'s and in `state`.
+  bool owns(int expert, int row, RowState state) const;
 
   std::vector<int> row_expert_;      // rows, -1 = free
   std::vector<RowState> row_state_;  // rows

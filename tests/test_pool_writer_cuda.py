@@ -222,7 +222,10 @@ def test_resident_experts_in_consecutive_slots_are_copied_as_one_span(fake_cudar
     assert ok == "True"
 
 
-FILL_STREAM = textwrap.dedent(
+# A mailbox on the stand-in runtime with the fill stream on: expert 4 of layer 1 in the
+# host tier, not in a real slot, a fill of it staged into a side row (`side`); the
+# scripts below then queue it with a request of layer 0 from the hit table.
+FILL_SETUP = textwrap.dedent(
     """
     import ctypes, sys
     fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
@@ -239,7 +242,6 @@ FILL_STREAM = textwrap.dedent(
     mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
     cache.set_staging(True)
     mailbox.fill_stream = True
-    fake.fake_event_delay(3)  # each batch's event answers "not ready" three times
     mailbox.post(1, np.array([4, 5], np.int32))
     mailbox.post(1, np.array([6, 7], np.int32))  # 4 and 5 evicted; the tier keeps them
     mailbox.post(0, np.array([1, 2], np.int32))
@@ -247,6 +249,12 @@ FILL_STREAM = textwrap.dedent(
     cache.prefetch(1, np.array([4], np.int32))
     side = int(cache.snapshot(1)["side_expert"].tolist().index(4)) + 2
     row = lambda r: b"".join(np.array(a[r]).tobytes() for a in cache.pool(1))
+    """
+)
+
+FILL_STREAM = FILL_SETUP + textwrap.dedent(
+    """
+    fake.fake_event_delay(3)  # each batch's event answers "not ready" three times
     before = fake.fake_copies()
     mailbox.post(0, np.array([2, 1], np.int32))  # from the hit table: the fill is queued
     mailbox.wait()  # until its event has passed
@@ -268,40 +276,17 @@ def test_a_fill_batch_lands_through_the_runtime_events(fake_cudart, qwen_store):
     assert out.split("\n")[:2] == ["1 True 0 True", "True 1"]
 
 
-LATE_BATCH = textwrap.dedent(
+LATE_BATCH = FILL_SETUP + textwrap.dedent(
     """
-    import ctypes, sys
-    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
-    import numpy as np
-    from engine.cache import open_cache
-    from engine.config import StreamConfig
-    from engine.device_acquire import AcquireMailbox
-    from engine.store import ExpertStore
-
-    store = ExpertStore(sys.argv[2])
-    layer = store.manifest.layers[1]
-    cache = open_cache(store, StreamConfig(expert_slots=2, side_slots=2, policy="lru",
-                                           adaptive_prefetch=False, io_uring=False))
-    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
-    cache.set_staging(True)
-    mailbox.fill_stream = True
     fake.fake_event_delay(1 << 30)  # no batch lands until fake_events_ready()
-    mailbox.post(1, np.array([4, 5], np.int32))
-    mailbox.post(1, np.array([6, 7], np.int32))  # 4 and 5 evicted; the tier keeps them
-    mailbox.post(0, np.array([1, 2], np.int32))
-    mailbox.wait()
-    cache.prefetch(1, np.array([4], np.int32))
-    side = int(cache.snapshot(1)["side_expert"].tolist().index(4)) + 2
     mailbox.post(0, np.array([2, 1], np.int32))  # from the hit table: the fill is queued
     rows = mailbox.post(1, np.array([4], np.int32))  # its batch has not landed
-    row = lambda r: b"".join(np.array(a[r]).tobytes() for a in cache.pool(1))
     s = cache.snapshot(1)["stats"]
     held = row(int(rows[0])) == store.read_record(layer, 4)
     print(mailbox.fill_batches[0], int(rows[0]) < 2, held, int(s["side_hits"]),
           fake.fake_pending() > 0)
     fake.fake_events_ready()
     mailbox.wait()  # landed: the side row is published, holding the record
-    again = mailbox.post(1, np.array([4], np.int32))
     print(row(side) == store.read_record(layer, 4), fake.fake_pending(), cache.check() == "")
     """
 )
@@ -316,28 +301,8 @@ def test_a_side_row_is_handed_out_only_once_its_batch_has_landed(fake_cudart, qw
     assert out.split("\n")[:2] == ["1 True True 0 True", "True 0 True"]
 
 
-FAILED_BATCH = textwrap.dedent(
+FAILED_BATCH = FILL_SETUP + textwrap.dedent(
     """
-    import ctypes, sys
-    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
-    import numpy as np
-    from engine.cache import open_cache
-    from engine.config import StreamConfig
-    from engine.device_acquire import AcquireMailbox
-    from engine.store import ExpertStore
-
-    store = ExpertStore(sys.argv[2])
-    layer = store.manifest.layers[1]
-    cache = open_cache(store, StreamConfig(expert_slots=2, side_slots=2, policy="lru",
-                                           adaptive_prefetch=False, io_uring=False))
-    mailbox = AcquireMailbox(cache, 16, max_ids=4, fill_slots=4, tier_slots=8)
-    cache.set_staging(True)
-    mailbox.fill_stream = True
-    mailbox.post(1, np.array([4, 5], np.int32))
-    mailbox.post(1, np.array([6, 7], np.int32))  # 4 and 5 evicted; the tier keeps them
-    mailbox.post(0, np.array([1, 2], np.int32))
-    mailbox.wait()
-    cache.prefetch(1, np.array([4], np.int32))
     fake.fake_fail_at(1)  # the batch's first copy
     mailbox.post(0, np.array([2, 1], np.int32))  # from the hit table: the fill is queued
     mailbox.wait()
@@ -347,9 +312,8 @@ FAILED_BATCH = textwrap.dedent(
     except RuntimeError as e:
         print("raised", "cudaMemcpyAsync failed: invalid argument" in str(e))
     rows = mailbox.post(1, np.array([4], np.int32))
-    row = b"".join(np.array(a[int(rows[0])]).tobytes() for a in cache.pool(1))
     s = cache.snapshot(1)["stats"]
-    print(int(rows[0]) < 2, row == store.read_record(layer, 4), int(s["side_hits"]),
+    print(int(rows[0]) < 2, row(int(rows[0])) == store.read_record(layer, 4), int(s["side_hits"]),
           4 not in cache.snapshot(1)["side_expert"].tolist(), cache.check() == "")
     """
 )
