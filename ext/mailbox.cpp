@@ -28,6 +28,10 @@ constexpr auto kNap = std::chrono::microseconds(20);
 // Fill batches in flight on the copy stream at most: a batch per answer, so about a
 // decode step's MoE layers.
 constexpr int kFillDepth = 64;
+// The copy stream is polled at most this often: each poll is a CUDA runtime call, and a
+// thread that calls the runtime in a tight loop contends for the driver's locks with the
+// thread that launches the compute.
+constexpr auto kLandEvery = std::chrono::microseconds(20);
 
 inline void relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -162,8 +166,14 @@ void AcquireMailbox::run() {
   int32_t seen = load(word(kReply));
   handled_.store(seen, std::memory_order_release);
   auto last = Clock::now();
+  auto polled = last;
   while (!stop_.load(std::memory_order_acquire)) {
-    if (CopyStream* cs = streaming(); cs && cs->in_flight() > 0) land();
+    if (CopyStream* cs = streaming(); cs && cs->in_flight() > 0) {
+      if (const auto now = Clock::now(); now - polled >= kLandEvery) {
+        land();
+        polled = now;
+      }
+    }
     const int32_t request = load(word(kRequest));
     if (request != seen) {
       answer(static_cast<uint32_t>(request));
