@@ -623,3 +623,23 @@ def test_ctrl_c_in_generate_ends_the_reply_line(capfd, monkeypatch):
     monkeypatch.setattr(engine.generate, "generate", cut)
     code, out, err = run(capfd, "generate", "--prompt", "Once upon a time,")
     assert code == 130 and out == "Once upon a time, there was\n", out
+
+
+def test_a_note_says_mlx_compiles_its_cuda_kernels_while_its_cache_is_empty(monkeypatch, tmp_path):
+    from engine import cli, memory_plan
+
+    cache = tmp_path / "ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(memory_plan, "cuda_pools", lambda: False)
+    assert cli._kernel_compile_note() is None  # not MLX CUDA
+    monkeypatch.setattr(memory_plan, "cuda_pools", lambda: True)
+    note = cli._kernel_compile_note()
+    assert note is not None and note.endswith(f"it keeps them in {cache}")
+    cache.mkdir()
+    assert cli._kernel_compile_note() is not None  # made, still empty
+    (cache / "gather_float32_int32_1.ptx").write_text("//")
+    assert cli._kernel_compile_note() is None
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    import mlx.core as mx
+
+    assert cli._ptx_cache_dir().parts[-3:] == ("mlx", mx.__version__, "ptx")
