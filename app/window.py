@@ -412,6 +412,8 @@ class MainWindow(QMainWindow):
             self._message(f"Loaded {info.name}: {info.note}.", keep=True)
         else:
             self._message(f"Loaded {info.name}.")
+        if info.compile_note:
+            self.chat.show_note(f"{info.compile_note}.")
         self._set_busy(None)
         self.modelLoaded.emit(info)
         self._run_pending()

@@ -78,6 +78,7 @@ class ModelInfo:
     load_seconds: float
     context: int | None
     note: str = ""  # what the load changed of the settings asked for, and why
+    compile_note: str = ""  # MLX CUDA's first compiles ahead (engine.kernel_cache), or ""
 
 
 class ServiceThread:
@@ -211,6 +212,7 @@ class Worker(QObject):
             from engine.config import ConfigError, StreamConfig
             from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
+            from engine.kernel_cache import compile_note
             from engine.open_model import open_model
             from engine.resources import default_model_path
             from engine.store import IN_PLACE
@@ -266,6 +268,7 @@ class Worker(QObject):
                 load_seconds=time.monotonic() - t0,
                 context=store.context_length,
                 note=_fallback_note(sm.plan),
+                compile_note=compile_note(),
             )
         )
 

@@ -24,6 +24,7 @@ from engine.flags import (
     temperature,
     top_p,
 )
+from engine.kernel_cache import compile_note
 from engine.memory import human_bytes
 from engine.safe_io import os_error_text
 from engine.serve.flags import add_serve_flags
@@ -192,42 +193,9 @@ def _load(model: str | Path | None, config):
         )
     if config.expert_memory is not None:
         print(_pool_line(sm), file=sys.stderr)
-    if (note := _kernel_compile_note()) is not None:
-        print(note, file=sys.stderr)
+    if note := compile_note():
+        print(f"note: {note}", file=sys.stderr)
     return sm
-
-
-def _ptx_cache_dir() -> Path:
-    """Where MLX CUDA keeps the kernels it compiles (NVRTC): `MLX_PTX_CACHE_DIR`, else
-    `<temp dir>/mlx/<MLX version>/ptx`, as MLX's `ptx_cache_dir()` picks it
-    (mlx/backend/cuda/jit_module.cpp)."""
-    import tempfile
-
-    import mlx.core as mx
-
-    if env := os.environ.get("MLX_PTX_CACHE_DIR"):
-        return Path(env)
-    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
-
-
-def _kernel_compile_note() -> str | None:
-    """A note for stderr on MLX CUDA while MLX's kernel cache (`_ptx_cache_dir`) holds
-    nothing: the first reply then waits while MLX compiles each kernel it meets, seconds to
-    tens of seconds each (docs/benchmarks.md, "Decode on a GPU"); None elsewhere."""
-    from engine.memory_plan import cuda_pools
-
-    if not cuda_pools():
-        return None
-    cache = _ptx_cache_dir()
-    try:
-        if cache.is_dir() and any(cache.iterdir()):
-            return None
-    except OSError:  # not ours to read: MLX says what it cannot write itself
-        return None
-    return (
-        "note: MLX compiles its CUDA kernels as the first replies use them, which can "
-        f"take minutes on a machine new to this MLX; it keeps them in {cache}"
-    )
 
 
 def _copy_stage(args) -> int:

@@ -467,6 +467,27 @@ def test_settings_out_of_range_are_named_as_the_window_labels_them():
     worker.unload()
 
 
+def test_a_load_says_that_mlx_cuda_compiles_its_kernels_first(qtbot, monkeypatch):
+    """Where MLX CUDA's kernel cache is empty (engine.kernel_cache) the transcript says the
+    first replies wait for its compiles, under the load's line; elsewhere it says nothing."""
+    from engine import kernel_cache
+
+    note = "MLX compiles its CUDA kernels as the first replies use them"
+    monkeypatch.setattr(kernel_cache, "compile_note", lambda: note)
+    w = MainWindow(MODEL, {"expert_slots": 8})
+    qtbot.addWidget(w)
+    with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS) as loaded:
+        w.show()
+    assert loaded.args[0].compile_note == note
+    shown = w.chat.transcript.toPlainText()
+    assert shown.index(f"{note}.") > shown.index(f"Loaded {loaded.args[0].name} in"), shown
+    monkeypatch.setattr(kernel_cache, "compile_note", lambda: "")
+    with qtbot.waitSignal(w.modelLoaded, timeout=TIMEOUT_MS) as loaded:
+        w.open_model(str(MODEL))
+    assert loaded.args[0].compile_note == ""
+    assert w.chat.transcript.toPlainText().count(f"{note}.") == 1
+
+
 def test_a_default_pool_larger_than_memory_streams_with_expert_memory_auto(qtbot, monkeypatch):
     """The embedded model with 1 side row: its 16 default expert slots (+ 6 side and
     scratch rows) take 12.3 MB beside 1.7 MB of dense weights; with 12 MB available the

@@ -626,20 +626,19 @@ def test_ctrl_c_in_generate_ends_the_reply_line(capfd, monkeypatch):
 
 
 def test_a_note_says_mlx_compiles_its_cuda_kernels_while_its_cache_is_empty(monkeypatch, tmp_path):
-    from engine import cli, memory_plan
+    from engine import kernel_cache, memory_plan
 
     cache = tmp_path / "ptx"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
     monkeypatch.setattr(memory_plan, "cuda_pools", lambda: False)
-    assert cli._kernel_compile_note() is None  # not MLX CUDA
+    assert kernel_cache.compile_note() == ""  # not MLX CUDA
     monkeypatch.setattr(memory_plan, "cuda_pools", lambda: True)
-    note = cli._kernel_compile_note()
-    assert note is not None and note.endswith(f"it keeps them in {cache}")
+    assert kernel_cache.compile_note().endswith(f"it keeps them in {cache}")
     cache.mkdir()
-    assert cli._kernel_compile_note() is not None  # made, still empty
+    assert kernel_cache.compile_note() != ""  # made, still empty
     (cache / "gather_float32_int32_1.ptx").write_text("//")
-    assert cli._kernel_compile_note() is None
+    assert kernel_cache.compile_note() == ""
     monkeypatch.delenv("MLX_PTX_CACHE_DIR")
     import mlx.core as mx
 
-    assert cli._ptx_cache_dir().parts[-3:] == ("mlx", mx.__version__, "ptx")
+    assert kernel_cache.ptx_cache_dir().parts[-3:] == ("mlx", mx.__version__, "ptx")
