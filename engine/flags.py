@@ -218,8 +218,8 @@ FLAGS = (
         None,
         "with the device acquire, prefetch fills are copied by the GPU's copy engines on a "
         "stream of their own beside the compute (experimental: on an H200 a reply with it has "
-        "not finished yet, docs/benchmarks.md; default "
-        "off, the fills go with the next layer's copies on the compute stream)",
+        "not finished yet, docs/benchmarks.md; default off, the fills go with the next "
+        "layer's copies on the compute stream)",
     ),
     Flag(
         "--io-uring",
