@@ -207,12 +207,12 @@ class Worker(QObject):
         in use stays until the new one has loaded."""
         t0 = time.monotonic()
         try:
+            from engine import kernel_cache
             from engine.advisor import Budget
             from engine.cache import PoolMemoryError, pool_bytes
             from engine.config import ConfigError, StreamConfig
             from engine.flags import describe, flag_names, with_defaults
             from engine.generate import ChatSession
-            from engine.kernel_cache import compile_note
             from engine.open_model import open_model
             from engine.resources import default_model_path
             from engine.store import IN_PLACE
@@ -223,6 +223,7 @@ class Worker(QObject):
                 )
 
             source = Path(default_model_path() if path is None else path)
+            compiles = kernel_cache.compile_note()
             sm = open_model(
                 source,
                 app_config,
@@ -268,7 +269,7 @@ class Worker(QObject):
                 load_seconds=time.monotonic() - t0,
                 context=store.context_length,
                 note=_fallback_note(sm.plan),
-                compile_note=compile_note(),
+                compile_note=compiles,
             )
         )
 

@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from engine import kernel_cache
 from engine.config import ConfigError, PoolMemoryError
 from engine.flags import (
     Parser,
@@ -24,7 +25,6 @@ from engine.flags import (
     temperature,
     top_p,
 )
-from engine.kernel_cache import compile_note
 from engine.memory import human_bytes
 from engine.safe_io import os_error_text
 from engine.serve.flags import add_serve_flags
@@ -167,7 +167,8 @@ def _load(model: str | Path | None, config):
     (`_download_progress`), and without --expert-slots or --expert-memory (every expert),
     a model whose plan exceeds the memory available is streamed with --expert-memory
     auto instead, said on stderr with what auto bought
-    (`engine.memory_plan.MemoryPlan.words`)."""
+    (`engine.memory_plan.MemoryPlan.words`); on MLX CUDA with its kernel cache empty, a
+    note says the first replies wait for its compiles (`engine.kernel_cache`)."""
     from engine.open_model import open_model
     from engine.resources import default_model_path
 
@@ -181,6 +182,7 @@ def _load(model: str | Path | None, config):
         )
 
     model = model or default_model_path()
+    compiles = kernel_cache.compile_note()
     with _first_use_progress(model) as (progress, announce):
         sm = open_model(
             model,
@@ -193,8 +195,8 @@ def _load(model: str | Path | None, config):
         )
     if config.expert_memory is not None:
         print(_pool_line(sm), file=sys.stderr)
-    if note := compile_note():
-        print(f"note: {note}", file=sys.stderr)
+    if compiles:
+        print(f"note: {compiles}", file=sys.stderr)
     return sm
 
 

@@ -196,9 +196,9 @@ class StreamConfig:
             memory (CPU, Metal) the pools are the tier: no other is made.
         fill_stream: with device_acquire, prefetch fills are copied by the device's copy
             engines on a CUDA stream of their own while the compute runs
-            (`engine.device_acquire`; experimental: on an H200 a reply with it has not
-            finished yet, docs/benchmarks.md); False: by the copy kernel of the next
-            answer, on the compute stream ahead of the experts.
+            (`engine.device_acquire`; experimental: on an H200, serving 1 and 4 clients
+            with it gave no figure in seven minutes, docs/benchmarks.md); False: by the
+            copy kernel of the next answer, on the compute stream ahead of the experts.
         max_batch: the most sequences one forward carries (`expertstream serve
             --max-batch`): with device_acquire, one acquire kernel's request holds up to
             max_batch x top_k ids, its mailbox and staging slots sized at load.

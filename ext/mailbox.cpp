@@ -28,7 +28,7 @@ constexpr auto kNap = std::chrono::microseconds(20);
 // Fill batches in flight on the copy stream at most: a batch per answer, so about a
 // decode step's MoE layers.
 constexpr int kFillDepth = 64;
-// The copy stream is polled at most this often: each poll is a CUDA runtime call, and a
+// The fill stream is polled at most this often: each poll is a CUDA runtime call, and a
 // thread that calls the runtime in a tight loop contends for the driver's locks with the
 // thread that launches the compute.
 constexpr auto kLandEvery = std::chrono::microseconds(20);

@@ -638,7 +638,19 @@ def test_a_note_says_mlx_compiles_its_cuda_kernels_while_its_cache_is_empty(monk
     assert kernel_cache.compile_note() != ""  # made, still empty
     (cache / "gather_float32_int32_1.ptx").write_text("//")
     assert kernel_cache.compile_note() == ""
+    # Without MLX_PTX_CACHE_DIR, under the temporary directory std::filesystem names
     monkeypatch.delenv("MLX_PTX_CACHE_DIR")
-    import mlx.core as mx
+    for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert kernel_cache.ptx_cache_dir().parents[2] == Path("/tmp")
+    monkeypatch.setenv("TEMP", str(tmp_path / "b"))
+    monkeypatch.setenv("TMP", str(tmp_path / "a"))
+    assert kernel_cache.ptx_cache_dir().parents[2] == tmp_path / "a"
 
-    assert kernel_cache.ptx_cache_dir().parts[-3:] == ("mlx", mx.__version__, "ptx")
+
+def test_the_commands_give_the_kernel_compile_note(capfd, monkeypatch):
+    from engine import kernel_cache
+
+    monkeypatch.setattr(kernel_cache, "compile_note", lambda: "MLX compiles its CUDA kernels")
+    code, _, err = run(capfd, "generate", "-m", "2")
+    assert code == 0 and "\nnote: MLX compiles its CUDA kernels\n" in "\n" + err, err
